@@ -1,0 +1,199 @@
+"""The public entry points: optimize_checkpointing, apply_plan, remove_checkpointing."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from remat.capture import capture
+from remat.costs import Profile
+from remat.errors import InvalidInputError, PlanMismatchError, RematError
+from remat.plan import GiB, Plan
+from remat.profile import profile_model
+from remat.rewrite import checkpoint_modules, checkpointed_modules, remove_checkpointing
+from remat.solve import Planner
+from remat.state import preserved
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss remat uses when none is given: the output itself if it is a scalar tensor;
+    ``output.loss`` or ``output["loss"]`` if present; else the sum of all floating-point tensors
+    in the output (a stand-in whose gradients exercise every output)."""
+    if isinstance(output, torch.Tensor) and output.numel() == 1:
+        return output.reshape(())
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise InvalidInputError(
+            f"cannot derive a loss from the model's output ({type(output).__name__}: no floating-point "
+            "tensor in it); pass loss_fn=lambda out: ..."
+        )
+    return sum(t.sum() for t in tensors)  # type: ignore[return-value]
+
+
+def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    """One tensor, a tuple/list of positional arguments, or a dict of keyword arguments."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise InvalidInputError(
+        f"example_inputs must be a tensor, a tuple of positional arguments or a dict of keyword "
+        f"arguments, got {type(example_inputs).__name__}"
+    )
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+def model_signature(model: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+
+
+def validate(model: Any, budget_gb: Any, example_inputs: Any) -> tuple[int, tuple, dict, torch.device]:
+    """Check the arguments of optimize_checkpointing; returns (budget bytes, args, kwargs, device)."""
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)) or not math.isfinite(budget_gb) \
+            or budget_gb <= 0:
+        raise InvalidInputError(
+            f"budget_gb must be a positive finite number of GiB (2**30 bytes), got {budget_gb!r}"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise InvalidInputError(
+            f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "
+            "there is no training step to checkpoint"
+        )
+    args, kwargs = split_inputs(example_inputs)
+    device = model_device(model)
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor) and t.device != device:
+            raise InvalidInputError(
+                f"example input on {t.device} but the model is on {device}: move the batch with "
+                f".to({str(device)!r}) first"
+            )
+    return int(budget_gb * GiB), args, kwargs, device
+
+
+def make_profile(
+    model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
+    device: torch.device,
+) -> Profile:
+    """Capture and profile (the model is left as it was, remat's own checkpointing included)."""
+    with preserved(model):
+        remove_checkpointing(model)
+        graph = capture(model, args, kwargs)
+        try:
+            return profile_model(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, graph=graph,
+                                 device=device)
+        except RematError:
+            raise
+        except Exception as e:
+            raise InvalidInputError(
+                f"the training step failed on example_inputs ({type(e).__name__}: {e}); check that the model "
+                "accepts them (shapes, dtypes, argument names) and that loss_fn fits its output"
+            ) from e
+
+
+def optimize_checkpointing(
+    model: nn.Module,
+    budget_gb: float,
+    example_inputs: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    time_limit_s: float | None = 60.0,
+) -> Plan:
+    """Checkpoint ``model``'s submodules in place so a training step fits ``budget_gb``.
+
+    ``budget_gb`` is GiB (2**30 bytes) of peak memory on the model's device during one whole
+    training step -- forward, backward and optimizer step: parameters + gradients + optimizer
+    state + activations saved for backward + temporaries. ``example_inputs`` is one tensor, a
+    tuple of positional arguments or a dict of keyword arguments shaped like a real batch.
+    ``loss_fn(output)`` gives the scalar loss (default: :func:`default_loss`). ``optimizer``'s
+    state, as it is after a step, counts in the budget (None: no optimizer state counted).
+
+    Mutates ``model`` (the chosen submodules' ``forward`` is checkpointed) and returns the
+    :class:`Plan`. On any error the model, its gradients, buffers and the RNG state are left
+    as they were. Raises ``InfeasibleBudgetError`` (with the least achievable peak) when no
+    plan fits, ``InvalidInputError`` for bad arguments.
+    """
+    budget_bytes, args, kwargs, device = validate(model, budget_gb, example_inputs)
+    loss_fn = loss_fn or default_loss
+    with preserved(model, on_success=False):
+        profile = make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device)
+        planner = Planner(profile, time_limit_s=time_limit_s)
+        plan = planner.plan_for_budget(budget_bytes)
+        plan = dataclasses.replace(plan, model_signature=model_signature(model))
+        remove_checkpointing(model)
+        checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers))
+    log.info("remat: checkpointed %d units; predicted peak %d bytes", len(plan.checkpointed),
+             plan.predicted_peak_bytes)
+    return plan
+
+
+def apply_plan(model: nn.Module, plan: Plan) -> None:
+    """Checkpoint ``model`` as ``plan`` says, without profiling (mutates ``model``).
+
+    Raises PlanMismatchError when the model's parameter names or shapes differ from the
+    model the plan was made for, or a planned module is missing."""
+    if not isinstance(plan, Plan):
+        raise PlanMismatchError(f"expected a remat.Plan, got {type(plan).__name__}")
+    if plan.model_signature:
+        mine = dict(model_signature(model))
+        theirs = dict(plan.model_signature)
+        missing = sorted(theirs.keys() - mine.keys())
+        extra = sorted(mine.keys() - theirs.keys())
+        shapes = sorted(n for n in theirs.keys() & mine.keys() if tuple(theirs[n]) != tuple(mine[n]))
+        if missing or extra or shapes:
+            parts = []
+            if missing:
+                parts.append(f"parameters missing from the model: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            if extra:
+                parts.append(f"parameters not in the plan's model: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+            if shapes:
+                n = shapes[0]
+                parts.append(f"{len(shapes)} parameter(s) of another shape, e.g. {n}: plan {tuple(theirs[n])}, "
+                             f"model {tuple(mine[n])}")
+            raise PlanMismatchError(
+                "this plan was made for another model (" + "; ".join(parts) + "); run optimize_checkpointing "
+                "on this model to make a new plan"
+            )
+    modules = dict(model.named_modules())
+    absent = [n for n in plan.checkpointed if n not in modules]
+    if absent:
+        raise PlanMismatchError(f"the plan checkpoints modules this model does not have: {absent}")
+    remove_checkpointing(model)
+    checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers))
+
+
+__all__ = [
+    "optimize_checkpointing",
+    "apply_plan",
+    "remove_checkpointing",
+    "checkpointed_modules",
+    "default_loss",
+    "make_profile",
+]

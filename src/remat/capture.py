@@ -1,0 +1,116 @@
+"""Capture: the model's graph and its candidate units.
+
+Three paths, tried in order, and the one used is recorded (``ModelGraph.capture_path``):
+
+1. ``fx``: ``torch.fx.symbolic_trace`` -- symbolic, cheap; fails on data-dependent control
+   flow and on current Hugging Face models.
+2. ``export``: non-strict ``torch.export.export`` -- runs the Python code on fake tensors, so
+   it handles most Hugging Face models; fails on data-dependent control flow.
+3. ``hooks``: no graph; the units and their order come from module hooks while profiling
+   runs the model for real. Works for any eager model.
+
+A *unit* is a submodule, by qualified name, that has children of its own (a block, an
+attention or MLP layer): checkpointing a single Linear or activation saves nothing worth
+the recompute. Units nest; their forward order is the order their first operator runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelGraph:
+    """The captured structure of a model."""
+
+    #: "fx", "export" or "hooks"
+    capture_path: str
+    #: candidate units in forward order (for "hooks": in registration order until profiling runs)
+    units: tuple[str, ...]
+    #: data edges between units (producer -> consumer) and the units' nesting; empty for "hooks"
+    graph: nx.DiGraph = field(compare=False, repr=False)
+    #: the captured op graph (fx or export) for later op-level analysis; None for "hooks"
+    fx_graph: torch.fx.Graph | None = field(default=None, compare=False, repr=False)
+    #: why the earlier capture paths failed
+    failures: tuple[str, ...] = ()
+
+    def parent(self, unit: str) -> str | None:
+        """The closest enclosing unit of ``unit``, or None."""
+        return unit_parent(unit, self.units)
+
+
+def unit_parent(unit: str, units: tuple[str, ...] | list[str]) -> str | None:
+    best = None
+    for u in units:
+        if u != unit and unit.startswith(u + ".") and (best is None or len(u) > len(best)):
+            best = u
+    return best
+
+
+def composite_modules(model: nn.Module) -> list[str]:
+    """Qualified names of the submodules (not the root) that have children: the possible units."""
+    return [name for name, m in model.named_modules() if name and any(True for _ in m.children())]
+
+
+def _units_from_graph(graph: torch.fx.Graph, possible: set[str]) -> tuple[list[str], nx.DiGraph]:
+    """Units in order of their first node, and the data edges between the innermost units of nodes."""
+    order: list[str] = []
+    owner: dict[torch.fx.Node, str | None] = {}
+    dg = nx.DiGraph()
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        names = [v[0] if isinstance(v, tuple) else str(v) for v in stack.values()]
+        if node.op == "call_module":
+            names.append(str(node.target))
+        inner = None
+        for n in names:
+            if n in possible:
+                inner = n
+                if n not in dg:
+                    order.append(n)
+                    dg.add_node(n)
+        owner[node] = inner
+        for arg in node.all_input_nodes:
+            src = owner.get(arg)
+            if src and inner and src != inner:
+                dg.add_edge(src, inner, kind="data")
+    for u in order:
+        p = unit_parent(u, order)
+        if p is not None:
+            dg.add_edge(p, u, kind="contains")
+    return order, dg
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> ModelGraph:
+    """Capture ``model``'s graph on the example inputs. Does not mutate the model."""
+    possible = set(composite_modules(model))
+    failures: list[str] = []
+    try:
+        gm = torch.fx.symbolic_trace(model)
+        order, dg = _units_from_graph(gm.graph, possible)
+        return ModelGraph("fx", tuple(order), dg, gm.graph)
+    except Exception as e:  # noqa: BLE001 - any tracing failure sends us to the next path
+        failures.append(f"fx.symbolic_trace: {type(e).__name__}: {_first_line(e)}")
+        log.info("torch.fx.symbolic_trace failed (%s); trying torch.export (non-strict)", _first_line(e))
+    try:
+        ep = torch.export.export(model, args, kwargs, strict=False)
+        order, dg = _units_from_graph(ep.graph, possible)
+        return ModelGraph("export", tuple(order), dg, ep.graph, tuple(failures))
+    except Exception as e:  # noqa: BLE001
+        failures.append(f"torch.export(strict=False): {type(e).__name__}: {_first_line(e)}")
+        log.info("torch.export failed (%s); recording units with module hooks instead", _first_line(e))
+    return ModelGraph("hooks", tuple(sorted(possible, key=list(dict(model.named_modules())).index)),
+                      nx.DiGraph(), None, tuple(failures))
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0][:200] if s else ""

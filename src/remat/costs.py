@@ -1,0 +1,135 @@
+"""The measured costs of one training step, as plain numbers (no torch).
+
+``remat.profile`` produces a :class:`Profile`; the simulator, the solver and the
+report read it. Bytes are integers, times are seconds, and a *timeline index*
+is the position of an operator in the step's sequence of dispatched operators
+(forward first, then backward); see Note [Timeline] in ``remat.profile``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Drop:
+    """One storage that checkpointing its unit frees during forward and rebuilds in backward."""
+
+    nbytes: int
+    #: first timeline index at which the storage is no longer alive if its unit is checkpointed
+    free_from: int
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """Measured costs of one candidate unit (a submodule, by qualified name)."""
+
+    name: str
+    #: qualified name of the closest enclosing unit, or None for a top-level unit
+    parent: str | None
+    #: how many times the module's forward ran in one step
+    calls: int
+    #: measured wall time of the unit's forward (seconds)
+    forward_s: float
+    #: measured wall time of the unit's recomputation in backward, or the forward time when
+    #: the unit was not checkpointed while profiling (seconds)
+    recompute_s: float
+    #: measured time between the gradient reaching the unit's output and its input, None if unmeasured
+    backward_s: float | None
+    #: floating-point operations of the unit's forward (torch.utils.flop_counter)
+    flops: int
+    #: timeline index of the unit's first forward operator
+    forward_start: int
+    #: timeline index of the unit's last forward operator
+    forward_end: int
+    #: timeline index of the backward operator that first reads a tensor saved inside the unit
+    #: (where checkpointing recomputes it); None if the unit saves nothing
+    recompute_at: int | None
+    #: storages saved for backward only by this unit, freed early when it is checkpointed
+    drops: tuple[Drop, ...]
+    #: peak growth of live memory during the unit's forward: what a recomputation adds (bytes)
+    recompute_peak_bytes: int
+    #: bytes of all storages saved for backward by operators inside the unit, deduplicated
+    saved_bytes: int
+    #: why this unit may not be checkpointed, or None if it may
+    excluded: str | None = None
+    #: buffers (names relative to the unit) its forward mutates in place, replayed on recompute
+    mutated_buffers: tuple[str, ...] = ()
+
+    @property
+    def droppable_bytes(self) -> int:
+        """Bytes of saved activations that checkpointing this unit frees during forward."""
+        return sum(d.nbytes for d in self.drops)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the solver needs to know about one training step, measured on a real batch."""
+
+    units: tuple[UnitCost, ...]
+    #: bytes allocated during the step (activations, gradients, temporaries) alive after each operator
+    live_bytes: tuple[int, ...]
+    #: of live_bytes: parameter gradients
+    grad_bytes: tuple[int, ...]
+    #: of live_bytes: storages saved for backward
+    saved_bytes: tuple[int, ...]
+    #: timeline index of the first backward operator
+    backward_start: int
+    params_bytes: int
+    #: parameter gradients at the end of backward (trainable parameters only)
+    grads_bytes: int
+    buffers_bytes: int
+    #: example inputs (the batch), alive all step
+    inputs_bytes: int
+    #: optimizer state in steady state (after a step); 0 when no optimizer was given
+    optimizer_state_bytes: int
+    #: temporaries of the optimizer step on top of everything else alive then
+    optimizer_step_bytes: int
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    device: str
+    #: how the graph was captured: "fx", "export" or "hooks"
+    capture_path: str
+    #: how memory was recorded: "fake" (FakeTensorMode, no device memory) or "real"
+    memory_recorded_with: str
+    #: what the optimizer accounting covers, e.g. "AdamW" or "none (no optimizer given)"
+    optimizer: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Memory alive during the whole step that no plan removes (bytes)."""
+        return self.params_bytes + self.buffers_bytes + self.inputs_bytes + self.optimizer_state_bytes
+
+    @property
+    def step_time_s(self) -> float:
+        """Measured time of one plain step: forward + backward + optimizer (seconds)."""
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+    def unit(self, name: str) -> UnitCost:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(name)
+
+    def candidates(self) -> tuple[UnitCost, ...]:
+        """Units that may be checkpointed and would free something."""
+        return tuple(u for u in self.units if u.excluded is None and u.drops)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        d = dict(d)
+        d["units"] = tuple(
+            UnitCost(**{**u, "drops": tuple(Drop(**x) for x in u["drops"]),
+                        "mutated_buffers": tuple(u.get("mutated_buffers", ()))}) for u in d["units"]
+        )
+        for k in ("live_bytes", "grad_bytes", "saved_bytes", "notes"):
+            d[k] = tuple(d[k])
+        return cls(**d)

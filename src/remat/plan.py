@@ -1,0 +1,126 @@
+"""The Plan: which units to checkpoint, and what that is predicted to cost (no torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+MiB = 2**20
+PLAN_FORMAT = 1
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """Human-readable bytes (GiB above 1 GiB, else MiB)."""
+    if n is None:
+        return "-"
+    return f"{n / GiB:.3f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checkpointing plan and its predictions. Every ``predicted_*`` figure comes from the memory
+    simulator (``remat.simulate``) over a measured profile; nothing here is measured on the plan itself."""
+
+    #: the strategy that made the plan: "ilp", "none", "every_block", "every_2nd_block", "greedy", ...
+    strategy: str
+    #: qualified names of the checkpointed modules, in forward order
+    checkpointed: tuple[str, ...]
+    #: the budget asked for (bytes), or None for a strategy without one
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+    #: predicted peak with nothing checkpointed (bytes)
+    baseline_peak_bytes: int
+    #: the least peak any plan reaches (bytes)
+    min_peak_bytes: int
+    #: the predicted peak split by category (bytes; see remat.simulate.PeakBreakdown)
+    breakdown: dict[str, Any]
+    predicted_step_time_s: float
+    #: measured step time with nothing checkpointed (seconds)
+    baseline_step_time_s: float
+    predicted_recompute_s: float
+    #: "optimal", "fits" (no checkpointing needed), "feasible" (time limit hit), "infeasible", "heuristic"
+    solver_status: str
+    solve_time_s: float
+    capture_path: str = ""
+    device: str = ""
+    optimizer: str = ""
+    #: per checkpointed unit, the buffers its forward mutates (replayed on recompute)
+    mutated_buffers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: parameter names and shapes of the model the plan was made for (checked by apply_plan)
+    model_signature: tuple[tuple[str, tuple[int, ...]], ...] = field(default_factory=tuple)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak is within the budget (always True without a budget)."""
+        return self.budget_bytes is None or self.predicted_peak_bytes <= self.budget_bytes
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Predicted step-time overhead over no checkpointing, as a fraction (0.1 = 10%)."""
+        if self.baseline_step_time_s <= 0:
+            return 0.0
+        return self.predicted_step_time_s / self.baseline_step_time_s - 1.0
+
+    def __str__(self) -> str:
+        b = self.breakdown
+        lines = [
+            f"remat plan ({self.strategy}, solver {self.solver_status}, solved in {self.solve_time_s:.3f} s)",
+            f"  budget:               {fmt_bytes(self.budget_bytes)}",
+            f"  predicted peak:       {fmt_bytes(self.predicted_peak_bytes)}"
+            f"  (no checkpointing: {fmt_bytes(self.baseline_peak_bytes)}, least possible: {fmt_bytes(self.min_peak_bytes)})",
+            f"  predicted step time:  {self.predicted_step_time_s * 1e3:.1f} ms"
+            f"  (measured without checkpointing: {self.baseline_step_time_s * 1e3:.1f} ms, "
+            f"{self.predicted_overhead:+.1%})",
+            f"  peak breakdown (predicted, at {b.get('phase', '?')}):",
+        ]
+        for key, label in [
+            ("params_bytes", "parameters"),
+            ("grads_bytes", "gradients"),
+            ("optimizer_state_bytes", f"optimizer state [{self.optimizer or '?'}]"),
+            ("buffers_bytes", "buffers"),
+            ("inputs_bytes", "inputs"),
+            ("saved_activations_bytes", "saved activations"),
+            ("temporaries_bytes", "temporaries"),
+        ]:
+            lines.append(f"    {label:<32}{fmt_bytes(b.get(key))}")
+        if self.checkpointed:
+            lines.append(f"  checkpointed ({len(self.checkpointed)}): " + ", ".join(self.checkpointed))
+        else:
+            lines.append("  checkpointed: nothing")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    # -- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["format"] = PLAN_FORMAT
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        d = dict(d)
+        d.pop("format", None)
+        d["checkpointed"] = tuple(d["checkpointed"])
+        d["model_signature"] = tuple((n, tuple(s)) for n, s in d.get("model_signature", ()))
+        d["notes"] = tuple(d.get("notes", ()))
+        d["mutated_buffers"] = {k: tuple(v) for k, v in d.get("mutated_buffers", {}).items()}
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON (``remat.Plan.load`` reads it back)."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        from remat.errors import PlanMismatchError
+
+        try:
+            d = json.loads(Path(path).read_text())
+            return cls.from_dict(d)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise PlanMismatchError(f"cannot read a remat plan from {path}: {e}") from e

@@ -1,0 +1,536 @@
+"""Profile: measure one training step of the model on its device, per unit.
+
+Note [Timeline]
+~~~~~~~~~~~~~~~
+Memory is recorded by running forward, loss and backward once under a
+:class:`remat.measure.StorageTracker` that numbers every dispatched operator (the
+*timeline index*) and follows every storage created. Module hooks say which units are
+running; ``saved_tensors_hooks`` say which storages autograd saves for backward, from
+inside which units, and when backward first reads them back. That is all the simulator
+needs (Note [Memory model] in ``remat.simulate``).
+
+The recording runs under ``FakeTensorMode`` when it can: same operators, same storage
+sizes, same frees, no device memory -- so profiling works when the plain step does not
+fit, which is when users need remat. Models with data-dependent control flow cannot run
+on fake tensors; they are recorded for real, at the plain step's peak (recorded in
+``Profile.memory_recorded_with``).
+
+Time is measured for real, with every top-level candidate unit checkpointed (so its
+memory stays near the least-memory plan's): each unit's forward is timed by module hooks
+on its first call, its recomputation on the second call that checkpointing makes in
+backward. The plain backward time is the measured one less the recomputations.
+
+Nothing here mutates the model, its gradients, its buffers or the optimizer; RNG state is
+restored (see ``remat.state``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from remat.capture import ModelGraph, unit_parent
+from remat.costs import Drop, Profile, UnitCost
+from remat.errors import InvalidInputError
+from remat.measure import StorageRecord, StorageTracker, storage_key, tensor_bytes
+from remat.rewrite import checkpoint_modules
+from remat.state import preserved
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+@dataclass
+class _Pack:
+    """One tensor saved for backward."""
+
+    rec: StorageRecord | None
+    stack: tuple[str, ...]
+    unpacked_at: int | None = None
+
+
+class _Recorder(StorageTracker):
+    """StorageTracker that also knows the running units, input uses, in-place writes and FLOPs."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.keep_timeline = True
+        self.stack: list[str] = []
+        self.backward = False
+        self.calls: dict[str, int] = defaultdict(int)
+        self.span: dict[str, list[int]] = {}
+        self.last_use: dict[int, int] = {}  # id(record) -> index of last forward operator reading it
+        self.packs: list[_Pack] = []
+        #: storages that existed before recording: storage key -> (kind, qualified name)
+        self.preexisting: dict[int, tuple[str, str]] = {}
+        #: (unit stack, storage key, record or None, op name) of every in-place write during forward
+        self.writes: list[tuple[tuple[str, ...], int, StorageRecord | None, str]] = []
+        self.flops: dict[str, int] = defaultdict(int)
+
+    # module hooks
+    def enter(self, name: str) -> None:
+        self.calls[name] += 1
+        if self.calls[name] == 1:
+            self.span[name] = [self.index, self.index - 1]
+        self.stack.append(name)
+
+    def leave(self, name: str) -> None:
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+        if self.calls[name] == 1 and not self.backward:
+            self.span[name][1] = self.index - 1
+
+    # saved-tensor hooks
+    def pack(self, t: torch.Tensor):
+        rec = self.by_key.get(storage_key(t)) if t.device.type == self.device_type else None
+        ev = _Pack(rec, tuple(self.stack))
+        self.packs.append(ev)
+        return ev, t
+
+    def unpack(self, packed):
+        ev, t = packed
+        if ev.unpacked_at is None:
+            ev.unpacked_at = self.index
+        return t
+
+    def on_op(self, func, args, kwargs, out) -> None:
+        if self.backward:
+            return
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                rec = self.by_key.get(storage_key(t))
+                if rec is not None:
+                    self.last_use[id(rec)] = self.index
+        schema = func._schema
+        if schema.is_mutable and self.stack:
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is None or not a.alias_info.is_write:
+                    continue
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                for t in tree_flatten(v)[0]:
+                    if isinstance(t, torch.Tensor):
+                        key = storage_key(t)
+                        self.writes.append((tuple(self.stack), key, self.by_key.get(key), str(func)))
+        if self.stack:
+            count = flop_registry.get(func._overloadpacket)
+            if count is not None:
+                try:
+                    n = int(count(*args, **kwargs, out_val=out))
+                except Exception:  # noqa: BLE001 - a FLOP formula that does not fit these arguments
+                    n = 0
+                for u in set(self.stack):
+                    self.flops[u] += n
+
+
+def _hook_units(model: nn.Module, units: list[str], enter, leave) -> list:
+    mods = dict(model.named_modules())
+    handles = []
+    for name in units:
+        m = mods[name]
+        handles.append(m.register_forward_pre_hook(lambda mod, a, name=name: enter(name, a)))
+        handles.append(
+            m.register_forward_hook(lambda mod, a, o, name=name: leave(name, o), always_call=True)
+        )
+    return handles
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def _grad_targets(params: list[torch.Tensor], inputs: Any) -> list[torch.Tensor]:
+    return params + [t for t in _tensors(inputs) if t.requires_grad and t.is_leaf]
+
+
+def _record_memory(
+    model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
+    units: list[str], fake: bool,
+) -> tuple[_Recorder, int, list[str]]:
+    """Run forward + loss + backward once under the recorder. Returns it, the backward start index
+    and the names of the units that ran."""
+    rec = _Recorder(device)
+    named_params = dict(model.named_parameters(remove_duplicate=False))
+    named_buffers = dict(model.named_buffers(remove_duplicate=False))
+    if fake:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        conv = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        params = {n: conv(p) for n, p in named_params.items()}
+        buffers = {n: conv(b) for n, b in named_buffers.items()}
+        fargs, fkwargs = tree_map(conv, args), tree_map(conv, kwargs)
+        ctx = mode
+    else:
+        params, buffers, fargs, fkwargs = named_params, named_buffers, args, kwargs
+        ctx = torch.enable_grad()
+    for kind, table in (("param", params), ("buffer", buffers)):
+        for n, t in table.items():
+            if t is not None:
+                rec.preexisting.setdefault(storage_key(t), (kind, n))
+    for i, t in enumerate(_tensors((fargs, fkwargs))):
+        rec.preexisting.setdefault(storage_key(t), ("input", str(i)))
+    rec.ignored.update(rec.preexisting)
+    trainable = []
+    seen = set()
+    for n, p in params.items():
+        if named_params[n].requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            trainable.append(p)
+
+    handles = _hook_units(model, units, lambda n, a: rec.enter(n), lambda n, o: rec.leave(n))
+    try:
+        with ctx, torch.enable_grad(), rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
+            if fake:
+                out = torch.func.functional_call(model, {**params, **buffers}, fargs, fkwargs,
+                                                 strict=False, tie_weights=True)
+            else:
+                out = model(*fargs, **fkwargs)
+            loss = _checked_loss(loss_fn, out)
+            rec.backward = True
+            backward_start = rec.index
+            grads = torch.autograd.grad(loss, _grad_targets(trainable, (fargs, fkwargs)), allow_unused=True)
+            for g in grads:
+                if g is not None:
+                    r = rec.by_key.get(storage_key(g))
+                    if r is not None:
+                        r.is_grad = True  # type: ignore[attr-defined]
+            end = rec.index
+        rec.timeline = rec.timeline[:end]
+        del out, loss, grads  # alive until the end of backward, as in a training loop
+    finally:
+        for h in handles:
+            h.remove()
+    return rec, backward_start, [u for u in units if u in rec.span]
+
+
+def _checked_loss(loss_fn: LossFn, out: Any) -> torch.Tensor:
+    loss = loss_fn(out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InvalidInputError(
+            f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean()) or pass loss_fn="
+        )
+    if not loss.requires_grad:
+        raise InvalidInputError(
+            "the loss has no gradient (requires_grad=False): check that the model has trainable "
+            "parameters that the loss depends on and that autograd is not disabled"
+        )
+    return loss
+
+
+def _timeline(records: list[StorageRecord], n: int, pick) -> tuple[int, ...]:
+    diff = [0] * (n + 1)
+    for r in records:
+        if not pick(r) or r.alloc_index >= n:
+            continue
+        diff[r.alloc_index] += r.nbytes
+        diff[min(r.free_index if r.free_index is not None else n, n)] -= r.nbytes
+    out, acc = [], 0
+    for i in range(n):
+        acc += diff[i]
+        out.append(acc)
+    return tuple(out)
+
+
+@dataclass
+class _Timing:
+    forward_s: dict[str, float]
+    recompute_s: dict[str, float]
+    backward_s: dict[str, float]
+    step_forward_s: float
+    step_backward_s: float
+
+
+def _measure_time(
+    model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
+    units: list[str], checkpointed: list[str], mutated: dict[str, tuple[str, ...]], steps: int,
+) -> _Timing:
+    """Real forward + backward with ``checkpointed`` units checkpointed; per-unit times from hooks."""
+    cuda = device.type == "cuda"
+    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+
+    def now():
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    checkpoint_modules(model, checkpointed, mutated_buffers=mutated)
+    mods = dict(model.named_modules())
+    rec: dict[str, float] = {}
+
+    def timer_for(name):
+        @contextlib.contextmanager
+        def timer():
+            t0 = now()
+            try:
+                yield
+            finally:
+                rec[name] = now() - t0
+        return timer
+
+    for name in checkpointed:
+        mods[name].forward.recompute_timer = timer_for(name)
+    result = None
+    for _ in range(max(1, steps)):
+        calls: dict[str, int] = defaultdict(int)
+        starts: dict[tuple[str, int], float] = {}
+        fwd: dict[str, float] = {}
+        grad_at: dict[tuple[str, str], float] = {}
+
+        def on_grad(key):
+            def hook(g):
+                grad_at.setdefault(key, time.perf_counter())
+            return hook
+
+        def enter(name, a):
+            calls[name] += 1
+            if calls[name] == 1 and not cuda:
+                for t in _tensors(a):
+                    if t.requires_grad:
+                        t.register_hook(on_grad((name, "in")))
+            starts[(name, calls[name])] = now()
+
+        def leave(name, o):
+            k = calls[name]
+            dt = now() - starts.get((name, k), time.perf_counter())
+            if k == 1:
+                fwd[name] = dt
+                if not cuda:
+                    for t in _tensors(o):
+                        if t.requires_grad:
+                            t.register_hook(on_grad((name, "out")))
+            elif k == 2:
+                rec[name] = dt
+
+        handles = _hook_units(model, units, enter, leave)
+        try:
+            t0 = now()
+            out = model(*args, **kwargs)
+            loss = loss_fn(out)
+            t1 = now()
+            torch.autograd.grad(loss, _grad_targets(params, (args, kwargs)), allow_unused=True)
+            t2 = now()
+            del out, loss
+        finally:
+            for h in handles:
+                h.remove()
+        # gradient arrival at the unit's input less at its output, less the recomputation inside it
+        bwd = {u: grad_at[(u, "in")] - grad_at[(u, "out")] - (rec.get(u, 0.0) if u in checkpointed else 0.0)
+               for u in units if (u, "in") in grad_at and (u, "out") in grad_at}
+        result = _Timing(fwd, dict(rec), bwd, t1 - t0, t2 - t1)
+    assert result is not None
+    return result
+
+
+def _shadow_optimizer(optimizer: torch.optim.Optimizer, hp: dict, param: torch.Tensor) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class and settings over ``param`` alone (not via the class's
+    constructor, whose arguments need not match its ``defaults``)."""
+    cls = type(optimizer)
+    opt = cls.__new__(cls)
+    torch.optim.Optimizer.__init__(opt, [{**hp, "params": [param]}], dict(optimizer.defaults))
+    for k, v in vars(optimizer).items():
+        if k not in vars(opt):
+            setattr(opt, k, v)
+    return opt
+
+
+def _optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.device) -> tuple[int, int, float, str]:
+    """(state bytes, step temporaries bytes, step seconds, label) of ``optimizer`` in steady state.
+
+    Measured on zero-filled shadow copies, one parameter at a time (so profiling never holds a
+    second copy of the model): one step creates the state, a second is measured. Temporaries
+    add up across parameters when the optimizer runs its foreach/fused implementation, and are
+    the largest single parameter's otherwise."""
+    if optimizer is None:
+        return 0, 0, 0.0, "none (no optimizer given: no optimizer state counted)"
+    cls = type(optimizer)
+    state_bytes = 0
+    temps: list[int] = []
+    total_s = 0.0
+    multi = False
+    for group in optimizer.param_groups:
+        hp = {k: v for k, v in group.items() if k != "params"}
+        trainable = [p for p in group["params"] if p.requires_grad]
+        if not trainable:
+            continue
+        foreach = hp.get("foreach")
+        fused = hp.get("fused")
+        if foreach is None and not fused:
+            from torch.optim.optimizer import _default_to_fused_or_foreach
+
+            _, foreach = _default_to_fused_or_foreach(trainable, bool(hp.get("differentiable")), False)
+        multi = multi or bool(foreach) or bool(fused)
+        for p in trainable:
+            shadow = torch.zeros_like(p, requires_grad=True)
+            shadow.grad = torch.zeros_like(p)
+            try:
+                opt = _shadow_optimizer(optimizer, hp, shadow)
+                opt.step()
+            except Exception as e:  # noqa: BLE001
+                raise InvalidInputError(
+                    f"cannot account for optimizer {cls.__name__}: a step on a copy of its parameters failed "
+                    f"({type(e).__name__}: {e}); pass optimizer=None to leave its state out of the budget"
+                ) from e
+            state_bytes += tensor_bytes(
+                (t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)), device
+            )
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            kept = [shadow, shadow.grad] + [t for st in opt.state.values() for t in st.values()
+                                            if isinstance(t, torch.Tensor)]
+            with StorageTracker(device, ignore=kept) as tr:
+                opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            total_s += time.perf_counter() - t0
+            temps.append(tr.peak_bytes)
+            del opt, shadow
+    temp = (sum(temps) if multi else max(temps, default=0))
+    return state_bytes, temp, total_s, cls.__name__
+
+
+def profile_model(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+    graph: ModelGraph,
+    device: torch.device,
+    timing_steps: int = 2,
+) -> Profile:
+    """Measure ``model``'s training step on the example inputs. Leaves the model, its gradients and
+    buffers, the optimizer and the RNG state as they were."""
+    notes: list[str] = []
+    with preserved(model):
+        units = list(graph.units)
+        try:
+            rec, bstart, ran = _record_memory(model, args, kwargs, loss_fn, device, units, fake=True)
+            recorded = "fake"
+        except InvalidInputError:
+            raise
+        except Exception as e:  # noqa: BLE001 - data-dependent code cannot run on fake tensors
+            log.info("recording on fake tensors failed (%s: %s); recording a real step", type(e).__name__, e)
+            notes.append(
+                f"memory recorded on a real step (fake tensors failed: {type(e).__name__}); profiling "
+                "needed the plain step's peak"
+            )
+            rec, bstart, ran = _record_memory(model, args, kwargs, loss_fn, device, units, fake=False)
+            recorded = "real"
+    # forward order: the order of the first operator of each unit
+    ran.sort(key=lambda u: (rec.span[u][0], -rec.span[u][1]))
+    live = tuple(rec.timeline)
+    n = len(live)
+    records = rec.records
+    grad_tl = _timeline(records, n, lambda r: getattr(r, "is_grad", False))
+    packed_ids = {id(ev.rec) for ev in rec.packs if ev.rec is not None}
+    saved_tl = _timeline(records, n, lambda r: id(r) in packed_ids)
+
+    stacks_of: dict[int, set[str] | None] = {}
+    for ev in rec.packs:
+        if ev.rec is None:
+            continue
+        s = set(ev.stack)
+        prev = stacks_of.get(id(ev.rec))
+        stacks_of[id(ev.rec)] = s if prev is None else prev & s
+
+    unit_costs: dict[str, dict[str, Any]] = {}
+    for u in ran:
+        start, end = rec.span[u]
+        packs = [ev for ev in rec.packs if u in ev.stack]
+        unpacks = [ev.unpacked_at for ev in packs if ev.unpacked_at is not None]
+        r_at = min(unpacks) if unpacks else None
+        saved = {id(ev.rec): ev.rec for ev in packs if ev.rec is not None}
+        drops = []
+        for r in saved.values():
+            if getattr(r, "is_grad", False) or not (start <= r.alloc_index <= end):
+                continue
+            if u not in (stacks_of.get(id(r)) or set()):
+                continue
+            free_from = max(end + 1, rec.last_use.get(id(r), -1) + 1)
+            if r_at is None or free_from >= r_at:
+                continue
+            if r.free_index is not None and r.free_index <= r_at:
+                continue
+            drops.append(Drop(r.nbytes, free_from))
+        excluded = None
+        mutated: set[str] = set()
+        if rec.calls[u] > 1:
+            excluded = f"called {rec.calls[u]} times per step"
+        for stack, key, r, op in rec.writes:
+            if u not in stack:
+                continue
+            kind = rec.preexisting.get(key)
+            if kind is not None and kind[0] == "buffer" and kind[1].startswith(u + "."):
+                mutated.add(kind[1][len(u) + 1:])
+            elif kind is not None:
+                excluded = excluded or f"modifies a tensor from outside the unit in place ({kind[0]} {kind[1]}, {op})"
+            elif r is not None and r.alloc_index < start:
+                excluded = excluded or f"modifies its input in place ({op})"
+        base = live[start - 1] if start > 0 else 0
+        peak_inc = max(live[start:end + 1], default=base) - base
+        unit_costs[u] = dict(
+            name=u, parent=unit_parent(u, ran), calls=rec.calls[u], flops=rec.flops.get(u, 0),
+            forward_start=start, forward_end=end, recompute_at=r_at, drops=tuple(drops),
+            recompute_peak_bytes=max(peak_inc, 0), saved_bytes=sum(r.nbytes for r in saved.values()),
+            excluded=excluded, mutated_buffers=tuple(sorted(mutated)),
+        )
+        if excluded:
+            log.info("unit %s cannot be checkpointed: %s", u, excluded)
+
+    # time, measured for real with the top-level candidate units checkpointed
+    cand = [u for u, c in unit_costs.items() if c["excluded"] is None and c["drops"]]
+    top = [u for u in cand if unit_parent(u, cand) is None]
+    with preserved(model):
+        timing = _measure_time(
+            model, args, kwargs, loss_fn, device, ran, top,
+            {u: unit_costs[u]["mutated_buffers"] for u in top}, timing_steps,
+        )
+    opt_state, opt_temp, opt_s, opt_label = _optimizer_costs(optimizer, device)
+    if optimizer is None:
+        notes.append("no optimizer given: optimizer state and step are not counted")
+
+    units_out = []
+    for u in ran:
+        c = unit_costs[u]
+        fwd = timing.forward_s.get(u, 0.0)
+        units_out.append(UnitCost(
+            **c, forward_s=fwd, recompute_s=timing.recompute_s.get(u, fwd), backward_s=timing.backward_s.get(u),
+        ))
+    backward_s = max(timing.step_backward_s - sum(timing.recompute_s.get(u, 0.0) for u in top), 0.0)
+    trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    return Profile(
+        units=tuple(units_out),
+        live_bytes=live,
+        grad_bytes=grad_tl,
+        saved_bytes=saved_tl,
+        backward_start=bstart,
+        params_bytes=tensor_bytes(model.parameters()),
+        grads_bytes=tensor_bytes(trainable),
+        buffers_bytes=tensor_bytes(model.buffers()),
+        inputs_bytes=tensor_bytes(_tensors((args, kwargs)), device),
+        optimizer_state_bytes=opt_state,
+        optimizer_step_bytes=opt_temp,
+        forward_s=timing.step_forward_s,
+        backward_s=backward_s,
+        optimizer_s=opt_s,
+        device=str(device),
+        capture_path=graph.capture_path,
+        memory_recorded_with=recorded,
+        optimizer=opt_label,
+        notes=tuple(notes),
+    )

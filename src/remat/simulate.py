@@ -1,0 +1,198 @@
+"""The one memory simulator: the predicted peak of any plan, from a Profile (no torch).
+
+Note [Memory model]
+~~~~~~~~~~~~~~~~~~~
+The profile records, after every operator of one plain training step, the bytes
+allocated during the step that are still alive (``live_bytes``). Parameters,
+buffers, the batch and the optimizer state are alive throughout (``fixed_bytes``).
+Checkpointing a unit ``u`` changes that timeline in exactly two ways:
+
+* every storage saved for backward *only* by operators inside ``u`` and created
+  during ``u``'s forward (``u.drops``) dies once nothing in the forward uses it
+  any more (``drop.free_from``) instead of living until ``u``'s backward
+  (``u.recompute_at``). The unit's inputs stay alive: checkpoint keeps them.
+* just before ``u``'s backward, its forward runs again, growing memory by
+  ``u.recompute_peak_bytes`` (measured during the original forward) on top of
+  what is alive then.
+
+Units chosen together never nest, so their effects add up: the predicted memory
+at every timeline index is a *linear* function of the 0/1 choices. This module
+turns that function into a list of :class:`Row` (constant + coefficients); the
+simulator takes their maximum for one plan and the ILP requires each to stay
+within the budget, so both agree by construction. Between two consecutive
+breakpoints (a ``free_from`` or a ``recompute_at``) the active drops are the same,
+so only the largest ``live_bytes`` of each such segment needs a row.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from remat.costs import Profile, UnitCost
+
+
+@dataclass(frozen=True)
+class Row:
+    """Predicted memory at one point of the step: ``const_bytes + sum(coef_bytes[u] for u in plan)``."""
+
+    name: str
+    #: "forward", "backward", "recompute" or "optimizer"
+    phase: str
+    #: timeline index the row describes
+    index: int
+    const_bytes: int
+    #: per-unit change in bytes when that unit is checkpointed (negative: freed, positive: recompute)
+    coef_bytes: Mapping[str, int]
+    #: for a recompute row, the unit being recomputed
+    unit: str | None = None
+
+
+@dataclass(frozen=True)
+class PeakBreakdown:
+    """Where the bytes of a predicted peak go. All fields in bytes except ``phase``/``index``."""
+
+    total_bytes: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: int
+    buffers_bytes: int
+    inputs_bytes: int
+    saved_activations_bytes: int
+    temporaries_bytes: int
+    #: where in the step the peak happens, e.g. "backward" or "recompute of h.3"
+    phase: str
+    index: int
+
+    def as_dict(self) -> dict[str, int | str]:
+        return dict(self.__dict__)
+
+
+class MemoryModel:
+    """Predicted memory of every plan over one step, built once from a :class:`Profile`."""
+
+    def __init__(self, profile: Profile, candidates: Iterable[str] | None = None) -> None:
+        self.profile = profile
+        names = [u.name for u in profile.candidates()] if candidates is None else list(candidates)
+        self.units: dict[str, UnitCost] = {n: profile.unit(n) for n in names}
+        self._free_from: dict[str, list[int]] = {}
+        self._prefix: dict[str, list[int]] = {}
+        for name, u in self.units.items():
+            drops = sorted(u.drops, key=lambda d: d.free_from)
+            self._free_from[name] = [d.free_from for d in drops]
+            acc = [0]
+            for d in drops:
+                acc.append(acc[-1] + d.nbytes)
+            self._prefix[name] = acc
+        self.rows: tuple[Row, ...] = tuple(self._build_rows())
+
+    # -- per unit ---------------------------------------------------------------------------
+    def dropped_bytes(self, unit: str, index: int) -> int:
+        """Bytes that checkpointing ``unit`` removes from memory at timeline ``index``."""
+        u = self.units[unit]
+        if u.recompute_at is None or index >= u.recompute_at:
+            return 0
+        k = bisect.bisect_right(self._free_from[unit], index)
+        return self._prefix[unit][k]
+
+    def _coefs(self, index: int) -> dict[str, int]:
+        out = {}
+        for name in self.units:
+            b = self.dropped_bytes(name, index)
+            if b:
+                out[name] = -b
+        return out
+
+    # -- rows ---------------------------------------------------------------------------------
+    def _build_rows(self) -> list[Row]:
+        p = self.profile
+        live = p.live_bytes
+        n = len(live)
+        fixed = p.fixed_bytes
+        rows: list[Row] = []
+        if n == 0:
+            return [Row("start", "forward", 0, fixed, {})]
+        cuts = {0, n, p.backward_start}
+        for u in self.units.values():
+            if u.recompute_at is not None:
+                cuts.add(u.recompute_at)
+                cuts.update(d.free_from for d in u.drops if d.free_from < n)
+        bounds = sorted(c for c in cuts if 0 <= c <= n)
+        for lo, hi in zip(bounds, bounds[1:]):
+            if hi <= lo:
+                continue
+            i = max(range(lo, hi), key=live.__getitem__)
+            phase = "forward" if i < p.backward_start else "backward"
+            rows.append(Row(f"{phase}_t{i}", phase, i, fixed + live[i], self._coefs(i)))
+        for name, u in self.units.items():
+            if u.recompute_at is None:
+                continue
+            i = max(u.recompute_at - 1, 0)
+            coefs = self._coefs(i)
+            coefs[name] = coefs.get(name, 0) + u.recompute_peak_bytes
+            rows.append(Row(f"recompute_{name}", "recompute", i, fixed + live[i], coefs, unit=name))
+        rows.append(Row("optimizer_step", "optimizer", n - 1, fixed + live[n - 1] + p.optimizer_step_bytes, {}))
+        return rows
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def row_bytes(self, row: Row, plan: Iterable[str]) -> int:
+        """Predicted bytes of one row under ``plan``. A recompute row of an unchosen unit reduces to
+        the plain memory at its index (never above the segment row covering that index)."""
+        chosen = plan if isinstance(plan, (set, frozenset)) else set(plan)
+        return row.const_bytes + sum(c for u, c in row.coef_bytes.items() if u in chosen)
+
+    def peak_bytes(self, plan: Iterable[str]) -> int:
+        """Predicted peak memory of the whole step with ``plan`` checkpointed (bytes)."""
+        chosen = frozenset(plan)
+        self._check(chosen)
+        return max(self.row_bytes(r, chosen) for r in self.rows)
+
+    def breakdown(self, plan: Iterable[str]) -> PeakBreakdown:
+        """The predicted peak of ``plan`` split by category."""
+        chosen = frozenset(plan)
+        self._check(chosen)
+        p = self.profile
+        row = max(self.rows, key=lambda r: self.row_bytes(r, chosen))
+        total = self.row_bytes(row, chosen)
+        i = row.index
+        grads = p.grad_bytes[i] if p.live_bytes else 0
+        dropped = sum(self.dropped_bytes(u, i) for u in chosen)
+        saved = (p.saved_bytes[i] if p.live_bytes else 0) - dropped
+        phase = row.phase if row.unit is None or row.unit not in chosen else f"recompute of {row.unit}"
+        if phase == "recompute":
+            phase = "backward"
+        temporaries = total - p.fixed_bytes - grads - saved
+        return PeakBreakdown(
+            total_bytes=total,
+            params_bytes=p.params_bytes,
+            grads_bytes=grads,
+            optimizer_state_bytes=p.optimizer_state_bytes,
+            buffers_bytes=p.buffers_bytes,
+            inputs_bytes=p.inputs_bytes,
+            saved_activations_bytes=saved,
+            temporaries_bytes=temporaries,
+            phase=phase,
+            index=i,
+        )
+
+    def recompute_s(self, plan: Iterable[str]) -> float:
+        """Predicted extra time of ``plan``: the measured recompute time of its units (seconds)."""
+        return sum(self.units[u].recompute_s for u in plan)
+
+    def is_nested(self, a: str, b: str) -> bool:
+        """Whether unit ``a`` contains ``b`` or ``b`` contains ``a``."""
+        return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+    def ancestors(self, name: str) -> list[str]:
+        """Candidate units that strictly contain ``name``."""
+        return [u for u in self.units if u != name and name.startswith(u + ".")]
+
+    def _check(self, plan: frozenset[str]) -> None:
+        unknown = sorted(plan - self.units.keys())
+        if unknown:
+            raise KeyError(f"not candidate units of this profile: {unknown}")
+        for a in plan:
+            for b in self.ancestors(a):
+                if b in plan:
+                    raise ValueError(f"plan checkpoints {a!r} inside checkpointed {b!r}; units must not nest")

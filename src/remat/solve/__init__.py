@@ -1,0 +1,190 @@
+"""Strategies that turn a Profile into a Plan. None of them imports torch.
+
+Every strategy returns the same :class:`remat.plan.Plan`, so the hand rules are also
+test oracles and table rows (as in checkmate). ``plan_for_budget`` is remat's own
+(the ILP); the rest are the baselines users would otherwise reach for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from typing import Iterable
+
+from remat.costs import Profile
+from remat.errors import InfeasibleBudgetError
+from remat.plan import Plan, fmt_bytes
+from remat.simulate import MemoryModel
+from remat.solve.ilp import min_peak, solve_ilp
+
+__all__ = [
+    "Planner",
+    "block_units",
+]
+
+
+def block_units(model: MemoryModel) -> list[str]:
+    """The model's repeated blocks, in forward order: the largest group of candidate units that are
+    numbered children of one container (``h.0``, ``h.1``, ...); else the top-level candidates."""
+    groups: dict[str, list[str]] = {}
+    for name in model.units:
+        parent, _, last = name.rpartition(".")
+        if last.isdigit():
+            groups.setdefault(parent, []).append(name)
+    best = max(groups.values(), key=len, default=[])
+    if len(best) >= 2:
+        return best
+    return [u for u in model.units if not model.ancestors(u)]
+
+
+class Planner:
+    """Makes plans for one profile; the memory model and the least peak are computed once."""
+
+    def __init__(self, profile: Profile, *, time_limit_s: float | None = 60.0) -> None:
+        self.profile = profile
+        self.model = MemoryModel(profile)
+        self.time_limit_s = time_limit_s
+        self.baseline_peak_bytes = self.model.peak_bytes(())
+        t0 = time.perf_counter()
+        self._min_units, self.min_peak_bytes = min_peak(self.model, time_limit_s=time_limit_s)
+        self.min_peak_solve_s = time.perf_counter() - t0
+
+    # -- building plans ---------------------------------------------------------------------
+    def make_plan(
+        self,
+        units: Iterable[str],
+        strategy: str,
+        *,
+        budget_bytes: int | None = None,
+        status: str = "heuristic",
+        solve_time_s: float = 0.0,
+        notes: tuple[str, ...] = (),
+    ) -> Plan:
+        """A Plan for exactly ``units`` with the simulator's predictions."""
+        order = {u.name: i for i, u in enumerate(self.profile.units)}
+        chosen = tuple(sorted(set(units), key=order.__getitem__))
+        bd = self.model.breakdown(chosen)
+        recompute_s = self.model.recompute_s(chosen)
+        p = self.profile
+        return Plan(
+            strategy=strategy,
+            checkpointed=chosen,
+            budget_bytes=budget_bytes,
+            predicted_peak_bytes=bd.total_bytes,
+            baseline_peak_bytes=self.baseline_peak_bytes,
+            min_peak_bytes=self.min_peak_bytes,
+            breakdown=bd.as_dict(),
+            predicted_step_time_s=p.step_time_s + recompute_s,
+            baseline_step_time_s=p.step_time_s,
+            predicted_recompute_s=recompute_s,
+            solver_status=status,
+            solve_time_s=solve_time_s,
+            capture_path=p.capture_path,
+            device=p.device,
+            optimizer=p.optimizer,
+            notes=notes + p.notes,
+            mutated_buffers={u: p.unit(u).mutated_buffers for u in chosen if p.unit(u).mutated_buffers},
+        )
+
+    def infeasible(self, budget_bytes: int) -> InfeasibleBudgetError:
+        """The error for a budget below the least achievable peak, with that peak and its breakdown."""
+        least = self.make_plan(self._min_units, "least-memory")
+        b = least.breakdown
+        fixed = self.profile.fixed_bytes
+        return InfeasibleBudgetError(
+            f"budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes) is below the least peak any "
+            f"checkpointing plan reaches: {fmt_bytes(self.min_peak_bytes)} ({self.min_peak_bytes} bytes, "
+            f"predicted, at {b['phase']}). Of that, {fmt_bytes(fixed)} is memory no plan removes "
+            f"(parameters {fmt_bytes(b['params_bytes'])}, optimizer state {fmt_bytes(b['optimizer_state_bytes'])}, "
+            f"buffers {fmt_bytes(b['buffers_bytes'])}, inputs {fmt_bytes(b['inputs_bytes'])}), plus gradients "
+            f"{fmt_bytes(b['grads_bytes'])}, saved activations {fmt_bytes(b['saved_activations_bytes'])} and "
+            f"temporaries {fmt_bytes(b['temporaries_bytes'])}. Raise budget_gb to at least "
+            f"{math.ceil(self.min_peak_bytes / 2**30 * 1000) / 1000:.3f}, or shrink the batch.",
+            budget_bytes=budget_bytes,
+            min_feasible_bytes=self.min_peak_bytes,
+        )
+
+    # -- remat's strategy ----------------------------------------------------------------------
+    def plan_for_budget(self, budget_bytes: int) -> Plan:
+        """The least-recompute plan whose predicted peak is within ``budget_bytes`` (the ILP).
+
+        Raises InfeasibleBudgetError when no plan fits."""
+        if self.baseline_peak_bytes <= budget_bytes:
+            return self.make_plan(
+                (), "ilp", budget_bytes=budget_bytes, status="fits",
+                notes=("the step fits the budget without checkpointing",),
+            )
+        if budget_bytes < self.min_peak_bytes:
+            raise self.infeasible(budget_bytes)
+        units, status, dt = solve_ilp(self.model, budget_bytes, time_limit_s=self.time_limit_s)
+        if units is None:
+            raise self.infeasible(budget_bytes)
+        return self.make_plan(units, "ilp", budget_bytes=budget_bytes, status=status, solve_time_s=dt)
+
+    # -- baselines -------------------------------------------------------------------------------
+    def no_checkpointing(self) -> Plan:
+        return self.make_plan((), "none", status="baseline")
+
+    def every_nth_block(self, n: int = 1) -> Plan:
+        """Checkpoint blocks 0, n, 2n, ... (n=1: every block, as HF's gradient_checkpointing_enable)."""
+        blocks = block_units(self.model)
+        name = "every_block" if n == 1 else f"every_{n}{_ordinal(n)}_block"
+        return self.make_plan(blocks[::n], name, status="baseline")
+
+    def greedy(self, budget_bytes: int) -> Plan:
+        """Add units by most droppable bytes per second of recompute until the budget is met."""
+        t0 = time.perf_counter()
+        ranked = sorted(
+            self.model.units.values(),
+            key=lambda u: u.droppable_bytes / max(u.recompute_s, 1e-9),
+            reverse=True,
+        )
+        chosen: list[str] = []
+        status = "infeasible"
+        if self.model.peak_bytes(chosen) <= budget_bytes:
+            status = "fits"
+        for u in ranked:
+            if status != "infeasible":
+                break
+            if any(self.model.is_nested(u.name, c) for c in chosen):
+                continue
+            chosen.append(u.name)
+            if self.model.peak_bytes(chosen) <= budget_bytes:
+                status = "heuristic"
+        return self.make_plan(chosen, "greedy", budget_bytes=budget_bytes, status=status,
+                              solve_time_s=time.perf_counter() - t0)
+
+    def brute_force(self, budget_bytes: int, *, max_units: int = 18) -> Plan:
+        """Exhaustive search over every non-nested set of candidates (a test oracle; small models only)."""
+        units = list(self.model.units)
+        if len(units) > max_units:
+            raise ValueError(f"brute force over {len(units)} units is too slow (max {max_units})")
+        t0 = time.perf_counter()
+        best: tuple[float, int, tuple[str, ...]] | None = None
+        for k in range(len(units) + 1):
+            for combo in itertools.combinations(units, k):
+                if any(self.model.is_nested(a, b) for a, b in itertools.combinations(combo, 2)):
+                    continue
+                if self.model.peak_bytes(combo) > budget_bytes:
+                    continue
+                key = (round(self.model.recompute_s(combo), 12), k, combo)
+                if best is None or key[:2] < best[:2]:
+                    best = key
+        if best is None:
+            raise self.infeasible(budget_bytes)
+        return self.make_plan(best[2], "brute_force", budget_bytes=budget_bytes, status="optimal",
+                              solve_time_s=time.perf_counter() - t0)
+
+    def least_memory(self) -> Plan:
+        """The cheapest plan among those with the least predicted peak."""
+        return self.plan_for_budget(self.min_peak_bytes)
+
+    def baselines(self) -> list[Plan]:
+        """The usual hand rules: no checkpointing, every block, every 2nd block."""
+        return [self.no_checkpointing(), self.every_nth_block(1), self.every_nth_block(2)]
+
+
+def _ordinal(n: int) -> str:
+    return {1: "st", 2: "nd", 3: "rd"}.get(n if n < 20 else n % 10, "th")
+

@@ -1,0 +1,115 @@
+"""The ILP: least recompute time such that every predicted-memory row stays within the budget.
+
+Decision variables (one per candidate unit ``u``):
+    ``x[u]`` = 1 if ``u`` is checkpointed, else 0.
+
+Constraints:
+    ``mem_<row>``   for every row of the memory model (remat.simulate.Row):
+                     ``row.const_bytes + sum(row.coef_bytes[u] * x[u]) <= budget_bytes``
+    ``nest_<unit>`` a unit and its ancestors are never checkpointed together:
+                     ``x[u] + sum(x[a] for a in ancestors(u)) <= 1``
+
+Objective: minimise ``sum(recompute_s[u] * x[u])`` (measured seconds of recompute).
+
+The solver's own tolerances are not trusted: the rounded solution is re-checked with the
+simulator, and a (rare) violation tightens the budget and solves again.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import warnings
+
+import pulp
+
+from remat.simulate import MemoryModel
+
+log = logging.getLogger(__name__)
+
+#: microseconds of recompute per second: keeps the objective's coefficients well scaled for CBC
+_US = 1e6
+#: objective cost of choosing a unit at all, in microseconds: among equally fast plans, prefer fewer units
+_TIE_US = 1e-3
+
+
+def _name(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+
+
+def _solver(time_limit_s: float | None) -> pulp.LpSolver:
+    """CBC through PuLP: ``COIN_CMD`` when a CBC binary is installed (PuLP 4 style), else PuLP 3's bundled one."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in ("COIN_CMD", "PULP_CBC_CMD"):
+            try:
+                solver = pulp.getSolver(name, msg=False, timeLimit=time_limit_s)
+            except Exception:  # noqa: BLE001 - solver not known to this PuLP version
+                continue
+            if solver.available():
+                return solver
+    raise RuntimeError("no CBC solver found: install it with `pip install 'pulp[cbc]'`")
+
+
+def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | None):
+    """Solve once. Returns (chosen units, status, peak variable value or None)."""
+    prob = pulp.LpProblem("remat", pulp.LpMinimize)
+    units = list(model.units)
+    # x[u]: 1 if unit u is checkpointed
+    x = {u: prob.add_variable(f"x_{i}_{_name(u)}", 0, 1, cat=pulp.LpBinary) for i, u in enumerate(units)}
+    recompute = pulp.lpSum((model.units[u].recompute_s * _US + _TIE_US) * x[u] for u in units)
+    peak = None
+    if budget_bytes is None:
+        # peak: the predicted peak memory of the step, in bytes (minimised)
+        peak = prob.add_variable("peak_bytes", 0, None)
+        prob += peak + 1e-6 * recompute
+    else:
+        prob += recompute
+    # mem_<row>: predicted memory at every row within the budget (or below the peak variable)
+    for row in model.rows:
+        expr = pulp.lpSum(c * x[u] for u, c in row.coef_bytes.items()) + row.const_bytes
+        bound = peak if peak is not None else budget_bytes
+        prob += (expr <= bound, f"mem_{_name(row.name)}")
+    # nest_<unit>: never a unit inside a checkpointed unit
+    for u in units:
+        anc = model.ancestors(u)
+        if anc:
+            prob += (x[u] + pulp.lpSum(x[a] for a in anc) <= 1, f"nest_{_name(u)}")
+    prob.solve(_solver(time_limit_s))
+    status = pulp.LpStatus[prob.status]
+    if status != "Optimal":
+        return None, status.lower()
+    chosen = frozenset(u for u in units if (x[u].varValue or 0) > 0.5)
+    sol = getattr(prob, "sol_status", pulp.LpSolutionOptimal)
+    return chosen, "optimal" if sol == pulp.LpSolutionOptimal else "feasible"
+
+
+def solve_ilp(
+    model: MemoryModel, budget_bytes: int, *, time_limit_s: float | None = 60.0
+) -> tuple[frozenset[str] | None, str, float]:
+    """Least-recompute plan within ``budget_bytes``.
+
+    Returns ``(units, status, solve_time_s)``; ``units`` is None when no plan fits
+    (status "infeasible"). Does not mutate ``model``.
+    """
+    t0 = time.perf_counter()
+    target = budget_bytes
+    for _ in range(4):
+        chosen, status = _solve(model, target, time_limit_s)
+        if chosen is None:
+            return None, "infeasible", time.perf_counter() - t0
+        over = model.peak_bytes(chosen) - budget_bytes
+        if over <= 0:
+            return chosen, status, time.perf_counter() - t0
+        log.debug("ILP solution exceeds the budget by %d bytes after rounding; tightening", over)
+        target -= over
+    return None, "infeasible", time.perf_counter() - t0
+
+
+def min_peak(model: MemoryModel, *, time_limit_s: float | None = 60.0) -> tuple[frozenset[str], int]:
+    """The least predicted peak any plan reaches (bytes), and the cheapest plan that reaches it."""
+    chosen, status = _solve(model, None, time_limit_s)
+    if chosen is None:  # cannot happen: the empty plan is always feasible without a budget
+        raise RuntimeError(f"min-peak ILP failed: {status}")
+    return chosen, model.peak_bytes(chosen)

@@ -1,0 +1,62 @@
+"""Snapshot and restore what remat may touch while it works, so a failure loses nothing."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Snapshot:
+    cpu_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    grads: list[tuple[nn.Parameter, torch.Tensor | None]]
+    forwards: list[tuple[nn.Module, object]]
+
+
+def take_snapshot(model: nn.Module) -> Snapshot:
+    """Copies of the RNG states and buffers, references to the gradients and forward overrides."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return Snapshot(
+        cpu_rng=torch.get_rng_state(),
+        cuda_rng=cuda,
+        buffers=[(b, b.detach().clone()) for b in model.buffers()],
+        grads=[(p, p.grad) for p in model.parameters()],
+        forwards=[(m, m.__dict__.get("forward")) for m in model.modules()],
+    )
+
+
+def restore(snap: Snapshot, *, rng: bool = True) -> None:
+    """Put the model's buffers (in place, same objects), gradients, forwards and the RNG back."""
+    with torch.no_grad():
+        for b, v in snap.buffers:
+            b.copy_(v)
+    for p, g in snap.grads:
+        p.grad = g
+    for m, f in snap.forwards:
+        if f is None:
+            m.__dict__.pop("forward", None)
+        else:
+            m.forward = f
+    if rng:
+        torch.set_rng_state(snap.cpu_rng)
+        if snap.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(snap.cuda_rng)
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module, *, on_success: bool = True) -> Iterator[Snapshot]:
+    """Restore the model and RNG when the block raises; also when it succeeds if ``on_success``."""
+    snap = take_snapshot(model)
+    try:
+        yield snap
+    except BaseException:
+        restore(snap)
+        raise
+    if on_success:
+        restore(snap)
