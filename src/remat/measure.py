@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -59,8 +60,13 @@ class StorageTracker(TorchDispatchMode):
 
     Subclasses override :meth:`on_op` to see each operator with its inputs and outputs."""
 
-    def __init__(self, device: torch.device | str | None = None, *, ignore: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(
+        self, device: torch.device | str | None = None, *, ignore: Iterable[torch.Tensor] = (),
+        count_fake: bool = False,
+    ) -> None:
         super().__init__()
+        #: whether FakeTensors (which hold no memory) count; only for recording under FakeTensorMode
+        self.count_fake = count_fake
         #: storages alive before tracking (parameters, optimizer state...): never counted, even when an
         #: in-place operator returns them
         self.ignored: set[int] = {storage_key(t) for t in ignore if isinstance(t, torch.Tensor)}
@@ -85,6 +91,8 @@ class StorageTracker(TorchDispatchMode):
     def track(self, t: torch.Tensor) -> StorageRecord | None:
         """Start following the storage behind ``t`` if it is new and on the tracked device."""
         if self.device_type is not None and t.device.type != self.device_type:
+            return None
+        if not self.count_fake and isinstance(t, FakeTensor):
             return None
         st = t.untyped_storage()
         key = st._cdata

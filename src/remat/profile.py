@@ -27,6 +27,7 @@ restored (see ``remat.state``).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import time
 from collections import defaultdict
@@ -64,7 +65,7 @@ class _Recorder(StorageTracker):
     """StorageTracker that also knows the running units, input uses, in-place writes and FLOPs."""
 
     def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
+        super().__init__(device, count_fake=True)
         self.keep_timeline = True
         self.stack: list[str] = []
         self.backward = False
@@ -77,6 +78,8 @@ class _Recorder(StorageTracker):
         #: (unit stack, storage key, record or None, op name) of every in-place write during forward
         self.writes: list[tuple[tuple[str, ...], int, StorageRecord | None, str]] = []
         self.flops: dict[str, int] = defaultdict(int)
+        #: (operator, records of the storages it created) of every forward operator
+        self.forward_ops: list[tuple[str, list[StorageRecord | None]]] = []
 
     # module hooks
     def enter(self, name: str) -> None:
@@ -107,6 +110,7 @@ class _Recorder(StorageTracker):
     def on_op(self, func, args, kwargs, out) -> None:
         if self.backward:
             return
+        self.forward_ops.append((str(func), _new_records(self, out)))
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
                 rec = self.by_key.get(storage_key(t))
@@ -131,6 +135,27 @@ class _Recorder(StorageTracker):
                     n = 0
                 for u in set(self.stack):
                     self.flops[u] += n
+
+
+def _new_records(tracker: StorageTracker, out: Any) -> list[StorageRecord | None]:
+    """For each tensor output of the current operator, the record of the storage it created, or None."""
+    recs = []
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor):
+            r = tracker.by_key.get(storage_key(t))
+            recs.append(r if r is not None and r.alloc_index == tracker.index else None)
+    return recs
+
+
+class _SizeLog(StorageTracker):
+    """Logs the sizes of the storages each forward operator creates (for Note [Fake sizes])."""
+
+    def __init__(self, device: torch.device, ignore) -> None:
+        super().__init__(device, ignore=ignore)
+        self.ops: list[tuple[str, list[int | None]]] = []
+
+    def on_op(self, func, args, kwargs, out) -> None:
+        self.ops.append((str(func), [r.nbytes if r is not None else None for r in _new_records(self, out)]))
 
 
 def _hook_units(model: nn.Module, units: list[str], enter, leave) -> list:
@@ -243,8 +268,12 @@ def _timeline(records: list[StorageRecord], n: int, pick) -> tuple[int, ...]:
 
 @dataclass
 class _Timing:
+    #: per unit, the buffers (relative names) whose values its first forward changed
+    mutated_buffers: dict[str, tuple[str, ...]]
     forward_s: dict[str, float]
     recompute_s: dict[str, float]
+    #: the storage sizes each real forward operator created (first step)
+    forward_sizes: list[tuple[str, list[int | None]]]
     backward_s: dict[str, float]
     step_forward_s: float
     step_backward_s: float
@@ -280,11 +309,15 @@ def _measure_time(
     for name in checkpointed:
         mods[name].forward.recompute_timer = timer_for(name)
     result = None
-    for _ in range(max(1, steps)):
+    sizes: list[tuple[str, list[int | None]]] = []
+    pre = list(model.parameters()) + list(model.buffers()) + _tensors((args, kwargs))
+    for step in range(max(2, steps)):  # step 0 logs sizes and warms up; the last is timed
         calls: dict[str, int] = defaultdict(int)
         starts: dict[tuple[str, int], float] = {}
         fwd: dict[str, float] = {}
         grad_at: dict[tuple[str, str], float] = {}
+        buf_before: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        changed: dict[str, tuple[str, ...]] = {}
 
         def on_grad(key):
             def hook(g):
@@ -293,6 +326,9 @@ def _measure_time(
 
         def enter(name, a):
             calls[name] += 1
+            if calls[name] == 1:
+                # some kernels (native_batch_norm) update buffers without saying so in their schema
+                buf_before[name] = [(n, b.detach().clone()) for n, b in mods[name].named_buffers() if b is not None]
             if calls[name] == 1 and not cuda:
                 for t in _tensors(a):
                     if t.requires_grad:
@@ -304,6 +340,9 @@ def _measure_time(
             dt = now() - starts.get((name, k), time.perf_counter())
             if k == 1:
                 fwd[name] = dt
+                now_bufs = dict(mods[name].named_buffers())
+                changed[name] = tuple(n for n, old in buf_before.pop(name, [])
+                                      if not torch.equal(old, now_bufs[n]))
                 if not cuda:
                     for t in _tensors(o):
                         if t.requires_grad:
@@ -313,10 +352,14 @@ def _measure_time(
 
         handles = _hook_units(model, units, enter, leave)
         try:
+            size_log = _SizeLog(device, pre) if step == 0 else contextlib.nullcontext()
             t0 = now()
-            out = model(*args, **kwargs)
-            loss = loss_fn(out)
+            with size_log:
+                out = model(*args, **kwargs)
+                loss = loss_fn(out)
             t1 = now()
+            if isinstance(size_log, _SizeLog):
+                sizes = size_log.ops
             torch.autograd.grad(loss, _grad_targets(params, (args, kwargs)), allow_unused=True)
             t2 = now()
             del out, loss
@@ -326,7 +369,7 @@ def _measure_time(
         # gradient arrival at the unit's input less at its output, less the recomputation inside it
         bwd = {u: grad_at[(u, "in")] - grad_at[(u, "out")] - (rec.get(u, 0.0) if u in checkpointed else 0.0)
                for u in units if (u, "in") in grad_at and (u, "out") in grad_at}
-        result = _Timing(fwd, dict(rec), bwd, t1 - t0, t2 - t1)
+        result = _Timing(changed, fwd, dict(rec), sizes, bwd, t1 - t0, t2 - t1)
     assert result is not None
     return result
 
@@ -402,6 +445,80 @@ def _optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.devi
     return state_bytes, temp, total_s, cls.__name__
 
 
+def _unit_costs(rec: _Recorder, ran: list[str]) -> dict[str, dict[str, Any]]:
+    """Per unit: its forward span, where its recomputation would run, what checkpointing it frees,
+    and whether it may be checkpointed at all (see Note [Memory model] in remat.simulate)."""
+    n = len(rec.timeline)
+    live = _timeline(rec.records, n, lambda r: True)
+    packs_of: dict[int, list[_Pack]] = defaultdict(list)
+    for ev in rec.packs:
+        if ev.rec is not None:
+            packs_of[id(ev.rec)].append(ev)
+    unit_costs: dict[str, dict[str, Any]] = {}
+    for u in ran:
+        start, end = rec.span[u]
+        packs = [ev for ev in rec.packs if u in ev.stack]
+        unpacks = [ev.unpacked_at for ev in packs if ev.unpacked_at is not None]
+        r_at = min(unpacks) if unpacks else None
+        saved = {id(ev.rec): ev.rec for ev in packs if ev.rec is not None}
+        drops = []
+        for r in saved.values():
+            if getattr(r, "is_grad", False) or not (start <= r.alloc_index <= end) or r_at is None:
+                continue
+            # Note [Shared saved storages]: a storage that operators outside the unit also save
+            # dies, once the unit is checkpointed, when the last of those releases it (just after
+            # its backward operator first reads it); one that is never read back stays.
+            outside = [ev.unpacked_at for ev in packs_of[id(r)] if u not in ev.stack]
+            if any(t is None for t in outside):
+                continue
+            free_from = max(end + 1, rec.last_use.get(id(r), -1) + 1, max(outside, default=-1) + 1)
+            if free_from >= r_at or (r.free_index is not None and r.free_index <= r_at):
+                continue
+            drops.append(Drop(r.nbytes, free_from))
+        excluded = None
+        mutated: set[str] = set()
+        if rec.calls[u] > 1:
+            excluded = f"called {rec.calls[u]} times per step"
+        for stack, key, r, op in rec.writes:
+            if u not in stack:
+                continue
+            kind = rec.preexisting.get(key)
+            if kind is not None and kind[0] == "buffer" and kind[1].startswith(u + "."):
+                mutated.add(kind[1][len(u) + 1:])
+            elif kind is not None:
+                excluded = excluded or f"modifies a tensor from outside the unit in place ({kind[0]} {kind[1]}, {op})"
+            elif r is not None and r.alloc_index < start:
+                excluded = excluded or f"modifies its input in place ({op})"
+        base = live[start - 1] if start > 0 else 0
+        peak_inc = max(live[start:end + 1], default=base) - base
+        unit_costs[u] = dict(
+            name=u, parent=unit_parent(u, ran), calls=rec.calls[u], flops=rec.flops.get(u, 0),
+            forward_start=start, forward_end=end, recompute_at=r_at, drops=tuple(drops),
+            recompute_peak_bytes=max(peak_inc, 0), saved_bytes=sum(r.nbytes for r in saved.values()),
+            excluded=excluded, mutated_buffers=tuple(sorted(mutated)),
+        )
+        if excluded:
+            log.info("unit %s cannot be checkpointed: %s", u, excluded)
+    return unit_costs
+
+
+def _calibrate_sizes(rec: _Recorder, real: list[tuple[str, list[int | None]]]) -> int:
+    """Note [Fake sizes]: a few kernels allocate differently from their fake implementation (CPU
+    ``mse_loss`` returns a 0-d view of an input-sized buffer). Align the recorded forward with the
+    real forward of the timing run, operator by operator, and take the real storage sizes.
+    Returns how many storages were corrected."""
+    fake = rec.forward_ops
+    matcher = difflib.SequenceMatcher(None, [f for f, _ in fake], [f for f, _ in real], autojunk=False)
+    fixed = 0
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            for r, nbytes in zip(fake[block.a + k][1], real[block.b + k][1]):
+                if r is not None and nbytes is not None and r.nbytes != nbytes:
+                    r.nbytes = nbytes
+                    fixed += 1
+    return fixed
+
+
 def profile_model(
     model: nn.Module,
     args: tuple,
@@ -433,73 +550,28 @@ def profile_model(
             recorded = "real"
     # forward order: the order of the first operator of each unit
     ran.sort(key=lambda u: (rec.span[u][0], -rec.span[u][1]))
-    live = tuple(rec.timeline)
-    n = len(live)
-    records = rec.records
-    grad_tl = _timeline(records, n, lambda r: getattr(r, "is_grad", False))
-    packed_ids = {id(ev.rec) for ev in rec.packs if ev.rec is not None}
-    saved_tl = _timeline(records, n, lambda r: id(r) in packed_ids)
-
-    stacks_of: dict[int, set[str] | None] = {}
-    for ev in rec.packs:
-        if ev.rec is None:
-            continue
-        s = set(ev.stack)
-        prev = stacks_of.get(id(ev.rec))
-        stacks_of[id(ev.rec)] = s if prev is None else prev & s
-
-    unit_costs: dict[str, dict[str, Any]] = {}
-    for u in ran:
-        start, end = rec.span[u]
-        packs = [ev for ev in rec.packs if u in ev.stack]
-        unpacks = [ev.unpacked_at for ev in packs if ev.unpacked_at is not None]
-        r_at = min(unpacks) if unpacks else None
-        saved = {id(ev.rec): ev.rec for ev in packs if ev.rec is not None}
-        drops = []
-        for r in saved.values():
-            if getattr(r, "is_grad", False) or not (start <= r.alloc_index <= end):
-                continue
-            if u not in (stacks_of.get(id(r)) or set()):
-                continue
-            free_from = max(end + 1, rec.last_use.get(id(r), -1) + 1)
-            if r_at is None or free_from >= r_at:
-                continue
-            if r.free_index is not None and r.free_index <= r_at:
-                continue
-            drops.append(Drop(r.nbytes, free_from))
-        excluded = None
-        mutated: set[str] = set()
-        if rec.calls[u] > 1:
-            excluded = f"called {rec.calls[u]} times per step"
-        for stack, key, r, op in rec.writes:
-            if u not in stack:
-                continue
-            kind = rec.preexisting.get(key)
-            if kind is not None and kind[0] == "buffer" and kind[1].startswith(u + "."):
-                mutated.add(kind[1][len(u) + 1:])
-            elif kind is not None:
-                excluded = excluded or f"modifies a tensor from outside the unit in place ({kind[0]} {kind[1]}, {op})"
-            elif r is not None and r.alloc_index < start:
-                excluded = excluded or f"modifies its input in place ({op})"
-        base = live[start - 1] if start > 0 else 0
-        peak_inc = max(live[start:end + 1], default=base) - base
-        unit_costs[u] = dict(
-            name=u, parent=unit_parent(u, ran), calls=rec.calls[u], flops=rec.flops.get(u, 0),
-            forward_start=start, forward_end=end, recompute_at=r_at, drops=tuple(drops),
-            recompute_peak_bytes=max(peak_inc, 0), saved_bytes=sum(r.nbytes for r in saved.values()),
-            excluded=excluded, mutated_buffers=tuple(sorted(mutated)),
-        )
-        if excluded:
-            log.info("unit %s cannot be checkpointed: %s", u, excluded)
+    costs = _unit_costs(rec, ran)
 
     # time, measured for real with the top-level candidate units checkpointed
-    cand = [u for u, c in unit_costs.items() if c["excluded"] is None and c["drops"]]
+    cand = [u for u, c in costs.items() if c["excluded"] is None and c["drops"]]
     top = [u for u in cand if unit_parent(u, cand) is None]
     with preserved(model):
         timing = _measure_time(
             model, args, kwargs, loss_fn, device, ran, top,
-            {u: unit_costs[u]["mutated_buffers"] for u in top}, timing_steps,
+            {u: costs[u]["mutated_buffers"] for u in top}, timing_steps,
         )
+    if recorded == "fake":
+        fixed = _calibrate_sizes(rec, timing.forward_sizes)
+        if fixed:
+            notes.append(f"{fixed} storage size(s) on fake tensors differed from the real kernels' and were "
+                         "corrected from the real forward")
+            costs = _unit_costs(rec, ran)
+    n = len(rec.timeline)
+    live = _timeline(rec.records, n, lambda r: True)
+    grad_tl = _timeline(rec.records, n, lambda r: getattr(r, "is_grad", False))
+    packed_ids = {id(ev.rec) for ev in rec.packs if ev.rec is not None}
+    saved_tl = _timeline(rec.records, n, lambda r: id(r) in packed_ids)
+    unit_costs = costs
     opt_state, opt_temp, opt_s, opt_label = _optimizer_costs(optimizer, device)
     if optimizer is None:
         notes.append("no optimizer given: optimizer state and step are not counted")
@@ -507,6 +579,7 @@ def profile_model(
     units_out = []
     for u in ran:
         c = unit_costs[u]
+        c["mutated_buffers"] = tuple(sorted(set(c["mutated_buffers"]) | set(timing.mutated_buffers.get(u, ()))))
         fwd = timing.forward_s.get(u, 0.0)
         units_out.append(UnitCost(
             **c, forward_s=fwd, recompute_s=timing.recompute_s.get(u, fwd), backward_s=timing.backward_s.get(u),

@@ -25,16 +25,13 @@ __all__ = [
 
 
 def block_units(model: MemoryModel) -> list[str]:
-    """The model's repeated blocks, in forward order: the largest group of candidate units that are
-    numbered children of one container (``h.0``, ``h.1``, ...); else the top-level candidates."""
-    groups: dict[str, list[str]] = {}
-    for name in model.units:
-        parent, _, last = name.rpartition(".")
-        if last.isdigit():
-            groups.setdefault(parent, []).append(name)
-    best = max(groups.values(), key=len, default=[])
-    if len(best) >= 2:
-        return best
+    """The model's repeated blocks, in forward order: candidate units that are numbered children of a
+    container (``h.0``, ``layers.1``, ``down.2``) and not inside another numbered unit; the top-level
+    candidates when there are none."""
+    numbered = [u for u in model.units if u.rpartition(".")[2].isdigit()]
+    blocks = [u for u in numbered if not any(u.startswith(v + ".") for v in numbered)]
+    if len(blocks) >= 2:
+        return blocks
     return [u for u in model.units if not model.ancestors(u)]
 
 

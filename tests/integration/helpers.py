@@ -1,0 +1,82 @@
+"""Shared fixtures for the CPU integration tests: one profile per zoo model, reused."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import remat
+from remat.api import make_profile, split_inputs
+from remat.costs import Profile
+from remat.solve import Planner
+from zoo import ZOO
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+@dataclass
+class Case:
+    name: str
+    factory: Callable[[], tuple[nn.Module, Any, Any]]
+    profile: Profile
+    planner: Planner
+
+    def fresh(self):
+        model, inputs, loss_fn = self.factory()
+        return model, inputs, loss_fn or remat.default_loss
+
+    def budgets(self, fractions=(0.0, 0.35, 0.7)) -> list[int]:
+        lo, hi = self.planner.min_peak_bytes, self.planner.baseline_peak_bytes
+        return [int(lo + f * (hi - lo)) for f in fractions]
+
+
+@functools.lru_cache(maxsize=None)
+def case(name: str) -> Case:
+    factory = ZOO[name]
+    model, inputs, loss_fn = factory()
+    args, kwargs = split_inputs(inputs)
+    profile = make_profile(model, args, kwargs, loss_fn=loss_fn or remat.default_loss,
+                           optimizer=adam(model.parameters()), device=torch.device("cpu"))
+    return Case(name, factory, profile, Planner(profile))
+
+
+def descendant_calls(model: nn.Module, units, run) -> dict[str, int]:
+    """How many times the first-called descendant module of each unit runs during ``run()``.
+
+    Recomputation runs a checkpointed unit's forward again from its start, so that first
+    descendant runs twice per step; the unit's own hooks stay outside the checkpoint and
+    cannot show it."""
+    mods = dict(model.named_modules())
+    first: dict[str, str] = {}
+    order: list[str] = []
+    handles = [m.register_forward_pre_hook(lambda mod, a, n=n: order.append(n)) for n, m in mods.items() if n]
+    with torch.no_grad():
+        run(grad=False)
+    for h in handles:
+        h.remove()
+    for u in units:
+        first[u] = next(n for n in order if n.startswith(u + "."))
+    counts = {u: 0 for u in units}
+    handles = [mods[f].register_forward_pre_hook(lambda mod, a, u=u: counts.__setitem__(u, counts[u] + 1))
+               for u, f in first.items()]
+    run(grad=True)
+    for h in handles:
+        h.remove()
+    return counts
+
+
+def step_runner(model, inputs, loss_fn):
+    args, kwargs = split_inputs(inputs)
+
+    def run(grad=True):
+        out = model(*args, **kwargs)
+        if grad:
+            loss_fn(out).backward()
+            model.zero_grad(set_to_none=True)
+    return run
