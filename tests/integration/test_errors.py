@@ -1,0 +1,148 @@
+"""Bad input gets a clear remat error, and a failed call leaves everything as it was."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from helpers import adam, case
+from zoo import resnet
+
+
+def state_of(model: nn.Module, opt: torch.optim.Optimizer):
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "param_ids": [id(p) for p in model.parameters()],
+        "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "buffers": [b.clone() for b in model.buffers()],
+        "opt": copy.deepcopy(opt.state_dict()),
+        "rng": torch.get_rng_state(),
+        "forwards": [m.__dict__.get("forward") for m in model.modules()],
+        "training": [m.training for m in model.modules()],
+    }
+
+
+def assert_same(a, b):
+    assert a["param_ids"] == b["param_ids"]
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+    assert all(torch.equal(x, y) for x, y in zip(a["buffers"], b["buffers"]))
+    assert torch.equal(a["rng"], b["rng"])
+    assert a["forwards"] == b["forwards"]
+    assert a["training"] == b["training"]
+    sa, sb = a["opt"]["state"], b["opt"]["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        for name in sa[k]:
+            x, y = sa[k][name], sb[k][name]
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+@pytest.fixture
+def trained_resnet():
+    """A ResNet with BatchNorm that has trained a step: gradients, optimizer state and buffers are set."""
+    model, inputs, loss_fn = resnet()
+    opt = adam(model.parameters())
+    loss_fn(model(*inputs)).backward()
+    opt.step()
+    loss_fn(model(*inputs)).backward()  # leave gradients in place too
+    return model, inputs, loss_fn, opt
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, math.nan, math.inf, "2", None, True])
+def test_budget_must_be_positive_finite(trained_resnet, budget):
+    model, inputs, loss_fn, opt = trained_resnet
+    before = state_of(model, opt)
+    with pytest.raises(remat.InvalidInputError, match="budget_gb must be a positive finite number"):
+        remat.optimize_checkpointing(model, budget, inputs, loss_fn=loss_fn, optimizer=opt)
+    assert_same(before, state_of(model, opt))
+
+
+def test_budget_below_minimum_states_minimum_and_leaves_everything(trained_resnet):
+    model, inputs, loss_fn, opt = trained_resnet
+    before = state_of(model, opt)
+    with pytest.raises(remat.InfeasibleBudgetError) as err:
+        remat.optimize_checkpointing(model, 1e-5, inputs, loss_fn=loss_fn, optimizer=opt)
+    msg = str(err.value)
+    assert "least peak any checkpointing plan reaches" in msg
+    assert "memory no plan removes" in msg and "optimizer state" in msg and "Raise budget_gb" in msg
+    assert err.value.min_feasible_bytes > err.value.budget_bytes
+    assert_same(before, state_of(model, opt))
+    # and the stated minimum is indeed achievable
+    plan = remat.optimize_checkpointing(model, err.value.min_feasible_bytes / 2**30 * 1.0001, inputs,
+                                        loss_fn=loss_fn, optimizer=opt)
+    assert plan.predicted_peak_bytes <= err.value.min_feasible_bytes
+
+
+def test_success_changes_only_the_forwards(trained_resnet):
+    model, inputs, loss_fn, opt = trained_resnet
+    before = state_of(model, opt)
+    c = case("resnet")
+    plan = remat.optimize_checkpointing(model, c.budgets((0.3,))[0] / 2**30, inputs, loss_fn=loss_fn,
+                                        optimizer=opt)
+    after = state_of(model, opt)
+    assert plan.checkpointed
+    after["forwards"] = before["forwards"]
+    assert_same(before, after)
+
+
+def test_budget_above_peak_is_an_empty_plan():
+    model, inputs, loss_fn = resnet()
+    plan = remat.optimize_checkpointing(model, 10.0, inputs, loss_fn=loss_fn)
+    assert plan.checkpointed == () and plan.solver_status == "fits"
+    assert any("fits the budget without checkpointing" in n for n in plan.notes)
+    assert any("no optimizer given" in n for n in plan.notes)
+    assert plan.breakdown["optimizer_state_bytes"] == 0
+    assert remat.checkpointed_modules(model) == []
+
+
+def test_inputs_on_another_device():
+    model, inputs, loss_fn = resnet()
+    with pytest.raises(remat.InvalidInputError, match="example input on meta but the model is on cpu"):
+        remat.optimize_checkpointing(model, 1.0, inputs[0].to("meta"), loss_fn=loss_fn)
+
+
+def test_inputs_the_model_rejects():
+    model, inputs, loss_fn = resnet()
+    before = [b.clone() for b in model.buffers()]
+    with pytest.raises(remat.InvalidInputError, match="training step failed on example_inputs"):
+        remat.optimize_checkpointing(model, 1.0, torch.randn(2, 5, 16, 16), loss_fn=loss_fn)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+    with pytest.raises(remat.InvalidInputError, match="example_inputs must be"):
+        remat.optimize_checkpointing(model, 1.0, "not a tensor", loss_fn=loss_fn)
+
+
+def test_loss_must_be_scalar_with_gradient():
+    model, inputs, _ = resnet()
+    with pytest.raises(remat.InvalidInputError, match="loss_fn must return a scalar tensor"):
+        remat.optimize_checkpointing(model, 1.0, inputs, loss_fn=lambda out: out)
+    with pytest.raises(remat.InvalidInputError, match="the loss has no gradient"):
+        remat.optimize_checkpointing(model, 1.0, inputs, loss_fn=lambda out: out.detach().sum())
+
+
+def test_model_without_trainable_parameters():
+    model, inputs, loss_fn = resnet()
+    model.requires_grad_(False)
+    with pytest.raises(remat.InvalidInputError, match="no trainable parameters"):
+        remat.optimize_checkpointing(model, 1.0, inputs, loss_fn=loss_fn)
+    with pytest.raises(remat.InvalidInputError, match="must be a torch.nn.Module"):
+        remat.optimize_checkpointing(lambda x: x, 1.0, inputs)
+
+
+def test_saved_plan_that_does_not_match(tmp_path):
+    c = case("resnet")
+    model, inputs, loss_fn = c.fresh()
+    plan = remat.optimize_checkpointing(model, c.budgets((0.3,))[0] / 2**30, inputs, loss_fn=loss_fn)
+    plan.save(tmp_path / "plan.json")
+    other = case("unet").fresh()[0]
+    with pytest.raises(remat.PlanMismatchError, match="made for another model"):
+        remat.apply_plan(other, remat.Plan.load(tmp_path / "plan.json"))
+    assert remat.checkpointed_modules(other) == []
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(remat.PlanMismatchError, match="cannot read a remat plan"):
+        remat.Plan.load(tmp_path / "bad.json")
