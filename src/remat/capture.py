@@ -16,6 +16,8 @@ the recompute. Units nest; their forward order is the order their first operator
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,7 +103,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> ModelGraph
         failures.append(f"fx.symbolic_trace: {type(e).__name__}: {_first_line(e)}")
         log.info("torch.fx.symbolic_trace failed (%s); trying torch.export (non-strict)", _first_line(e))
     try:
-        ep = torch.export.export(model, args, kwargs, strict=False)
+        # torch.export prints the partial graph of a failed export to stderr: keep it out of the user's log
+        with _quiet("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export"), \
+                contextlib.redirect_stderr(io.StringIO()):
+            ep = torch.export.export(model, args, kwargs, strict=False)
         order, dg = _units_from_graph(ep.graph, possible)
         return ModelGraph("export", tuple(order), dg, ep.graph, tuple(failures))
     except Exception as e:  # noqa: BLE001
@@ -109,6 +114,19 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> ModelGraph
         log.info("torch.export failed (%s); recording units with module hooks instead", _first_line(e))
     return ModelGraph("hooks", tuple(sorted(possible, key=list(dict(model.named_modules())).index)),
                       nx.DiGraph(), None, tuple(failures))
+
+
+@contextlib.contextmanager
+def _quiet(*loggers: str):
+    """Silence torch's own warnings (graph dumps) while a capture path is only being tried."""
+    saved = [(logging.getLogger(n), logging.getLogger(n).level) for n in loggers]
+    for lg, _ in saved:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in saved:
+            lg.setLevel(level)
 
 
 def _first_line(e: BaseException) -> str:

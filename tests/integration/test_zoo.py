@@ -165,3 +165,54 @@ def test_profiling_peak_stays_near_the_least_memory_plan():
                                device=torch.device("cpu"))
     profiling_peak = tensor_bytes(state) + tracker.peak_bytes
     assert profiling_peak <= 1.05 * least_measured, (profiling_peak, least_measured)
+
+
+def test_capture_paths_are_recorded():
+    assert case("unet").profile.capture_path == "fx"
+    assert case("gpt").profile.capture_path == "export"  # fx cannot trace torch.ones(t, t) on a proxy
+    assert case("branchy").profile.capture_path == "hooks"  # data-dependent control flow
+    assert case("branchy").profile.memory_recorded_with == "real"
+    assert case("gpt").profile.memory_recorded_with == "fake"
+
+
+class InplaceFirst(torch.nn.Module):
+    """A block that starts with an in-place op on its input: unsafe to checkpoint."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.act = torch.nn.ReLU(inplace=True)
+        self.fc = torch.nn.Linear(d, d)
+        self.fc2 = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc(self.act(x))))
+
+
+class Safe(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.fc2 = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc(x)))
+
+
+def test_unit_starting_with_inplace_op_is_excluded(caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), InplaceFirst(32), torch.nn.Linear(32, 32), Safe(32),
+                                torch.nn.Linear(32, 32), Safe(32), torch.nn.Linear(32, 1))
+    x = torch.randn(256, 32)
+    args, kwargs = remat.api.split_inputs(x)
+    with caplog.at_level("INFO", logger="remat"):
+        profile = remat.api.make_profile(model, args, kwargs, loss_fn=remat.default_loss, optimizer=None,
+                                         device=torch.device("cpu"))
+    unit = profile.unit("1")
+    assert unit.excluded is not None and "in place" in unit.excluded
+    assert "1" not in [u.name for u in profile.candidates()]
+    assert any("cannot be checkpointed" in r.getMessage() for r in caplog.records)
+    planner = remat.solve.Planner(profile)
+    plan = planner.least_memory()
+    assert "1" not in plan.checkpointed and plan.checkpointed
+    remat.apply_plan(model, plan)
+    assert remat.check_equivalence(model, x).equal

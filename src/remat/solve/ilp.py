@@ -58,7 +58,7 @@ def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | N
     units = list(model.units)
     # x[u]: 1 if unit u is checkpointed
     x = {u: prob.add_variable(f"x_{i}_{_name(u)}", 0, 1, cat=pulp.LpBinary) for i, u in enumerate(units)}
-    recompute = pulp.lpSum((model.units[u].recompute_s * _US + _TIE_US) * x[u] for u in units)
+    recompute = pulp.LpAffineExpression([(x[u], model.units[u].recompute_s * _US + _TIE_US) for u in units])
     peak = None
     if budget_bytes is None:
         # peak: the predicted peak memory of the step, in bytes (minimised)
@@ -68,9 +68,14 @@ def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | N
         prob += recompute
     # mem_<row>: predicted memory at every row within the budget (or below the peak variable)
     for row in model.rows:
-        expr = pulp.lpSum(c * x[u] for u, c in row.coef_bytes.items()) + row.const_bytes
-        bound = peak if peak is not None else budget_bytes
-        prob += (expr <= bound, f"mem_{_name(row.name)}")
+        terms = [(x[u], c) for u, c in row.coef_bytes.items()]
+        if peak is None:
+            expr = pulp.LpAffineExpression(terms)
+            rhs = budget_bytes - row.const_bytes
+        else:
+            expr = pulp.LpAffineExpression(terms + [(peak, -1)])
+            rhs = -row.const_bytes
+        prob += pulp.LpConstraint(expr, pulp.LpConstraintLE, f"mem_{_name(row.name)}", rhs)
     # nest_<unit>: never a unit inside a checkpointed unit
     for u in units:
         anc = model.ancestors(u)

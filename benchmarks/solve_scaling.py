@@ -1,0 +1,48 @@
+"""Solve time of remat's ILP on synthetic chain models of growing size (run by hand).
+
+    python benchmarks/solve_scaling.py [--sizes 12,48,200,500] [--nested]
+
+Each size is a number of candidate units: a random chain (remat.solve.synthetic) of blocks that
+each hold a nested sub-unit (2 candidates per block, like a transformer block and its MLP),
+or, with --flat, one candidate per block. Prints the time
+to build the memory model, to find the least achievable peak, and to solve at a budget
+halfway between that and the no-checkpointing peak. Targets (issue 2): <= 1 s at 48 units,
+<= 10 s at 500.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import pulp
+
+from remat.simulate import MemoryModel
+from remat.solve import Planner
+from remat.solve.synthetic import random_chain_profile
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="12,48,200,500", help="numbers of candidate units, comma-separated")
+    ap.add_argument("--flat", action="store_true", help="no nested sub-units (one candidate per block)")
+    args = ap.parse_args()
+    print(f"# ILP solve time (PuLP {pulp.__version__}, CBC; {platform.processor() or platform.machine()})")
+    print("| units | rows | build memory model (s) | least peak (s) | solve at mid budget (s) | status |")
+    print("|---:|---:|---:|---:|---:|---|")
+    for n in (int(s) for s in args.sizes.split(",")):
+        blocks = n if args.flat else max(1, n // 2)
+        profile = random_chain_profile(blocks, seed=n, nested=not args.flat)
+        t0 = time.perf_counter()
+        model = MemoryModel(profile)
+        t_build = time.perf_counter() - t0
+        planner = Planner(profile)
+        budget = (planner.min_peak_bytes + planner.baseline_peak_bytes) // 2
+        plan = planner.plan_for_budget(budget)
+        print(f"| {len(model.units)} | {len(model.rows)} | {t_build:.2f} | {planner.min_peak_solve_s:.2f} | "
+              f"{plan.solve_time_s:.2f} | {plan.solver_status} |")
+
+
+if __name__ == "__main__":
+    main()
