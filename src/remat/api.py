@@ -17,7 +17,7 @@ from remat.costs import Profile
 from remat.errors import InvalidInputError, PlanMismatchError, RematError
 from remat.plan import GiB, Plan
 from remat.profile import profile_model
-from remat.rewrite import checkpoint_modules, checkpointed_modules, remove_checkpointing
+from remat.rewrite import check_units, checkpoint_modules, checkpointed_modules, remove_checkpointing
 from remat.solve import Planner
 from remat.state import preserved
 
@@ -181,10 +181,9 @@ def apply_plan(model: nn.Module, plan: Plan) -> None:
                 "this plan was made for another model (" + "; ".join(parts) + "); run optimize_checkpointing "
                 "on this model to make a new plan"
             )
-    modules = dict(model.named_modules())
-    absent = [n for n in plan.checkpointed if n not in modules]
+    absent = check_units(model, plan.checkpointed)
     if absent:
-        raise PlanMismatchError(f"the plan checkpoints modules this model does not have: {absent}")
+        raise PlanMismatchError(f"the plan checkpoints units this model does not have: {absent}")
     remove_checkpointing(model)
     checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers))
 

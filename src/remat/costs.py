@@ -24,6 +24,18 @@ class Drop:
 
 
 @dataclass(frozen=True)
+class Keep:
+    """An input of a unit that checkpointing keeps alive longer than the plain step does: checkpoint
+    holds its inputs until the unit's backward has run, even where no operator saves them."""
+
+    nbytes: int
+    #: first timeline index at which the plain step no longer holds the storage
+    from_index: int
+    #: first timeline index at which the checkpoint no longer holds it (the unit's backward is done)
+    until_index: int
+
+
+@dataclass(frozen=True)
 class UnitCost:
     """Measured costs of one candidate unit (a submodule, by qualified name)."""
 
@@ -58,6 +70,14 @@ class UnitCost:
     excluded: str | None = None
     #: buffers (names relative to the unit) its forward mutates in place, replayed on recompute
     mutated_buffers: tuple[str, ...] = ()
+    #: for a segment of an nn.Sequential (``blocks[0:4]``), the children it runs; empty for a module
+    members: tuple[str, ...] = ()
+    #: inputs that checkpointing the unit keeps alive longer than the plain step
+    keeps: tuple[Keep, ...] = ()
+
+    @property
+    def is_segment(self) -> bool:
+        return bool(self.members)
 
     @property
     def droppable_bytes(self) -> int:
@@ -128,7 +148,9 @@ class Profile:
         d = dict(d)
         d["units"] = tuple(
             UnitCost(**{**u, "drops": tuple(Drop(**x) for x in u["drops"]),
-                        "mutated_buffers": tuple(u.get("mutated_buffers", ()))}) for u in d["units"]
+                        "mutated_buffers": tuple(u.get("mutated_buffers", ())),
+                        "members": tuple(u.get("members", ())),
+                        "keeps": tuple(Keep(**k) for k in u.get("keeps", ()))}) for u in d["units"]
         )
         for k in ("live_bytes", "grad_bytes", "saved_bytes", "notes"):
             d[k] = tuple(d[k])

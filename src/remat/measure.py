@@ -28,6 +28,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+#: Note [CUDA block size]: the CUDA caching allocator hands out blocks in multiples of 512 bytes, and
+#: torch.cuda.max_memory_allocated counts blocks; storages on CUDA are counted the same way.
+CUDA_BLOCK_BYTES = 512
+
+
+def allocated_bytes(nbytes: int, device: torch.device) -> int:
+    """What a storage of ``nbytes`` occupies on ``device`` as its allocator counts it."""
+    if device.type == "cuda" and nbytes > 0:
+        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return nbytes
+
+
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -39,7 +51,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None = 
         if not isinstance(t, torch.Tensor) or (device is not None and t.device.type != device.type):
             continue
         st = t.untyped_storage()
-        seen[st._cdata] = st.nbytes()
+        seen[st._cdata] = allocated_bytes(st.nbytes(), t.device)
     return sum(seen.values())
 
 
@@ -101,7 +113,7 @@ class StorageTracker(TorchDispatchMode):
         rec = self.by_key.get(key)
         if rec is not None:
             return rec
-        rec = StorageRecord(key, st.nbytes(), self.index)
+        rec = StorageRecord(key, allocated_bytes(st.nbytes(), t.device), self.index)
         self.records.append(rec)
         self.by_key[key] = rec
         self._refs[key] = weakref.ref(st, lambda _, rec=rec: self._freed(rec))

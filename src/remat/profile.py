@@ -20,6 +20,14 @@ memory stays near the least-memory plan's): each unit's forward is timed by modu
 on its first call, its recomputation on the second call that checkpointing makes in
 backward. The plain backward time is the measured one less the recomputations.
 
+Note [Segments]
+~~~~~~~~~~~~~~~
+Besides submodules, a unit can be a run of consecutive children of an ``nn.Sequential``
+(``blocks[0:4]``), checkpointed as one piece like ``checkpoint_sequential``: it keeps only the
+run's input, where checkpointing each child keeps every child's input. Segments are costed
+from the same recording (their children are hooked too), and compete in the ILP with the
+modules they overlap.
+
 Nothing here mutates the model, its gradients, its buffers or the optimizer; RNG state is
 restored (see ``remat.state``).
 """
@@ -29,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import logging
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -41,10 +50,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from remat.capture import ModelGraph, unit_parent
-from remat.costs import Drop, Profile, UnitCost
+from remat.costs import Drop, Keep, Profile, UnitCost
 from remat.errors import InvalidInputError
 from remat.measure import StorageRecord, StorageTracker, storage_key, tensor_bytes
-from remat.rewrite import checkpoint_modules
+from remat.rewrite import checkpoint_modules, segment_name
+from remat.solve import chen_segments
 from remat.state import preserved
 
 log = logging.getLogger(__name__)
@@ -78,14 +88,17 @@ class _Recorder(StorageTracker):
         #: (unit stack, storage key, record or None, op name) of every in-place write during forward
         self.writes: list[tuple[tuple[str, ...], int, StorageRecord | None, str]] = []
         self.flops: dict[str, int] = defaultdict(int)
+        #: per hooked module, the records of the tracked storages its first call took as inputs
+        self.inputs: dict[str, list[StorageRecord]] = {}
         #: (operator, records of the storages it created) of every forward operator
         self.forward_ops: list[tuple[str, list[StorageRecord | None]]] = []
 
     # module hooks
-    def enter(self, name: str) -> None:
+    def enter(self, name: str, args: Any = ()) -> None:
         self.calls[name] += 1
         if self.calls[name] == 1:
             self.span[name] = [self.index, self.index - 1]
+            self.inputs[name] = [r for t in _tensors(args) if (r := self.by_key.get(storage_key(t))) is not None]
         self.stack.append(name)
 
     def leave(self, name: str) -> None:
@@ -180,7 +193,7 @@ def _grad_targets(params: list[torch.Tensor], inputs: Any) -> list[torch.Tensor]
 
 def _record_memory(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
-    units: list[str], fake: bool,
+    units: list[str], fake: bool, extra: list[str] = (),
 ) -> tuple[_Recorder, int, list[str]]:
     """Run forward + loss + backward once under the recorder. Returns it, the backward start index
     and the names of the units that ran."""
@@ -211,7 +224,8 @@ def _record_memory(
             seen.add(id(p))
             trainable.append(p)
 
-    handles = _hook_units(model, units, lambda n, a: rec.enter(n), lambda n, o: rec.leave(n))
+    handles = _hook_units(model, list(dict.fromkeys([*units, *extra])), lambda n, a: rec.enter(n, a),
+                          lambda n, o: rec.leave(n))
     try:
         with ctx, torch.enable_grad(), rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
             if fake:
@@ -445,7 +459,52 @@ def _optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.devi
     return state_bytes, temp, total_s, cls.__name__
 
 
-def _unit_costs(rec: _Recorder, ran: list[str]) -> dict[str, dict[str, Any]]:
+@dataclass(frozen=True)
+class _Spec:
+    """A unit to cost: a module (members = itself) or a segment of a Sequential (members = children)."""
+
+    name: str
+    members: tuple[str, ...]
+    parent: str | None
+    #: prefix of buffer names relative to the unit's module (the Sequential's for a segment)
+    scope: str
+
+
+def _segments(n: int, container_is_unit: bool) -> list[tuple[int, int]]:
+    """Candidate segments of a Sequential with ``n`` children (Note [Segments]): every run of two or
+    more children up to 12 children, else runs of each length aligned at multiples of it; always
+    Chen's sqrt(n) segments; never the whole container when it is a unit itself."""
+    out: set[tuple[int, int]] = set()
+    if n <= 12:
+        out = {(i, j) for i in range(n) for j in range(i + 2, n + 1)}
+    else:
+        for size in range(2, n):
+            out |= {(i, min(i + size, n)) for i in range(0, n, size) if min(i + size, n) - i >= 2}
+    out |= set(chen_segments(n))
+    if container_is_unit:
+        out.discard((0, n))
+    return sorted(out)
+
+
+def _specs(rec: "_Recorder", ran: list[str], sequentials: dict[str, list[str]]) -> list[_Spec]:
+    """Module units that ran, then the segments of each Sequential that ran once with its children
+    back to back (Note [Segments])."""
+    specs = [_Spec(u, (u,), unit_parent(u, ran), u + ".") for u in ran]
+    for container, children in sequentials.items():
+        if container and rec.calls.get(container, 0) != 1:
+            continue
+        if any(rec.calls.get(c, 0) != 1 for c in children):
+            continue
+        if any(rec.span[b][0] != rec.span[a][1] + 1 for a, b in zip(children, children[1:])):
+            continue
+        parent = container if container in ran else unit_parent(container, ran)
+        scope = container + "." if container else ""
+        for i, j in _segments(len(children), container in ran):
+            specs.append(_Spec(segment_name(container, i, j), tuple(children[i:j]), parent, scope))
+    return specs
+
+
+def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]:
     """Per unit: its forward span, where its recomputation would run, what checkpointing it frees,
     and whether it may be checkpointed at all (see Note [Memory model] in remat.simulate)."""
     n = len(rec.timeline)
@@ -455,9 +514,12 @@ def _unit_costs(rec: _Recorder, ran: list[str]) -> dict[str, dict[str, Any]]:
         if ev.rec is not None:
             packs_of[id(ev.rec)].append(ev)
     unit_costs: dict[str, dict[str, Any]] = {}
-    for u in ran:
-        start, end = rec.span[u]
-        packs = [ev for ev in rec.packs if u in ev.stack]
+    for spec in specs:
+        u, members = spec.name, spec.members
+        inside = (lambda stack, m=members[0]: m in stack) if len(members) == 1 else \
+            (lambda stack, ms=frozenset(members): not ms.isdisjoint(stack))
+        start, end = rec.span[members[0]][0], rec.span[members[-1]][1]
+        packs = [ev for ev in rec.packs if inside(ev.stack)]
         unpacks = [ev.unpacked_at for ev in packs if ev.unpacked_at is not None]
         r_at = min(unpacks) if unpacks else None
         saved = {id(ev.rec): ev.rec for ev in packs if ev.rec is not None}
@@ -468,23 +530,30 @@ def _unit_costs(rec: _Recorder, ran: list[str]) -> dict[str, dict[str, Any]]:
             # Note [Shared saved storages]: a storage that operators outside the unit also save
             # dies, once the unit is checkpointed, when the last of those releases it (just after
             # its backward operator first reads it); one that is never read back stays.
-            outside = [ev.unpacked_at for ev in packs_of[id(r)] if u not in ev.stack]
+            outside = [ev.unpacked_at for ev in packs_of[id(r)] if not inside(ev.stack)]
             if any(t is None for t in outside):
                 continue
             free_from = max(end + 1, rec.last_use.get(id(r), -1) + 1, max(outside, default=-1) + 1)
             if free_from >= r_at or (r.free_index is not None and r.free_index <= r_at):
                 continue
             drops.append(Drop(r.nbytes, free_from))
+        # inputs the checkpoint holds until the unit's backward is done (Keep)
+        bwd_end = max(unpacks) + 1 if unpacks else None
+        keeps = tuple(
+            Keep(r.nbytes, r.free_index, bwd_end) for r in {id(r): r for r in rec.inputs.get(members[0], [])}.values()
+            if bwd_end is not None and r.free_index is not None and r.free_index < bwd_end
+        )
         excluded = None
         mutated: set[str] = set()
-        if rec.calls[u] > 1:
-            excluded = f"called {rec.calls[u]} times per step"
+        calls = max(rec.calls[m] for m in members)
+        if calls > 1:
+            excluded = f"called {calls} times per step"
         for stack, key, r, op in rec.writes:
-            if u not in stack:
+            if not inside(stack):
                 continue
             kind = rec.preexisting.get(key)
-            if kind is not None and kind[0] == "buffer" and kind[1].startswith(u + "."):
-                mutated.add(kind[1][len(u) + 1:])
+            if kind is not None and kind[0] == "buffer" and any(kind[1].startswith(m + ".") for m in members):
+                mutated.add(kind[1][len(spec.scope):])
             elif kind is not None:
                 excluded = excluded or f"modifies a tensor from outside the unit in place ({kind[0]} {kind[1]}, {op})"
             elif r is not None and r.alloc_index < start:
@@ -492,12 +561,13 @@ def _unit_costs(rec: _Recorder, ran: list[str]) -> dict[str, dict[str, Any]]:
         base = live[start - 1] if start > 0 else 0
         peak_inc = max(live[start:end + 1], default=base) - base
         unit_costs[u] = dict(
-            name=u, parent=unit_parent(u, ran), calls=rec.calls[u], flops=rec.flops.get(u, 0),
+            name=u, parent=spec.parent, calls=calls, flops=sum(rec.flops.get(m, 0) for m in members),
             forward_start=start, forward_end=end, recompute_at=r_at, drops=tuple(drops),
             recompute_peak_bytes=max(peak_inc, 0), saved_bytes=sum(r.nbytes for r in saved.values()),
             excluded=excluded, mutated_buffers=tuple(sorted(mutated)),
+            members=members if members != (u,) else (), keeps=keeps,
         )
-        if excluded:
+        if excluded and members == (u,):
             log.info("unit %s cannot be checkpointed: %s", u, excluded)
     return unit_costs
 
@@ -533,10 +603,16 @@ def profile_model(
     """Measure ``model``'s training step on the example inputs. Leaves the model, its gradients and
     buffers, the optimizer and the RNG state as they were."""
     notes: list[str] = []
+    units = list(graph.units)
+    mods = dict(model.named_modules())
+    sequentials = {
+        name: [f"{name}.{k}" if name else k for k in m._modules]
+        for name, m in mods.items() if isinstance(m, nn.Sequential) and len(m) >= 2
+    }
+    extra = [c for children in sequentials.values() for c in children] + [c for c in sequentials if c]
     with preserved(model):
-        units = list(graph.units)
         try:
-            rec, bstart, ran = _record_memory(model, args, kwargs, loss_fn, device, units, fake=True)
+            rec, bstart, ran = _record_memory(model, args, kwargs, loss_fn, device, units, fake=True, extra=extra)
             recorded = "fake"
         except InvalidInputError:
             raise
@@ -546,18 +622,20 @@ def profile_model(
                 f"memory recorded on a real step (fake tensors failed: {type(e).__name__}); profiling "
                 "needed the plain step's peak"
             )
-            rec, bstart, ran = _record_memory(model, args, kwargs, loss_fn, device, units, fake=False)
+            rec, bstart, ran = _record_memory(model, args, kwargs, loss_fn, device, units, fake=False, extra=extra)
             recorded = "real"
     # forward order: the order of the first operator of each unit
     ran.sort(key=lambda u: (rec.span[u][0], -rec.span[u][1]))
-    costs = _unit_costs(rec, ran)
+    specs = _specs(rec, ran, sequentials)
+    costs = _unit_costs(rec, specs)
 
-    # time, measured for real with the top-level candidate units checkpointed
-    cand = [u for u, c in costs.items() if c["excluded"] is None and c["drops"]]
+    # time, measured for real with the top-level candidate modules checkpointed
+    cand = [u for u in ran if costs[u]["excluded"] is None and costs[u]["drops"]]
     top = [u for u in cand if unit_parent(u, cand) is None]
+    timed = list(dict.fromkeys([*ran, *(c for c in extra if c in rec.span)]))
     with preserved(model):
         timing = _measure_time(
-            model, args, kwargs, loss_fn, device, ran, top,
+            model, args, kwargs, loss_fn, device, timed, top,
             {u: costs[u]["mutated_buffers"] for u in top}, timing_steps,
         )
     if recorded == "fake":
@@ -565,7 +643,7 @@ def profile_model(
         if fixed:
             notes.append(f"{fixed} storage size(s) on fake tensors differed from the real kernels' and were "
                          "corrected from the real forward")
-            costs = _unit_costs(rec, ran)
+            costs = _unit_costs(rec, specs)
     n = len(rec.timeline)
     live = _timeline(rec.records, n, lambda r: True)
     grad_tl = _timeline(rec.records, n, lambda r: getattr(r, "is_grad", False))
@@ -577,13 +655,19 @@ def profile_model(
         notes.append("no optimizer given: optimizer state and step are not counted")
 
     units_out = []
-    for u in ran:
-        c = unit_costs[u]
-        c["mutated_buffers"] = tuple(sorted(set(c["mutated_buffers"]) | set(timing.mutated_buffers.get(u, ()))))
-        fwd = timing.forward_s.get(u, 0.0)
-        units_out.append(UnitCost(
-            **c, forward_s=fwd, recompute_s=timing.recompute_s.get(u, fwd), backward_s=timing.backward_s.get(u),
-        ))
+    for spec in specs:
+        c = unit_costs[spec.name]
+        members = spec.members
+        segment = members != (spec.name,)
+        c["mutated_buffers"] = tuple(sorted(set(c["mutated_buffers"]) | {
+            f"{m[len(spec.scope):]}.{b}" if segment else b
+            for m in members for b in timing.mutated_buffers.get(m, ())}))
+        fwd = sum(timing.forward_s.get(m, 0.0) for m in members)
+        recompute = None if segment else timing.recompute_s.get(spec.name)
+        if recompute is None:  # not recomputed while timing: a recomputation is a forward
+            recompute = sum(timing.recompute_s.get(m, timing.forward_s.get(m, 0.0)) for m in members)
+        backward = None if segment else timing.backward_s.get(spec.name)
+        units_out.append(UnitCost(**c, forward_s=fwd, recompute_s=recompute, backward_s=backward))
     backward_s = max(timing.step_backward_s - sum(timing.recompute_s.get(u, 0.0) for u in top), 0.0)
     trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     return Profile(

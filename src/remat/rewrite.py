@@ -1,12 +1,16 @@
-"""Checkpoint chosen submodules in place, and undo it.
+"""Checkpoint chosen units in place, and undo it.
+
+A unit is a submodule by qualified name (``h.3``, ``h.3.mlp``) or a *segment*: a contiguous run of
+the children of an ``nn.Sequential`` (``blocks[0:4]``, ``[2:5]`` for a Sequential root), checkpointed
+as one piece as ``torch.utils.checkpoint.checkpoint_sequential`` does.
 
 Note [Checkpoint the forward, not the module]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Wrapper modules (``CheckpointWrapper(block)``) add a path component to every parameter
 name, which breaks ``state_dict`` keys, optimizer parameter groups and saved checkpoints.
-Instead remat sets an instance attribute ``forward`` on the chosen module: a picklable
-callable object that runs the class's forward under
-``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, preserve_rng_state=True)``.
+Instead remat sets an instance attribute ``forward`` on the chosen module (or, for
+segments, on the Sequential): a picklable callable object that runs the class's forward
+under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, preserve_rng_state=True)``.
 ``Module.__call__`` still runs the module's hooks outside the checkpoint, parameters are
 untouched, and ``copy.deepcopy``/``torch.save`` copy the callable with the module (it
 refers to its module, which the copy's memo maps to the copy's module).
@@ -25,7 +29,8 @@ end with identical buffers. Which buffers a unit mutates is measured while profi
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+import re
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -33,8 +38,71 @@ from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger(__name__)
 
+_SEGMENT = re.compile(r"^(?P<container>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 
-class CheckpointedForward:
+
+def segment_name(container: str, start: int, stop: int) -> str:
+    """The unit name of children ``start:stop`` of the Sequential ``container``."""
+    return f"{container}[{start}:{stop}]"
+
+
+def parse_unit(name: str) -> tuple[str, tuple[int, int] | None]:
+    """``"blocks[0:2]"`` -> ``("blocks", (0, 2))``; ``"h.3"`` -> ``("h.3", None)``."""
+    m = _SEGMENT.match(name)
+    if m is None:
+        return name, None
+    return m["container"], (int(m["start"]), int(m["stop"]))
+
+
+def _checkpointed_call(fn: Callable, args: tuple, kwargs: dict, buffers: list[torch.Tensor],
+                       preserve_rng_state: bool, timer) -> object:
+    """``fn(*args, **kwargs)`` under non-reentrant checkpoint, replaying ``buffers`` (Note [Buffers replay])."""
+    before = [b.detach().clone() for b in buffers]
+    calls = 0
+
+    def replay(*a, **kw):
+        if not buffers:
+            return fn(*a, **kw)
+        with torch.no_grad():
+            after = [b.detach().clone() for b in buffers]
+            for b, v in zip(buffers, before):
+                b.copy_(v)
+        try:
+            return fn(*a, **kw)
+        finally:
+            with torch.no_grad():
+                for b, v in zip(buffers, after):
+                    b.copy_(v)
+
+    def run(*a, **kw):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return fn(*a, **kw)
+        if timer is not None:
+            with timer():
+                return replay(*a, **kw)
+        return replay(*a, **kw)
+
+    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+
+
+class _RematForward:
+    """Base of the ``forward`` callables remat installs; knows how to be undone."""
+
+    module: nn.Module
+    previous: object
+
+    def _original(self):
+        if self.previous is not None:
+            return self.previous
+        return type(self.module).forward.__get__(self.module)
+
+    def unit_names(self, name: str) -> list[str]:
+        raise NotImplementedError
+
+
+class CheckpointedForward(_RematForward):
     """The ``forward`` remat installs on a checkpointed module (see Note [Checkpoint the forward, not the module])."""
 
     def __init__(
@@ -49,70 +117,110 @@ class CheckpointedForward:
         #: a context-manager factory wrapped around each recomputation (set by the profiler only)
         self.recompute_timer = None
 
-    def _original(self):
-        if self.previous is not None:
-            return self.previous
-        return type(self.module).forward.__get__(self.module)
-
     def __call__(self, *args, **kwargs):
-        module = self.module
         original = self._original()
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        if self.buffers is None:
-            buffers = [b for b in module.buffers() if b is not None]
-        else:
-            own = dict(module.named_buffers())
-            buffers = [own[n] for n in self.buffers if own.get(n) is not None]
-        before = [b.detach().clone() for b in buffers]
-        calls = 0
+        return _checkpointed_call(original, args, kwargs, _buffers(self.module, self.buffers),
+                                  self.preserve_rng_state, self.recompute_timer)
 
-        def run(*a, **kw):
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                return original(*a, **kw)
-            if self.recompute_timer is not None:
-                with self.recompute_timer():
-                    return self._replay(original, buffers, before, a, kw)
-            return self._replay(original, buffers, before, a, kw)
-
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **kwargs)
-
-    @staticmethod
-    def _replay(original, buffers, before, a, kw):
-        if not buffers:
-            return original(*a, **kw)
-        # recomputation: replay from the buffers' values before the first forward (Note [Buffers replay])
-        with torch.no_grad():
-            after = [b.detach().clone() for b in buffers]
-            for b, v in zip(buffers, before):
-                b.copy_(v)
-        try:
-            return original(*a, **kw)
-        finally:
-            with torch.no_grad():
-                for b, v in zip(buffers, after):
-                    b.copy_(v)
+    def unit_names(self, name: str) -> list[str]:
+        return [name]
 
     def __reduce__(self):
-        return (_rebuild, (self.module, self.preserve_rng_state, self.previous, self.buffers))
+        return (_rebuild, (CheckpointedForward, dict(
+            module=self.module, preserve_rng_state=self.preserve_rng_state, previous=self.previous,
+            buffers=self.buffers, recompute_timer=None)))
 
 
-def _rebuild(module, preserve_rng_state, previous, buffers):
-    f = CheckpointedForward.__new__(CheckpointedForward)
-    f.module, f.preserve_rng_state, f.previous, f.buffers = module, preserve_rng_state, previous, buffers
-    f.recompute_timer = None
+class SegmentedForward(_RematForward):
+    """The ``forward`` remat installs on an ``nn.Sequential`` to checkpoint runs of its children."""
+
+    def __init__(self, module: nn.Sequential, segments: Iterable[tuple[int, int]], *,
+                 preserve_rng_state: bool = True,
+                 buffers: dict[tuple[int, int], tuple[str, ...] | None] | None = None) -> None:
+        self.module = module
+        self.segments = tuple(sorted(segments))
+        self.preserve_rng_state = preserve_rng_state
+        #: per segment, names (relative to the Sequential) of the buffers to replay; None: all of them
+        self.buffers = dict(buffers or {})
+        self.previous = module.__dict__.get("forward")
+
+    def __call__(self, input):
+        if not torch.is_grad_enabled():
+            return self._original()(input)
+        children = list(self.module._modules.values())
+        starts = dict(self.segments)
+        k, x = 0, input
+        while k < len(children):
+            stop = starts.get(k)
+            if stop is None:
+                x = children[k](x)
+                k += 1
+                continue
+
+            def run(y, members=children[k:stop]):
+                for child in members:
+                    y = child(y)
+                return y
+
+            names = self.buffers.get((k, stop))
+            if names is None:
+                bufs = [b for c in children[k:stop] for b in c.buffers() if b is not None]
+            else:
+                bufs = _buffers(self.module, names)
+            x = _checkpointed_call(run, (x,), {}, bufs, self.preserve_rng_state, None)
+            k = stop
+        return x
+
+    def unit_names(self, name: str) -> list[str]:
+        return [segment_name(name, i, j) for i, j in self.segments]
+
+    def __reduce__(self):
+        return (_rebuild, (SegmentedForward, dict(
+            module=self.module, segments=self.segments, preserve_rng_state=self.preserve_rng_state,
+            buffers=self.buffers, previous=self.previous)))
+
+
+def _rebuild(cls, state):
+    f = cls.__new__(cls)
+    f.__dict__.update(state)
     return f
 
 
+def _buffers(module: nn.Module, names: tuple[str, ...] | None) -> list[torch.Tensor]:
+    if names is None:
+        return [b for b in module.buffers() if b is not None]
+    own = dict(module.named_buffers())
+    return [own[n] for n in names if own.get(n) is not None]
+
+
 def is_checkpointed(module: nn.Module) -> bool:
-    return isinstance(module.__dict__.get("forward"), CheckpointedForward)
+    return isinstance(module.__dict__.get("forward"), _RematForward)
 
 
 def checkpointed_modules(model: nn.Module) -> list[str]:
-    """Qualified names of the modules remat has checkpointed in ``model``, in registration order."""
-    return [name for name, m in model.named_modules() if is_checkpointed(m)]
+    """The units remat has checkpointed in ``model`` (module names and segments), in module order."""
+    out = []
+    for name, m in model.named_modules():
+        f = m.__dict__.get("forward")
+        if isinstance(f, _RematForward):
+            out += f.unit_names(name)
+    return out
+
+
+def check_units(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """The names among ``names`` that are not units of ``model`` (missing modules, bad segments)."""
+    mods = dict(model.named_modules())
+    bad = []
+    for n in names:
+        container, seg = parse_unit(n)
+        m = mods.get(container)
+        if m is None:
+            bad.append(n)
+        elif seg is not None and (not isinstance(m, nn.Sequential) or not 0 <= seg[0] < seg[1] <= len(m)):
+            bad.append(n)
+    return bad
 
 
 def checkpoint_modules(
@@ -122,32 +230,46 @@ def checkpoint_modules(
     preserve_rng_state: bool = True,
     mutated_buffers: dict[str, Iterable[str]] | None = None,
 ) -> None:
-    """Checkpoint the named submodules of ``model`` in place (mutates ``model``).
+    """Checkpoint the named units of ``model`` in place (mutates ``model``).
 
-    ``mutated_buffers`` maps a unit to the names (relative to it) of the buffers its forward
-    mutates (Note [Buffers replay]); units not in it replay all their buffers.
-    Parameter names, ``state_dict`` keys, parameter identity and module hooks are unchanged."""
-    mods = dict(model.named_modules())
+    ``mutated_buffers`` maps a unit to the names (relative to its module, or for a segment to its
+    Sequential) of the buffers its forward mutates (Note [Buffers replay]); units not in it replay
+    all their buffers. Parameter names, ``state_dict`` keys, parameter identity and module hooks
+    are unchanged."""
     names = list(names)
-    missing = [n for n in names if n not in mods]
-    if missing:
-        raise KeyError(f"no submodule named {missing} in {type(model).__name__}")
+    bad = check_units(model, names)
+    if bad:
+        raise KeyError(f"no unit named {bad} in {type(model).__name__}")
+    mods = dict(model.named_modules())
+    mutated = mutated_buffers or {}
+    segments: dict[str, list[tuple[int, int]]] = {}
     for n in names:
+        container, seg = parse_unit(n)
+        if seg is not None:
+            segments.setdefault(container, []).append(seg)
+            continue
         m = mods[n]
         if not is_checkpointed(m):
-            bufs = None if mutated_buffers is None or n not in mutated_buffers else mutated_buffers[n]
+            bufs = tuple(mutated[n]) if n in mutated else None
             m.forward = CheckpointedForward(m, preserve_rng_state=preserve_rng_state, buffers=bufs)
+    for container, segs in segments.items():
+        m = mods[container]
+        if is_checkpointed(m):
+            raise ValueError(f"{container!r} is already checkpointed; cannot also checkpoint segments of it")
+        bufs = {s: (tuple(mutated[segment_name(container, *s)]) if segment_name(container, *s) in mutated
+                    else None) for s in segs}
+        m.forward = SegmentedForward(m, segs, preserve_rng_state=preserve_rng_state, buffers=bufs)
 
 
 def remove_checkpointing(model: nn.Module) -> list[str]:
-    """Undo remat's checkpointing everywhere in ``model`` (mutates it). Returns the names it undid."""
+    """Undo remat's checkpointing everywhere in ``model`` (mutates it). Returns the units it undid."""
     undone = []
     for name, m in model.named_modules():
         f = m.__dict__.get("forward")
-        if isinstance(f, CheckpointedForward):
+        if isinstance(f, _RematForward):
             if f.previous is not None:
                 m.forward = f.previous
             else:
                 del m.forward
-            undone.append(name)
+            undone += f.unit_names(name)
     return undone

@@ -11,6 +11,8 @@ Checkpointing a unit ``u`` changes that timeline in exactly two ways:
   during ``u``'s forward (``u.drops``) dies once nothing in the forward uses it
   any more (``drop.free_from``) instead of living until ``u``'s backward
   (``u.recompute_at``). The unit's inputs stay alive: checkpoint keeps them.
+* its inputs stay alive until its backward has run, held by the checkpoint, even where the
+  plain step would have freed them earlier (``u.keeps``: an input no operator saves).
 * just before ``u``'s backward, its forward runs again, growing memory by
   ``u.recompute_peak_bytes`` (measured during the original forward) on top of
   what is alive then.
@@ -96,12 +98,16 @@ class MemoryModel:
         k = bisect.bisect_right(self._free_from[unit], index)
         return self._prefix[unit][k]
 
+    def kept_bytes(self, unit: str, index: int) -> int:
+        """Bytes that checkpointing ``unit`` keeps alive at timeline ``index`` beyond the plain step."""
+        return sum(k.nbytes for k in self.units[unit].keeps if k.from_index <= index < k.until_index)
+
     def _coefs(self, index: int) -> dict[str, int]:
         out = {}
         for name in self.units:
-            b = self.dropped_bytes(name, index)
+            b = self.kept_bytes(name, index) - self.dropped_bytes(name, index)
             if b:
-                out[name] = -b
+                out[name] = b
         return out
 
     # -- rows ---------------------------------------------------------------------------------
@@ -118,6 +124,8 @@ class MemoryModel:
             if u.recompute_at is not None:
                 cuts.add(u.recompute_at)
                 cuts.update(d.free_from for d in u.drops if d.free_from < n)
+            for k in u.keeps:
+                cuts.update((k.from_index, k.until_index))
         bounds = sorted(c for c in cuts if 0 <= c <= n)
         for lo, hi in zip(bounds, bounds[1:]):
             if hi <= lo:
@@ -157,7 +165,7 @@ class MemoryModel:
         total = self.row_bytes(row, chosen)
         i = row.index
         grads = p.grad_bytes[i] if p.live_bytes else 0
-        dropped = sum(self.dropped_bytes(u, i) for u in chosen)
+        dropped = sum(self.dropped_bytes(u, i) - self.kept_bytes(u, i) for u in chosen)
         saved = (p.saved_bytes[i] if p.live_bytes else 0) - dropped
         phase = row.phase if row.unit is None or row.unit not in chosen else f"recompute of {row.unit}"
         if phase == "recompute":
@@ -180,19 +188,41 @@ class MemoryModel:
         """Predicted extra time of ``plan``: the measured recompute time of its units (seconds)."""
         return sum(self.units[u].recompute_s for u in plan)
 
-    def is_nested(self, a: str, b: str) -> bool:
-        """Whether unit ``a`` contains ``b`` or ``b`` contains ``a``."""
-        return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+    def conflicts(self, a: str, b: str) -> bool:
+        """Whether units ``a`` and ``b`` cannot be checkpointed together: one contains the other or
+        they overlap (segments), i.e. their forward spans intersect."""
+        ua, ub = self.units[a], self.units[b]
+        return a == b or (ua.forward_start <= ub.forward_end and ub.forward_start <= ua.forward_end)
 
     def ancestors(self, name: str) -> list[str]:
-        """Candidate units that strictly contain ``name``."""
-        return [u for u in self.units if u != name and name.startswith(u + ".")]
+        """Candidate units whose forward contains ``name``'s (on equal spans, the one with the shorter name)."""
+        u = self.units[name]
+        out = []
+        for v in self.units.values():
+            if v.name == name or not (v.forward_start <= u.forward_start and u.forward_end <= v.forward_end):
+                continue
+            if (v.forward_start, v.forward_end) != (u.forward_start, u.forward_end) or len(v.name) < len(name):
+                out.append(v.name)
+        return out
+
+    def cliques(self) -> list[list[str]]:
+        """Sets of units of which at most one may be chosen: those whose span covers a unit's first
+        operator. Every pair of intersecting spans shares one (the later start lies in both)."""
+        seen, out = set(), []
+        for u in self.units.values():
+            group = frozenset(v.name for v in self.units.values()
+                              if v.forward_start <= u.forward_start <= v.forward_end)
+            if len(group) > 1 and group not in seen:
+                seen.add(group)
+                out.append(sorted(group))
+        return out
 
     def _check(self, plan: frozenset[str]) -> None:
         unknown = sorted(plan - self.units.keys())
         if unknown:
             raise KeyError(f"not candidate units of this profile: {unknown}")
-        for a in plan:
-            for b in self.ancestors(a):
-                if b in plan:
-                    raise ValueError(f"plan checkpoints {a!r} inside checkpointed {b!r}; units must not nest")
+        chosen = sorted(plan)
+        for i, a in enumerate(chosen):
+            for b in chosen[i + 1:]:
+                if self.conflicts(a, b):
+                    raise ValueError(f"plan checkpoints {a!r} and {b!r}, which overlap; units must not nest")

@@ -12,6 +12,7 @@ from torch import nn
 import remat
 from remat.api import make_profile, split_inputs
 from remat.costs import Profile
+from remat.rewrite import parse_unit
 from remat.solve import Planner
 from zoo import ZOO
 
@@ -47,7 +48,8 @@ def case(name: str) -> Case:
 
 
 def descendant_calls(model: nn.Module, units, run) -> dict[str, int]:
-    """How many times the first-called descendant module of each unit runs during ``run()``.
+    """How many times the first-called descendant module of each unit (the first child of a segment)
+    runs during ``run()``.
 
     Recomputation runs a checkpointed unit's forward again from its start, so that first
     descendant runs twice per step; the unit's own hooks stay outside the checkpoint and
@@ -61,7 +63,11 @@ def descendant_calls(model: nn.Module, units, run) -> dict[str, int]:
     for h in handles:
         h.remove()
     for u in units:
-        first[u] = next(n for n in order if n.startswith(u + "."))
+        container, seg = parse_unit(u)
+        if seg is not None:  # a segment: its first child runs inside the checkpoint
+            first[u] = f"{container}.{seg[0]}" if container else str(seg[0])
+        else:
+            first[u] = next(n for n in order if n.startswith(u + "."))
     counts = {u: 0 for u in units}
     handles = [mods[f].register_forward_pre_hook(lambda mod, a, u=u: counts.__setitem__(u, counts[u] + 1))
                for u, f in first.items()]

@@ -163,3 +163,13 @@ def test_breakdown_adds_up():
         parts = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "buffers_bytes", "inputs_bytes",
                  "saved_activations_bytes", "temporaries_bytes")
         assert sum(b[k] for k in parts) == b["total_bytes"] == plan.predicted_peak_bytes
+
+
+def test_chen_segments_follow_checkpoint_sequential():
+    from remat.solve import chen_segments
+
+    # checkpoint_sequential(functions, segments=round(sqrt(n))): equal runs, all but the last checkpointed
+    assert chen_segments(16) == [(0, 4), (4, 8), (8, 12)]
+    assert chen_segments(3) == [(0, 1)]
+    assert chen_segments(10) == [(0, 3), (3, 6)]
+    assert chen_segments(1) == []

@@ -28,11 +28,19 @@ def block_units(model: MemoryModel) -> list[str]:
     """The model's repeated blocks, in forward order: candidate units that are numbered children of a
     container (``h.0``, ``layers.1``, ``down.2``) and not inside another numbered unit; the top-level
     candidates when there are none."""
-    numbered = [u for u in model.units if u.rpartition(".")[2].isdigit()]
+    numbered = [u for u in model.units if u.rpartition(".")[2].isdigit() and not model.units[u].is_segment]
     blocks = [u for u in numbered if not any(u.startswith(v + ".") for v in numbered)]
     if len(blocks) >= 2:
         return blocks
-    return [u for u in model.units if not model.ancestors(u)]
+    return [u for u in model.units if not model.ancestors(u) and not model.units[u].is_segment]
+
+
+def chen_segments(n: int) -> list[tuple[int, int]]:
+    """Chen et al.'s sqrt(n) rule as ``checkpoint_sequential(functions, segments=round(sqrt(n)))``
+    applies it: ``round(sqrt(n))`` equal segments, all but the last checkpointed."""
+    k = max(1, round(math.sqrt(n)))
+    size = n // k
+    return [(s, s + size) for s in range(0, size * (k - 1), size)] if size >= 1 else []
 
 
 class Planner:
@@ -144,7 +152,7 @@ class Planner:
         for u in ranked:
             if status != "infeasible":
                 break
-            if any(self.model.is_nested(u.name, c) for c in chosen):
+            if any(self.model.conflicts(u.name, c) for c in chosen):
                 continue
             chosen.append(u.name)
             if self.model.peak_bytes(chosen) <= budget_bytes:
@@ -161,7 +169,7 @@ class Planner:
         best: tuple[float, int, tuple[str, ...]] | None = None
         for k in range(len(units) + 1):
             for combo in itertools.combinations(units, k):
-                if any(self.model.is_nested(a, b) for a, b in itertools.combinations(combo, 2)):
+                if any(self.model.conflicts(a, b) for a, b in itertools.combinations(combo, 2)):
                     continue
                 if self.model.peak_bytes(combo) > budget_bytes:
                     continue
@@ -177,9 +185,28 @@ class Planner:
         """The cheapest plan among those with the least predicted peak."""
         return self.plan_for_budget(self.min_peak_bytes)
 
+    def chen_sqrt(self) -> Plan | None:
+        """Chen et al.'s sqrt(n) segments over the longest nn.Sequential whose segments were profiled
+        (what ``checkpoint_sequential`` does); None when the model has no such container."""
+        containers: dict[str, list[int]] = {}  # container -> [children seen, bytes its segments free]
+        for u in self.model.units.values():
+            if u.is_segment:
+                container, _, rng = u.name.rpartition("[")
+                entry = containers.setdefault(container, [0, 0])
+                entry[0] = max(entry[0], int(rng[:-1].split(":")[1]))
+                entry[1] += u.droppable_bytes
+        for container, (n, _) in sorted(containers.items(), key=lambda kv: kv[1], reverse=True):
+            names = [f"{container}[{i}:{j}]" for i, j in chen_segments(n)]
+            if names and all(nm in self.model.units for nm in names):
+                return self.make_plan(names, "chen_sqrt", status="baseline")
+        return None
+
     def baselines(self) -> list[Plan]:
-        """The usual hand rules: no checkpointing, every block, every 2nd block."""
-        return [self.no_checkpointing(), self.every_nth_block(1), self.every_nth_block(2)]
+        """The usual hand rules: no checkpointing, every block, every 2nd block, and Chen's sqrt(n)
+        segments where the blocks sit in an nn.Sequential."""
+        plans = [self.no_checkpointing(), self.every_nth_block(1), self.every_nth_block(2)]
+        chen = self.chen_sqrt()
+        return plans + ([chen] if chen is not None else [])
 
 
 def _ordinal(n: int) -> str:

@@ -6,8 +6,8 @@ Decision variables (one per candidate unit ``u``):
 Constraints:
     ``mem_<row>``   for every row of the memory model (remat.simulate.Row):
                      ``row.const_bytes + sum(row.coef_bytes[u] * x[u]) <= budget_bytes``
-    ``nest_<unit>`` a unit and its ancestors are never checkpointed together:
-                     ``x[u] + sum(x[a] for a in ancestors(u)) <= 1``
+    ``overlap_<unit>`` units whose forward spans cover ``unit``'s first operator (nested units,
+                     overlapping segments) are never checkpointed together: ``sum(x[v]) <= 1``
 
 Objective: minimise ``sum(recompute_s[u] * x[u])`` (measured seconds of recompute).
 
@@ -76,11 +76,9 @@ def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | N
             expr = pulp.LpAffineExpression(terms + [(peak, -1)])
             rhs = -row.const_bytes
         prob += pulp.LpConstraint(expr, pulp.LpConstraintLE, f"mem_{_name(row.name)}", rhs)
-    # nest_<unit>: never a unit inside a checkpointed unit
-    for u in units:
-        anc = model.ancestors(u)
-        if anc:
-            prob += (x[u] + pulp.lpSum(x[a] for a in anc) <= 1, f"nest_{_name(u)}")
+    # overlap_<unit>: never two units whose forwards intersect (a unit inside another, overlapping segments)
+    for i, group in enumerate(model.cliques()):
+        prob += (pulp.lpSum(x[v] for v in group) <= 1, f"overlap_{i}_{_name(group[0])}")
     prob.solve(_solver(time_limit_s))
     status = pulp.LpStatus[prob.status]
     if status != "Optimal":
