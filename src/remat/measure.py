@@ -165,14 +165,15 @@ def measure_training_step(
     state_tensors: Callable[[], Iterable[torch.Tensor]],
     warmup: int = 1,
     repeats: int = 3,
+    measure_memory: bool = True,
 ) -> StepMeasurement:
     """Measure real training steps: ``run_step()`` does forward, backward and optimizer step.
 
     ``state_tensors()`` lists what is alive before a step (parameters, buffers, optimizer state,
     inputs): on CPU their bytes are added to the tracked peak. Runs ``warmup`` untimed steps
     (which create optimizer state), ``repeats`` timed steps, then one step under memory tracking
-    (CPU) or with the allocator's peak reset (CUDA). The model and optimizer are trained by these
-    steps: pass copies.
+    (CPU) or with the allocator's peak reset (CUDA; memory allocated on the device that is not in
+    ``state_tensors()`` is left out). The model and optimizer are trained by these steps: pass copies.
     """
     for _ in range(warmup):
         run_step()
@@ -183,12 +184,16 @@ def measure_training_step(
         run_step()
         _sync(device)
         times.append(time.perf_counter() - t0)
+    if not measure_memory:
+        return StepMeasurement(0, statistics.median(times) if times else 0.0, tuple(times), "not measured")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        # whatever else lives on the device (the original model, other tensors) is not this step's
+        other = torch.cuda.memory_allocated(device) - tensor_bytes(state_tensors(), device)
         torch.cuda.reset_peak_memory_stats(device)
         run_step()
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
+        peak = torch.cuda.max_memory_allocated(device) - other
         method = "cuda allocator"
     else:
         state = list(state_tensors())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -168,6 +169,7 @@ def measure_step(
     optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
     warmup: int = 1,
     repeats: int = 3,
+    measure_memory: bool = True,
 ) -> StepMeasurement:
     """Measured peak memory (whole step) and median step time of real training steps of ``model``.
 
@@ -200,4 +202,40 @@ def measure_step(
                 yield from (t for t in st.values() if isinstance(t, torch.Tensor))
         yield from (t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
 
-    return measure_training_step(m, step, device=device, state_tensors=state, warmup=warmup, repeats=repeats)
+    return measure_training_step(m, step, device=device, state_tensors=state, warmup=warmup, repeats=repeats,
+                                 measure_memory=measure_memory)
+
+
+def warm_up(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    seconds: float = 3.0,
+    max_steps: int = 50,
+) -> int:
+    """Run training steps on a deep copy of ``model`` until three consecutive step times agree within
+    5%, ``seconds`` pass or ``max_steps`` run (see Note [Warm-up] in remat.report). Returns the steps run."""
+    loss_fn = loss_fn or default_loss
+    m = copy.deepcopy(model)
+    opt = optimizer_factory(m.parameters()) if optimizer_factory else None
+    args, kwargs = split_inputs(example_inputs)
+    device = model_device(m)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_steps and time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        loss_fn(m(*args, **kwargs)).backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            m.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        last = times[-3:]
+        if len(times) >= 5 and max(last) <= 1.05 * min(last):
+            break
+    return len(times)

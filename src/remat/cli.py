@@ -1,0 +1,286 @@
+"""The ``remat`` command line (also ``python -m remat``).
+
+    remat tradeoff TARGET      measured memory/step-time table: hand rules and remat's plan per budget
+    remat plan TARGET --budget GIB [--out plan.json]
+    remat profile TARGET       per-unit costs and the capture path
+    remat verify TARGET (--budget GIB | --plan plan.json)   equivalence check; exit 1 on mismatch
+
+TARGET is a built-in example (gpt, unet), path/to/file.py:function or package.module:function.
+User mistakes print one line and exit with status 2; --debug shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from remat import __version__
+from remat.api import apply_plan, make_profile, model_signature, optimize_checkpointing, split_inputs, validate
+from remat.errors import RematError
+from remat.plan import GiB, Plan, fmt_bytes
+from remat.report import plot_rows, rows_to_json, tradeoff
+from remat.solve import Planner
+from remat.targets import resolve_target
+from remat.verify import check_equivalence, measure_step
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+    "none": None,
+}
+
+
+class UsageError(Exception):
+    """A mistake on the command line: reported in one line, exit status 2."""
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of GiB: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"a budget must be a positive number of GiB, got {text!r}")
+    return value
+
+
+def _gib_list(text: str) -> list[float]:
+    return [_gib(t.strip()) for t in text.split(",") if t.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("target", help="gpt, unet, path/to/file.py:function or package.module:function")
+    common.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                        help="where to run (default: cuda when available, else cpu)")
+    common.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
+                        help="optimizer whose state counts in the budget (default: adamw)")
+    size = common.add_argument_group("size of a built-in example")
+    size.add_argument("--layers", type=int, help="gpt: decoder blocks (default 4)")
+    size.add_argument("--batch-size", type=int, help="examples per batch")
+    size.add_argument("--seq-len", type=int, help="gpt: tokens per example (default 64)")
+    size.add_argument("--d-model", type=int, help="gpt: width (default 128)")
+    size.add_argument("--image-size", type=int, help="unet: image side in pixels (default 64)")
+    size.add_argument("--depth", type=int, help="unet: down/up levels (default 3)")
+    common.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds (default 60)")
+    common.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    p = argparse.ArgumentParser(prog="remat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"remat {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tradeoff", parents=[common], help="measured memory/step-time tradeoff table")
+    g = t.add_mutually_exclusive_group()
+    g.add_argument("--budgets", type=_gib_list, help="budgets in GiB, comma-separated, e.g. 1.5,2,3")
+    g.add_argument("--points", type=int, default=6,
+                   help="number of budgets from the least achievable to the no-checkpointing peak (default 6)")
+    t.add_argument("--repeats", type=int, default=5, help="timed steps per plan (median; default 5)")
+    t.add_argument("--warmup", type=float, default=3.0,
+                   help="seconds of warm-up steps before measuring (default 3; the first steps run slow)")
+    t.add_argument("--json", type=Path, help="write every row with all fields to this file")
+    t.add_argument("--plot", type=Path, help="write measured peak vs step time to this PNG (needs matplotlib)")
+
+    pl = sub.add_parser("plan", parents=[common], help="solve one budget, print and save the plan")
+    pl.add_argument("--budget", type=_gib, required=True, help="GiB of peak memory for one training step")
+    pl.add_argument("--out", type=Path, help="write the plan as JSON (for remat.apply_plan)")
+
+    pr = sub.add_parser("profile", parents=[common], help="per-unit costs and the capture path")
+    pr.add_argument("--json", type=Path, help="write the whole profile as JSON")
+
+    v = sub.add_parser("verify", parents=[common], help="plain vs checkpointed: gradients, buffers, loss, output")
+    g = v.add_mutually_exclusive_group(required=True)
+    g.add_argument("--budget", type=_gib, help="plan for this budget, then check")
+    g.add_argument("--plan", type=Path, help="check a saved plan")
+    v.add_argument("--rtol", type=float, default=0.0)
+    v.add_argument("--atol", type=float, default=0.0)
+    return p
+
+
+def _device(arg: str | None) -> torch.device:
+    if arg == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu")
+    return torch.device(arg or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _console():
+    from rich.console import Console
+
+    out = Console()
+    if not out.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
+        out = Console(width=160)
+    return out, Console(stderr=True)
+
+
+def _target(args) -> tuple[Any, Any, Any, str, torch.device]:
+    device = _device(args.device)
+    options = dict(layers=args.layers, batch_size=args.batch_size, seq_len=args.seq_len, d_model=args.d_model,
+                   image_size=args.image_size, depth=args.depth)
+    model, inputs, loss_fn, desc = resolve_target(args.target, device=device, options=options)
+    return model, inputs, loss_fn, desc, device
+
+
+def _profile(args, model, inputs, loss_fn, device, status):
+    factory = OPTIMIZERS[args.optimizer]
+    optimizer = factory(model.parameters()) if factory else None
+    validate(model, 1.0, inputs)
+    a, k = split_inputs(inputs)
+    from remat.api import default_loss
+
+    status(f"profiling {type(model).__name__} on {device}")
+    return make_profile(model, a, k, loss_fn=loss_fn or default_loss, optimizer=optimizer, device=device), optimizer
+
+
+def _header(out, desc: str, device: torch.device, args) -> None:
+    out.print(f"[bold]remat[/bold] {__version__} · target {desc} · {device} · optimizer {args.optimizer} · "
+              f"torch {torch.__version__}")
+
+
+def cmd_tradeoff(args, out, err) -> int:
+    from rich.table import Table
+
+    model, inputs, loss_fn, desc, device = _target(args)
+    _header(out, desc, device, args)
+    with err.status("profiling") as st:
+        profile, _ = _profile(args, model, inputs, loss_fn, device, st.update)
+        budgets = [int(b * GiB) for b in args.budgets] if args.budgets else None
+        rows = tradeoff(model, inputs, profile, loss_fn=loss_fn, optimizer_factory=OPTIMIZERS[args.optimizer],
+                        budgets=budgets, points=args.points, repeats=args.repeats, warmup_s=args.warmup,
+                        progress=st.update)
+    planner_min = min((r.predicted_peak_bytes for r in rows if r.predicted_peak_bytes), default=None)
+    table = Table(title="memory / step-time tradeoff of one training step", title_justify="left")
+    for col, just in [("budget", "right"), ("strategy", "left"), ("units", "right"),
+                      ("peak\npredicted", "right"), ("peak\nmeasured", "right"), ("budget\nmet", "center"),
+                      ("step time\npredicted", "right"), ("step time\nmeasured", "right"),
+                      ("overhead\nmeasured", "right"), ("solve\ntime", "right")]:
+        table.add_column(col, justify=just, no_wrap=True)
+    for r in rows:
+        ms = (lambda s: "-" if s is None else f"{s * 1e3:.1f} ms")
+        table.add_row(
+            fmt_bytes(r.budget_bytes), r.strategy if r.status != "infeasible" else "remat (infeasible)",
+            str(r.units) if r.status != "infeasible" else "-",
+            fmt_bytes(r.predicted_peak_bytes) if r.predicted_peak_bytes is not None else r.note,
+            fmt_bytes(r.measured_peak_bytes), {True: "yes", False: "[red]NO[/red]", None: "-"}[r.budget_met],
+            ms(r.predicted_step_time_s), ms(r.measured_step_time_s),
+            "-" if r.measured_overhead is None else f"{r.measured_overhead:+.1%}",
+            "-" if r.solve_time_s is None else f"{r.solve_time_s:.2f} s",
+        )
+    out.print(table)
+    out.print(f"predicted: remat's memory model over one profile (capture: {profile.capture_path}, memory "
+              f"recorded on {profile.memory_recorded_with} tensors); measured: real training steps, peak as "
+              f"{'the CUDA allocator' if device.type == 'cuda' else 'live tensor storages (CPU)'}, step time the "
+              f"median of {args.repeats}. Least achievable peak (predicted): {fmt_bytes(planner_min)}.")
+    meta = dict(target=desc, device=str(device), optimizer=args.optimizer, torch=torch.__version__,
+                remat=__version__, machine=platform.platform(), date=datetime.now(timezone.utc).isoformat(),
+                capture_path=profile.capture_path, memory_recorded_with=profile.memory_recorded_with)
+    if args.json:
+        args.json.write_text(rows_to_json(rows, meta))
+        out.print(f"rows written to {args.json}")
+    if args.plot:
+        try:
+            plot_rows(rows, args.plot, f"{desc} on {device}")
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'remat[plot]'") from None
+        out.print(f"plot written to {args.plot}")
+    return 0
+
+
+def cmd_plan(args, out, err) -> int:
+    model, inputs, loss_fn, desc, device = _target(args)
+    _header(out, desc, device, args)
+    factory = OPTIMIZERS[args.optimizer]
+    with err.status("profiling and solving"):
+        plan = optimize_checkpointing(model, args.budget, inputs, loss_fn=loss_fn,
+                                      optimizer=factory(model.parameters()) if factory else None,
+                                      time_limit_s=args.time_limit)
+    out.print(str(plan), markup=False, highlight=False)
+    if args.out:
+        plan.save(args.out)
+        out.print(f"plan written to {args.out} (apply it with remat.apply_plan(model, remat.Plan.load(path)))")
+    return 0
+
+
+def cmd_profile(args, out, err) -> int:
+    from rich.table import Table
+
+    model, inputs, loss_fn, desc, device = _target(args)
+    _header(out, desc, device, args)
+    with err.status("profiling") as st:
+        profile, _ = _profile(args, model, inputs, loss_fn, device, st.update)
+    planner = Planner(profile, time_limit_s=args.time_limit)
+    out.print(f"capture: {profile.capture_path}; memory recorded on {profile.memory_recorded_with} tensors; "
+              f"measured plain step {profile.step_time_s * 1e3:.1f} ms (forward {profile.forward_s * 1e3:.1f}, "
+              f"backward {profile.backward_s * 1e3:.1f}, optimizer {profile.optimizer_s * 1e3:.1f})")
+    out.print(f"fixed memory: parameters {fmt_bytes(profile.params_bytes)}, gradients {fmt_bytes(profile.grads_bytes)}, "
+              f"optimizer state [{profile.optimizer}] {fmt_bytes(profile.optimizer_state_bytes)}, buffers "
+              f"{fmt_bytes(profile.buffers_bytes)}, inputs {fmt_bytes(profile.inputs_bytes)}")
+    out.print(f"peak (predicted): {fmt_bytes(planner.baseline_peak_bytes)} without checkpointing, "
+              f"{fmt_bytes(planner.min_peak_bytes)} at least")
+    table = Table(title="units (measured)", title_justify="left")
+    for col in ["unit", "forward", "recompute", "backward", "GFLOP", "saved for bwd", "freed if ckpt", "note"]:
+        table.add_column(col, justify="left" if col in ("unit", "note") else "right")
+    ms = (lambda s: "-" if s is None else f"{s * 1e3:.2f} ms")
+    for u in profile.units:
+        note = u.excluded or ("" if u.drops else "frees nothing")
+        table.add_row(u.name, ms(u.forward_s), ms(u.recompute_s), ms(u.backward_s), f"{u.flops / 1e9:.3f}",
+                      fmt_bytes(u.saved_bytes), fmt_bytes(u.droppable_bytes), note)
+    out.print(table)
+    for n in profile.notes:
+        out.print(f"note: {n}")
+    if args.json:
+        args.json.write_text(profile.to_json())
+        out.print(f"profile written to {args.json}")
+    return 0
+
+
+def cmd_verify(args, out, err) -> int:
+    model, inputs, loss_fn, desc, device = _target(args)
+    _header(out, desc, device, args)
+    factory = OPTIMIZERS[args.optimizer]
+    with err.status("planning" if args.budget else "applying the plan"):
+        if args.plan:
+            plan = Plan.load(args.plan)
+            apply_plan(model, plan)
+        else:
+            plan = optimize_checkpointing(model, args.budget, inputs, loss_fn=loss_fn,
+                                          optimizer=factory(model.parameters()) if factory else None,
+                                          time_limit_s=args.time_limit)
+    with err.status("running plain and checkpointed steps"):
+        report = check_equivalence(model, inputs, loss_fn=loss_fn, rtol=args.rtol, atol=args.atol)
+        measured = measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=factory)
+    out.print(str(report), markup=False, highlight=False)
+    met = "" if plan.budget_bytes is None else (" (within budget)" if measured.peak_bytes <= plan.budget_bytes
+                                                else " (OVER BUDGET)")
+    out.print(f"measured peak {fmt_bytes(measured.peak_bytes)}{met}; predicted {fmt_bytes(plan.predicted_peak_bytes)}; "
+              f"budget {fmt_bytes(plan.budget_bytes)}", markup=False)
+    return 0 if report.equal else 1
+
+
+COMMANDS = {"tradeoff": cmd_tradeoff, "plan": cmd_plan, "profile": cmd_profile, "verify": cmd_verify}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out, err = _console()
+    try:
+        return COMMANDS[args.command](args, out, err)
+    except (UsageError, RematError) as e:
+        if args.debug:
+            raise
+        msg = " ".join(str(e).split())
+        print(f"remat: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The memory/step-time tradeoff: plans at a sweep of budgets and the hand rules, each measured.
+
+``tradeoff`` profiles once, makes remat's plan at every budget plus the usual hand rules,
+applies each distinct plan to the model, measures real training steps (peak memory and median
+step time) and returns one :class:`TradeoffRow` per (strategy, budget). Predicted figures come
+from the simulator; measured ones from :func:`remat.verify.measure_step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from remat.api import apply_plan, model_signature
+from remat.costs import Profile
+from remat.errors import InfeasibleBudgetError
+from remat.plan import GiB, Plan, fmt_bytes
+from remat.rewrite import remove_checkpointing
+from remat.solve import Planner
+from remat.verify import measure_step, warm_up
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class TradeoffRow:
+    """One line of the tradeoff table. Bytes and seconds; ``predicted_*`` from the simulator,
+    ``measured_*`` from real steps (None where not measured)."""
+
+    strategy: str
+    budget_bytes: int | None
+    checkpointed: tuple[str, ...]
+    predicted_peak_bytes: int | None
+    measured_peak_bytes: int | None
+    predicted_step_time_s: float | None
+    measured_step_time_s: float | None
+    #: measured step time over the measured no-checkpointing step time, minus 1
+    measured_overhead: float | None
+    solve_time_s: float | None
+    #: "optimal", "fits", "baseline", "infeasible", ...
+    status: str
+    #: whether the measured peak is within the budget (None without a budget or a measurement)
+    budget_met: bool | None
+    note: str = ""
+
+    @property
+    def units(self) -> int:
+        return len(self.checkpointed)
+
+
+def budget_sweep(planner: Planner, points: int) -> list[int]:
+    """``points`` budgets (bytes) evenly from the least achievable peak to the no-checkpointing peak."""
+    lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
+    if points <= 1 or hi <= lo:
+        return [hi]
+    return [int(lo + (hi - lo) * i / (points - 1)) for i in range(points)]
+
+
+def tradeoff(
+    model: nn.Module,
+    inputs: Any,
+    profile: Profile,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    optimizer_factory: OptimizerFactory | None,
+    budgets: list[int] | None = None,
+    points: int = 6,
+    warmup: int = 2,
+    repeats: int = 5,
+    warmup_s: float = 3.0,
+    progress: Callable[[str], None] | None = None,
+) -> list[TradeoffRow]:
+    """Plan and measure. ``model`` must be plain (not checkpointed); it is checkpointed and restored
+    in turn, and each measurement trains a deep copy, so ``model`` ends as it started."""
+    planner = Planner(profile)
+    sweep = budgets if budgets is not None else budget_sweep(planner, points)
+    say = progress or (lambda msg: None)
+    plans: list[tuple[Plan | None, int | None, str]] = [(p, None, "") for p in planner.baselines()]
+    for b in sweep:
+        try:
+            plans.append((planner.plan_for_budget(b), b, ""))
+        except InfeasibleBudgetError:
+            plans.append((None, b, f"below the least achievable peak {fmt_bytes(planner.min_peak_bytes)}"))
+
+    # Each distinct plan is measured twice, in forward then reverse order, and keeps the faster median:
+    # on a shared CPU, timings drift (warm-up, other load) and only ever upwards.
+    distinct: dict[frozenset[str], Plan] = {}
+    for plan, _, _ in plans:
+        if plan is not None:
+            distinct.setdefault(frozenset(plan.checkpointed), plan)
+    order = list(distinct.items())
+    # Note [Warm-up]: the first steps of a process run slow (thread pools, allocator, clocks): on the
+    # 2-core CPU this project is measured on, ~50% slower for the first ~15 steps. Warm up first, with
+    # the least-memory plan so that warming up fits wherever the plans do.
+    say("warming up")
+    least = min(distinct.values(), key=lambda p: p.predicted_peak_bytes)
+    apply_plan(model, dataclasses.replace(least, model_signature=model_signature(model)))
+    try:
+        warm_up(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory, seconds=warmup_s)
+    finally:
+        remove_checkpointing(model)
+    measured: dict[frozenset[str], Any] = {}
+    for pass_no, seq in enumerate((order, order[::-1])):
+        for i, (key, plan) in enumerate(seq):
+            say(f"measuring {plan.strategy} ({len(plan.checkpointed)} units), pass {pass_no + 1}/2 "
+                f"[{i + 1}/{len(seq)}]")
+            apply_plan(model, dataclasses.replace(plan, model_signature=model_signature(model)))
+            try:
+                m = measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
+                                 warmup=warmup, repeats=repeats, measure_memory=pass_no == 0)
+            finally:
+                remove_checkpointing(model)
+            if key in measured:
+                m = dataclasses.replace(measured[key], step_time_s=min(measured[key].step_time_s, m.step_time_s),
+                                        step_times_s=measured[key].step_times_s + m.step_times_s)
+            measured[key] = m
+    plain_time = measured[frozenset()].step_time_s
+    rows = []
+    for plan, budget, note in plans:
+        if plan is None:
+            rows.append(TradeoffRow("remat", budget, (), None, None, None, None, None, None, "infeasible", None, note))
+            continue
+        m = measured[frozenset(plan.checkpointed)]
+        name = "remat" if plan.strategy == "ilp" else plan.strategy
+        rows.append(TradeoffRow(
+            strategy=name,
+            budget_bytes=budget,
+            checkpointed=plan.checkpointed,
+            predicted_peak_bytes=plan.predicted_peak_bytes,
+            measured_peak_bytes=m.peak_bytes,
+            predicted_step_time_s=plan.predicted_step_time_s,
+            measured_step_time_s=m.step_time_s,
+            measured_overhead=m.step_time_s / plain_time - 1 if plain_time > 0 else None,
+            solve_time_s=plan.solve_time_s if plan.strategy == "ilp" else None,
+            status=plan.solver_status,
+            budget_met=None if budget is None else m.peak_bytes <= budget,
+            note=note,
+        ))
+    return rows
+
+
+def rows_to_json(rows: list[TradeoffRow], meta: dict[str, Any]) -> str:
+    return json.dumps({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, indent=2)
+
+
+def plot_rows(rows: list[TradeoffRow], path: str | Path, title: str) -> None:
+    """Measured peak vs measured step time: remat's plans as a curve, hand rules as labelled points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    mine = sorted((r for r in rows if r.strategy == "remat" and r.measured_peak_bytes is not None),
+                  key=lambda r: r.measured_peak_bytes)
+    if mine:
+        ax.plot([r.measured_peak_bytes / GiB for r in mine], [r.measured_step_time_s * 1e3 for r in mine],
+                "o-", color="C0", label="remat (one point per budget)")
+        for r in mine:
+            ax.axvline(r.budget_bytes / GiB, color="C0", alpha=0.12, lw=1)
+    for k, r in enumerate(x for x in rows if x.strategy != "remat" and x.measured_peak_bytes is not None):
+        ax.plot(r.measured_peak_bytes / GiB, r.measured_step_time_s * 1e3, "s", color=f"C{k + 1}", label=r.strategy)
+    ax.set_xlabel("measured peak memory of a training step (GiB)")
+    ax.set_ylabel("measured step time (ms)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,119 @@
+"""The command line through its real entry point (main(argv)), on tiny built-in examples."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from remat import Plan
+from remat.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_GPT = ["gpt", "--layers", "2", "--batch-size", "4", "--seq-len", "64", "--d-model", "32", "--device", "cpu"]
+TINY_UNET = ["unet", "--batch-size", "4", "--image-size", "32", "--depth", "2", "--device", "cpu"]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_tradeoff_table_json_and_plot(capsys, tmp_path):
+    code, out, err = run(capsys, "tradeoff", *TINY_GPT, "--points", "3", "--repeats", "1", "--warmup", "0",
+                         "--json", str(tmp_path / "rows.json"), "--plot", str(tmp_path / "curve.png"))
+    assert code == 0, err
+    for label in ("every_block", "every_2nd_block", "remat", "predicted", "measured"):
+        assert label in out
+    data = json.loads((tmp_path / "rows.json").read_text())
+    assert data["meta"]["target"].startswith("gpt") and data["meta"]["torch"] == torch.__version__
+    rows = data["rows"]
+    assert [r["strategy"] for r in rows[:3]] == ["none", "every_block", "every_2nd_block"]
+    remat_rows = [r for r in rows if r["strategy"] == "remat"]
+    assert len(remat_rows) == 3
+    fields = {"budget_bytes", "checkpointed", "predicted_peak_bytes", "measured_peak_bytes", "predicted_step_time_s",
+              "measured_step_time_s", "measured_overhead", "solve_time_s", "status", "budget_met"}
+    assert all(fields <= r.keys() for r in rows)
+    for r in remat_rows:
+        assert r["measured_peak_bytes"] <= r["budget_bytes"] and r["budget_met"] is True
+    assert remat_rows[0]["budget_bytes"] < remat_rows[-1]["budget_bytes"]
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tradeoff_reports_an_unreachable_budget_and_goes_on(capsys, tmp_path):
+    code, out, err = run(capsys, "tradeoff", *TINY_UNET, "--budgets", "0.000001,1", "--repeats", "1",
+                         "--warmup", "0", "--json", str(tmp_path / "rows.json"))
+    assert code == 0, err
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert rows[-2]["status"] == "infeasible" and "least achievable peak" in rows[-2]["note"]
+    assert rows[-1]["status"] == "fits" and rows[-1]["budget_met"] is True
+    assert "infeasible" in out
+
+
+def test_plan_then_verify_the_saved_plan(capsys, tmp_path):
+    code, out, err = run(capsys, "profile", *TINY_UNET)
+    assert code == 0, err
+    assert "capture: fx" in out and "down.0" in out and "freed if ckpt" in out
+    code, out, err = run(capsys, "plan", *TINY_UNET, "--budget", "0.0054", "--out", str(tmp_path / "p.json"))
+    assert code == 0, err
+    plan = Plan.load(tmp_path / "p.json")
+    assert plan.checkpointed and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert "peak breakdown (predicted" in out and "optimizer state [AdamW]" in out
+    code, out, err = run(capsys, "verify", *TINY_UNET, "--plan", str(tmp_path / "p.json"))
+    assert code == 0, err
+    assert "equivalent" in out and "within budget" in out
+
+
+def test_verify_with_a_budget_and_custom_file_target(capsys):
+    target = f"{ROOT / 'examples' / 'custom_target.py'}:build"
+    code, out, err = run(capsys, "verify", target, "--budget", "0.006", "--device", "cpu")
+    assert code == 0, err
+    assert "remat equivalence check: equivalent" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["profile", "nosuchmodel"], "unknown target 'nosuchmodel'"),
+    (["profile", "examples/custom_target.py:nope"], "has no function 'nope'"),
+    (["profile", "no/such/file.py:build"], "does not exist"),
+    (["profile", "remat.examples:EXAMPLES"], "has no function 'EXAMPLES'"),
+    (["profile", "no_such_package.mod:build"], "cannot import module 'no_such_package.mod'"),
+    (["plan", "unet", "--budget", "0.0000001", "--image-size", "16"], "least peak any checkpointing plan reaches"),
+])
+def test_user_mistakes_exit_2_with_one_line(capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(ROOT)
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_function_returning_the_wrong_thing(capsys, tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def build():\n    return 42\n")
+    code, out, err = run(capsys, "profile", f"{bad}:build")
+    assert code == 2 and "must return (model, example_inputs)" in err and "Traceback" not in err
+
+
+def test_bad_budget_and_missing_cuda(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "gpt", "--budget", "lots"])
+    assert e.value.code == 2
+    assert "not a number of GiB" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        code, out, err = run(capsys, "profile", "gpt", "--device", "cuda")
+        assert code == 2 and "CUDA is not available" in err
+
+
+def test_debug_shows_the_traceback(capsys):
+    with pytest.raises(Exception, match="unknown target"):
+        main(["profile", "nosuchmodel", "--debug"])
+
+
+def test_console_script_entry_point():
+    out = subprocess.run([sys.executable, "-m", "remat", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("remat ")
