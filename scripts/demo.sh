@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up .venv (scripts/setup.sh) and run remat's main job on the built-in GPT example.
+# Set up .venv (scripts/setup.sh) and run remat's main job, the measured memory/step-time tradeoff
+# table, on the built-in GPT example. Extra arguments go to `remat tradeoff`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >/dev/null
-exec .venv/bin/python examples/train_gpt.py "$@"
+exec .venv/bin/remat tradeoff "${@:-gpt}"

@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", type=Path, help="write the plan as JSON (for remat.apply_plan)")
 
     pr = sub.add_parser("profile", parents=[common], help="per-unit costs and the capture path")
+    pr.add_argument("--warmup", type=float, default=3.0,
+                    help="seconds of warm-up steps before profiling (default 3; the first steps run slow)")
     pr.add_argument("--json", type=Path, help="write the whole profile as JSON")
 
     v = sub.add_parser("verify", parents=[common], help="plain vs checkpointed: gradients, buffers, loss, output")
@@ -135,6 +137,22 @@ def _profile(args, model, inputs, loss_fn, device, status):
     a, k = split_inputs(inputs)
     from remat.api import default_loss
 
+    warmup_s = getattr(args, "warmup", 0.0)
+    if warmup_s > 0:
+        # Note [Warm-up] in remat.report: a fresh process runs its first steps slow, and profiling
+        # measures times too. Warm up with the top-level composite modules checkpointed (little memory).
+        from remat.capture import composite_modules
+        from remat.rewrite import checkpoint_modules, remove_checkpointing
+        from remat.verify import warm_up
+
+        status("warming up")
+        comp = composite_modules(model)
+        top = [c for c in comp if not any(c.startswith(o + ".") for o in comp)]
+        checkpoint_modules(model, top)
+        try:
+            warm_up(model, inputs, loss_fn=loss_fn, optimizer_factory=factory, seconds=warmup_s)
+        finally:
+            remove_checkpointing(model)
     status(f"profiling {type(model).__name__} on {device}")
     return make_profile(model, a, k, loss_fn=loss_fn or default_loss, optimizer=optimizer, device=device), optimizer
 

@@ -389,6 +389,19 @@ def _measure_time(
         elif step > 1:  # the least of the timed steps: CPU timings are noisy upwards, never downwards
             result = _min_timing(result, timing)
     assert result is not None
+    # the step's own forward and backward, timed without hooks (their cost is not the model's)
+    for _ in range(2):
+        t0 = now()
+        out = model(*args, **kwargs)
+        loss = loss_fn(out)
+        t1 = now()
+        torch.autograd.grad(loss, _grad_targets(params, (args, kwargs)), allow_unused=True)
+        t2 = now()
+        del out, loss
+        result.step_forward_s = min(result.step_forward_s, t1 - t0)
+        result.step_backward_s = min(result.step_backward_s, t2 - t1)
+    for name in checkpointed:
+        mods[name].forward.recompute_timer = None
     return result
 
 
@@ -418,7 +431,8 @@ def _optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.devi
     Measured on zero-filled shadow copies, one parameter at a time (so profiling never holds a
     second copy of the model): one step creates the state, a second is measured. Temporaries
     add up across parameters when the optimizer runs its foreach/fused implementation, and are
-    the largest single parameter's otherwise."""
+    the largest single parameter's otherwise. Time: the per-parameter step times, less the fixed
+    cost of a step call (timed on a one-element shadow) paid once per parameter instead of once."""
     if optimizer is None:
         return 0, 0, 0.0, "none (no optimizer given: no optimizer state counted)"
     cls = type(optimizer)
@@ -468,6 +482,20 @@ def _optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.devi
             temps.append(tr.peak_bytes)
             del opt, shadow
     temp = (sum(temps) if multi else max(temps, default=0))
+    if len(temps) > 1:
+        group = optimizer.param_groups[0]
+        tiny = torch.zeros(1, device=device, dtype=torch.float32, requires_grad=True)
+        tiny.grad = torch.zeros_like(tiny)
+        opt = _shadow_optimizer(optimizer, {k: v for k, v in group.items() if k != "params"}, tiny)
+        opt.step()
+        call_s = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            call_s = min(call_s, time.perf_counter() - t0)
+        total_s = max(total_s - (len(temps) - 1) * call_s, total_s / len(temps))
     return state_bytes, temp, total_s, cls.__name__
 
 

@@ -157,16 +157,18 @@ def plot_rows(rows: list[TradeoffRow], path: str | Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    peaks = [r.measured_peak_bytes for r in rows if r.measured_peak_bytes is not None]
+    unit, scale = ("GiB", GiB) if max(peaks, default=0) >= GiB else ("MiB", 2**20)
     mine = sorted((r for r in rows if r.strategy == "remat" and r.measured_peak_bytes is not None),
                   key=lambda r: r.measured_peak_bytes)
     if mine:
-        ax.plot([r.measured_peak_bytes / GiB for r in mine], [r.measured_step_time_s * 1e3 for r in mine],
+        ax.plot([r.measured_peak_bytes / scale for r in mine], [r.measured_step_time_s * 1e3 for r in mine],
                 "o-", color="C0", label="remat (one point per budget)")
         for r in mine:
-            ax.axvline(r.budget_bytes / GiB, color="C0", alpha=0.12, lw=1)
+            ax.axvline(r.budget_bytes / scale, color="C0", alpha=0.12, lw=1)
     for k, r in enumerate(x for x in rows if x.strategy != "remat" and x.measured_peak_bytes is not None):
-        ax.plot(r.measured_peak_bytes / GiB, r.measured_step_time_s * 1e3, "s", color=f"C{k + 1}", label=r.strategy)
-    ax.set_xlabel("measured peak memory of a training step (GiB)")
+        ax.plot(r.measured_peak_bytes / scale, r.measured_step_time_s * 1e3, "s", color=f"C{k + 1}", label=r.strategy)
+    ax.set_xlabel(f"measured peak memory of a training step ({unit}; faint lines: budgets)")
     ax.set_ylabel("measured step time (ms)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
