@@ -87,6 +87,11 @@ def validate(model: Any, budget_gb: Any, example_inputs: Any) -> tuple[int, tupl
             "there is no training step to checkpoint"
         )
     args, kwargs = split_inputs(example_inputs)
+    if kwargs.get("use_cache") is True:
+        raise InvalidInputError(
+            "example_inputs sets use_cache=True: a KV cache in a checkpointed training step is rebuilt on every "
+            "recomputation; pass use_cache=False (training does not use the cache)"
+        )
     device = model_device(model)
     for t in tree_flatten((args, kwargs))[0]:
         if isinstance(t, torch.Tensor) and t.device != device:
@@ -142,16 +147,58 @@ def optimize_checkpointing(
     """
     budget_bytes, args, kwargs, device = validate(model, budget_gb, example_inputs)
     loss_fn = loss_fn or default_loss
-    with preserved(model, on_success=False):
-        profile = make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device)
-        planner = Planner(profile, time_limit_s=time_limit_s)
-        plan = planner.plan_for_budget(budget_bytes)
-        plan = dataclasses.replace(plan, model_signature=model_signature(model))
-        remove_checkpointing(model)
-        checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers))
+    notes, undo = _take_over_hf(model)
+    try:
+        with preserved(model, on_success=False):
+            profile = make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device)
+            planner = Planner(profile, time_limit_s=time_limit_s)
+            plan = planner.plan_for_budget(budget_bytes)
+            plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)
+            remove_checkpointing(model)
+            checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers))
+    except BaseException:
+        undo()
+        raise
     log.info("remat: checkpointed %d units; predicted peak %d bytes", len(plan.checkpointed),
              plan.predicted_peak_bytes)
     return plan
+
+
+def _take_over_hf(model: nn.Module) -> tuple[tuple[str, ...], Callable[[], None]]:
+    """Hugging Face specifics, before profiling (Note [Hugging Face]). Returns notes for the plan and a
+    function that puts everything back (called when optimize_checkpointing fails).
+
+    Note [Hugging Face]
+    ~~~~~~~~~~~~~~~~~~~
+    * ``config.use_cache``: a KV cache built in a checkpointed forward is built again on recompute,
+      and training does not need it; remat sets it to False and says so.
+    * ``gradient_checkpointing_enable()`` makes each decoder layer checkpoint itself; combined with
+      remat's plan, layers would be checkpointed twice. remat takes over: it turns the model's own
+      flags off (``gradient_checkpointing_disable()`` does the same) and says so.
+    """
+    notes: list[str] = []
+    undo_steps: list[Callable[[], None]] = []
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if flagged:
+        for m in flagged:
+            m.gradient_checkpointing = False
+        undo_steps.append(lambda: [setattr(m, "gradient_checkpointing", True) for m in flagged])
+        notes.append(
+            f"took over from the model's own gradient checkpointing (gradient_checkpointing_enable() on "
+            f"{len(flagged)} modules): turned off, remat's plan replaces it"
+        )
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False) is True:
+        config.use_cache = False
+        undo_steps.append(lambda: setattr(config, "use_cache", True))
+        notes.append("set model.config.use_cache = False: a KV cache would be rebuilt by every recomputation "
+                     "and training does not use it")
+
+    def undo() -> None:
+        for step in reversed(undo_steps):
+            step()
+
+    return tuple(notes), undo
 
 
 def apply_plan(model: nn.Module, plan: Plan) -> None:

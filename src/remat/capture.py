@@ -104,7 +104,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> ModelGraph
         log.info("torch.fx.symbolic_trace failed (%s); trying torch.export (non-strict)", _first_line(e))
     try:
         # torch.export prints the partial graph of a failed export to stderr: keep it out of the user's log
-        with _quiet("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export"), \
+        with quiet_loggers("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export"), \
                 contextlib.redirect_stderr(io.StringIO()):
             ep = torch.export.export(model, args, kwargs, strict=False)
         order, dg = _units_from_graph(ep.graph, possible)
@@ -117,11 +117,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> ModelGraph
 
 
 @contextlib.contextmanager
-def _quiet(*loggers: str):
+def quiet_loggers(*loggers: str):
     """Silence torch's own warnings (graph dumps) while a capture path is only being tried."""
     saved = [(logging.getLogger(n), logging.getLogger(n).level) for n in loggers]
     for lg, _ in saved:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:

@@ -16,6 +16,7 @@ inputs) is counted separately by :func:`tensor_bytes`.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import weakref
@@ -137,6 +138,17 @@ class StorageTracker(TorchDispatchMode):
             self.timeline.append(self.live_bytes)
         self.index += 1
         return out
+
+
+@contextlib.contextmanager
+def outside_autocast():
+    """Note [Autocast]: remat runs forward and loss under the caller's autocast state and backward
+    outside it, as PyTorch's AMP recipe does (checkpoint recomputes under the forward's state). A
+    backward inside autocast would keep the autocast cache's casts of the weights alive through it."""
+    with torch.autocast("cpu", enabled=False), (
+        torch.autocast("cuda", enabled=False) if torch.cuda.is_available() else contextlib.nullcontext()
+    ):
+        yield
 
 
 def _sync(device: torch.device) -> None:

@@ -49,10 +49,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from remat.capture import ModelGraph, unit_parent
+from remat.capture import ModelGraph, quiet_loggers, unit_parent
 from remat.costs import Drop, Keep, Profile, UnitCost
 from remat.errors import InvalidInputError
-from remat.measure import StorageRecord, StorageTracker, storage_key, tensor_bytes
+from remat.measure import StorageRecord, StorageTracker, outside_autocast, storage_key, tensor_bytes
 from remat.rewrite import checkpoint_modules, segment_name
 from remat.solve import chen_segments
 from remat.state import preserved
@@ -176,7 +176,8 @@ def _hook_units(model: nn.Module, units: list[str], enter, leave) -> list:
     handles = []
     for name in units:
         m = mods[name]
-        handles.append(m.register_forward_pre_hook(lambda mod, a, name=name: enter(name, a)))
+        handles.append(m.register_forward_pre_hook(lambda mod, a, kw, name=name: enter(name, (a, kw)),
+                                                   with_kwargs=True))
         handles.append(
             m.register_forward_hook(lambda mod, a, o, name=name: leave(name, o), always_call=True)
         )
@@ -236,7 +237,8 @@ def _record_memory(
             loss = _checked_loss(loss_fn, out)
             rec.backward = True
             backward_start = rec.index
-            grads = torch.autograd.grad(loss, _grad_targets(trainable, (fargs, fkwargs)), allow_unused=True)
+            with outside_autocast():
+                grads = torch.autograd.grad(loss, _grad_targets(trainable, (fargs, fkwargs)), allow_unused=True)
             for g in grads:
                 if g is not None:
                     r = rec.by_key.get(storage_key(g))
@@ -374,7 +376,8 @@ def _measure_time(
             t1 = now()
             if isinstance(size_log, _SizeLog):
                 sizes = size_log.ops
-            torch.autograd.grad(loss, _grad_targets(params, (args, kwargs)), allow_unused=True)
+            with outside_autocast():
+                torch.autograd.grad(loss, _grad_targets(params, (args, kwargs)), allow_unused=True)
             t2 = now()
             del out, loss
         finally:
@@ -395,7 +398,8 @@ def _measure_time(
         out = model(*args, **kwargs)
         loss = loss_fn(out)
         t1 = now()
-        torch.autograd.grad(loss, _grad_targets(params, (args, kwargs)), allow_unused=True)
+        with outside_autocast():
+            torch.autograd.grad(loss, _grad_targets(params, (args, kwargs)), allow_unused=True)
         t2 = now()
         del out, loss
         result.step_forward_s = min(result.step_forward_s, t1 - t0)
@@ -567,6 +571,11 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
         for r in saved.values():
             if getattr(r, "is_grad", False) or not (start <= r.alloc_index <= end) or r_at is None:
                 continue
+            # Note [Held storages]: a storage the plain step never frees is held by something besides
+            # autograd (the output, the autocast cache's casts of the weights, a module attribute):
+            # checkpointing does not free it either.
+            if r.free_index is None or r.free_index >= n:
+                continue
             # Note [Shared saved storages]: a storage that operators outside the unit also save
             # dies, once the unit is checkpointed, when the last of those releases it (just after
             # its backward operator first reads it); one that is never read back stays.
@@ -629,6 +638,13 @@ def _calibrate_sizes(rec: _Recorder, real: list[tuple[str, list[int | None]]]) -
     return fixed
 
 
+def _autocast_enabled(device: torch.device) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device.type))
+    except TypeError:  # torch < 2.4 takes no device type
+        return bool(torch.is_autocast_enabled() if device.type == "cuda" else torch.is_autocast_cpu_enabled())
+
+
 def profile_model(
     model: nn.Module,
     args: tuple,
@@ -651,17 +667,24 @@ def profile_model(
     }
     extra = [c for children in sequentials.values() for c in children] + [c for c in sequentials if c]
     with preserved(model):
-        try:
-            rec, bstart, ran = _record_memory(model, args, kwargs, loss_fn, device, units, fake=True, extra=extra)
-            recorded = "fake"
-        except InvalidInputError:
-            raise
-        except Exception as e:  # noqa: BLE001 - data-dependent code cannot run on fake tensors
-            log.info("recording on fake tensors failed (%s: %s); recording a real step", type(e).__name__, e)
-            notes.append(
-                f"memory recorded on a real step (fake tensors failed: {type(e).__name__}); profiling "
-                "needed the plain step's peak"
-            )
+        reason = None
+        if _autocast_enabled(device):
+            # Note [Autocast and fake tensors]: the autocast cache does not hold casts of fake weights,
+            # so a fake recording casts weights again at every use where the real step reuses them.
+            reason = "autocast is on"
+        else:
+            try:
+                with quiet_loggers("torch._subclasses.fake_tensor"):  # a failure here is expected and handled
+                    rec, bstart, ran = _record_memory(model, args, kwargs, loss_fn, device, units, fake=True,
+                                                      extra=extra)
+                recorded = "fake"
+            except InvalidInputError:
+                raise
+            except Exception as e:  # noqa: BLE001 - data-dependent code cannot run on fake tensors
+                log.info("recording on fake tensors failed (%s: %s); recording a real step", type(e).__name__, e)
+                reason = f"fake tensors failed: {type(e).__name__}"
+        if reason is not None:
+            notes.append(f"memory recorded on a real step ({reason}); profiling needed the plain step's peak")
             rec, bstart, ran = _record_memory(model, args, kwargs, loss_fn, device, units, fake=False, extra=extra)
             recorded = "real"
     # forward order: the order of the first operator of each unit

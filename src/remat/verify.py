@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from remat.api import default_loss, model_device, split_inputs
 from remat.errors import EquivalenceError
-from remat.measure import StepMeasurement, measure_training_step
+from remat.measure import StepMeasurement, measure_training_step, outside_autocast
 from remat.rewrite import checkpointed_modules, remove_checkpointing
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -68,7 +68,8 @@ def _run(model: nn.Module, args, kwargs, loss_fn: LossFn, seed: int, device: tor
         a, k = _prepare_inputs(args, kwargs)
         out = model(*a, **k)
         loss = loss_fn(out)
-        loss.backward()
+        with outside_autocast():
+            loss.backward()
     ins = [t for t in tree_flatten((a, k))[0] if isinstance(t, torch.Tensor)]
     return loss.detach(), out, ins
 
@@ -187,7 +188,8 @@ def measure_step(
     def step():
         out = m(*args, **kwargs)
         loss = loss_fn(out)
-        loss.backward()
+        with outside_autocast():
+            loss.backward()
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -226,7 +228,9 @@ def warm_up(
     start = time.perf_counter()
     while len(times) < max_steps and time.perf_counter() - start < seconds:
         t0 = time.perf_counter()
-        loss_fn(m(*args, **kwargs)).backward()
+        loss = loss_fn(m(*args, **kwargs))
+        with outside_autocast():
+            loss.backward()
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
