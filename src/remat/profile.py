@@ -586,11 +586,16 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
             if free_from >= r_at or (r.free_index is not None and r.free_index <= r_at):
                 continue
             drops.append(Drop(r.nbytes, free_from))
-        # inputs the checkpoint holds until the unit's backward is done (Keep)
-        bwd_end = max(unpacks) + 1 if unpacks else None
+        # Note [Checkpoint holds its inputs]: non-reentrant checkpoint keeps the unit's inputs in its
+        # recompute closure, alive while any tensor saved inside the unit waits to be read back: until
+        # the unit's backward is done, or, when some saved tensor is never read (a node that no
+        # gradient reaches), until the graph is released at the end of the step. Inputs the plain
+        # step frees earlier are kept that long.
+        release = max(unpacks) + 1 if unpacks and all(ev.unpacked_at is not None for ev in packs) else n
         keeps = tuple(
-            Keep(r.nbytes, r.free_index, bwd_end) for r in {id(r): r for r in rec.inputs.get(members[0], [])}.values()
-            if bwd_end is not None and r.free_index is not None and r.free_index < bwd_end
+            Keep(r.nbytes, r.free_index, release)
+            for r in {id(r): r for r in rec.inputs.get(members[0], [])}.values()
+            if r_at is not None and r.free_index is not None and r.free_index < release
         )
         excluded = None
         mutated: set[str] = set()
@@ -614,7 +619,7 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
             forward_start=start, forward_end=end, recompute_at=r_at, drops=tuple(drops),
             recompute_peak_bytes=max(peak_inc, 0), saved_bytes=sum(r.nbytes for r in saved.values()),
             excluded=excluded, mutated_buffers=tuple(sorted(mutated)),
-            members=members if members != (u,) else (), keeps=keeps,
+            members=members if members != (u,) else (), keeps=keeps, release=release,
         )
         if excluded and members == (u,):
             log.info("unit %s cannot be checkpointed: %s", u, excluded)
@@ -717,6 +722,7 @@ def profile_model(
     if optimizer is None:
         notes.append("no optimizer given: optimizer state and step are not counted")
 
+    buffer_bytes = {name: tensor_bytes([b], device) for name, b in model.named_buffers()}
     units_out = []
     for spec in specs:
         c = unit_costs[spec.name]
@@ -730,6 +736,14 @@ def profile_model(
         if recompute is None:  # not recomputed while timing: a recomputation is a forward
             recompute = sum(timing.recompute_s.get(m, timing.forward_s.get(m, 0.0)) for m in members)
         backward = None if segment else timing.backward_s.get(spec.name)
+        # what the checkpoint itself holds per call (Note [Checkpoint holds its inputs]): the snapshot of
+        # the buffers it replays (Note [Buffers replay]). (The CPU RNG state it saves, 5 KB, is made
+        # outside the dispatcher: neither counted here nor by the CPU measurement.)
+        held = sum(buffer_bytes.get(spec.scope + b, 0) for b in c["mutated_buffers"])
+        if held:
+            c["keeps"] = c["keeps"] + (Keep(held, c["forward_start"], c.pop("release")),)
+        else:
+            c.pop("release")
         units_out.append(UnitCost(**c, forward_s=fwd, recompute_s=recompute, backward_s=backward))
     backward_s = max(timing.step_backward_s - sum(timing.recompute_s.get(u, 0.0) for u in top), 0.0)
     trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]

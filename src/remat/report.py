@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from remat.api import apply_plan, model_signature
+from remat.api import apply_plan, default_loss, model_device, model_signature, plan_checked, split_inputs
 from remat.costs import Profile
 from remat.errors import InfeasibleBudgetError
 from remat.plan import GiB, Plan, fmt_bytes
@@ -82,11 +82,14 @@ def tradeoff(
     sweep = budgets if budgets is not None else budget_sweep(planner, points)
     say = progress or (lambda msg: None)
     plans: list[tuple[Plan | None, int | None, str]] = [(p, None, "") for p in planner.baselines()]
+    args, kwargs = split_inputs(inputs)
     for b in sweep:
+        say(f"planning for {fmt_bytes(b)}")
         try:
-            plans.append((planner.plan_for_budget(b), b, ""))
-        except InfeasibleBudgetError:
-            plans.append((None, b, f"below the least achievable peak {fmt_bytes(planner.min_peak_bytes)}"))
+            plans.append((plan_checked(model, args, kwargs, loss_fn or default_loss, model_device(model), planner, b),
+                          b, ""))
+        except InfeasibleBudgetError as e:
+            plans.append((None, b, f"below the least achievable peak {fmt_bytes(e.min_feasible_bytes)}"))
 
     # Each distinct plan is measured twice, in forward then reverse order, and keeps the faster median:
     # on a shared CPU, timings drift (warm-up, other load) and only ever upwards.

@@ -11,8 +11,9 @@ Checkpointing a unit ``u`` changes that timeline in exactly two ways:
   during ``u``'s forward (``u.drops``) dies once nothing in the forward uses it
   any more (``drop.free_from``) instead of living until ``u``'s backward
   (``u.recompute_at``). The unit's inputs stay alive: checkpoint keeps them.
-* its inputs stay alive until its backward has run, held by the checkpoint, even where the
-  plain step would have freed them earlier (``u.keeps``: an input no operator saves).
+* its inputs stay alive, held by the checkpoint, until the autograd graph is released (through
+  the optimizer step), even where the plain step would have freed them earlier (``u.keeps``),
+  and so do the RNG state and buffer snapshots the checkpoint takes.
 * just before ``u``'s backward, its forward runs again, growing memory by
   ``u.recompute_peak_bytes`` (measured during the original forward) on top of
   what is alive then.
@@ -140,7 +141,9 @@ class MemoryModel:
             coefs = self._coefs(i)
             coefs[name] = coefs.get(name, 0) + u.recompute_peak_bytes
             rows.append(Row(f"recompute_{name}", "recompute", i, fixed + live[i], coefs, unit=name))
-        rows.append(Row("optimizer_step", "optimizer", n - 1, fixed + live[n - 1] + p.optimizer_step_bytes, {}))
+        kept = {u: self.kept_bytes(u, n - 1) for u in self.units}
+        rows.append(Row("optimizer_step", "optimizer", n - 1, fixed + live[n - 1] + p.optimizer_step_bytes,
+                        {u: b for u, b in kept.items() if b}))
         return rows
 
     # -- evaluation ---------------------------------------------------------------------------
