@@ -74,14 +74,21 @@ def tradeoff(
     warmup: int = 2,
     repeats: int = 5,
     warmup_s: float = 3.0,
+    planner: Planner | None = None,
+    hand_rules: list[Plan] | None = None,
+    greedy: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> list[TradeoffRow]:
     """Plan and measure. ``model`` must be plain (not checkpointed); it is checkpointed and restored
-    in turn, and each measurement trains a deep copy, so ``model`` ends as it started."""
-    planner = Planner(profile)
+    in turn, and each measurement trains a deep copy, so ``model`` ends as it started.
+
+    Rows: ``hand_rules`` (default: ``planner.baselines()``), then per budget remat's checked plan
+    and, with ``greedy``, the greedy plan for that budget."""
+    planner = planner or Planner(profile)
     sweep = budgets if budgets is not None else budget_sweep(planner, points)
     say = progress or (lambda msg: None)
-    plans: list[tuple[Plan | None, int | None, str]] = [(p, None, "") for p in planner.baselines()]
+    rules = planner.baselines() if hand_rules is None else hand_rules
+    plans: list[tuple[Plan | None, int | None, str]] = [(p, None, "") for p in rules]
     args, kwargs = split_inputs(inputs)
     for b in sweep:
         say(f"planning for {fmt_bytes(b)}")
@@ -90,12 +97,15 @@ def tradeoff(
                           b, ""))
         except InfeasibleBudgetError as e:
             plans.append((None, b, f"below the least achievable peak {fmt_bytes(e.min_feasible_bytes)}"))
+        if greedy:
+            g = planner.greedy(b)
+            plans.append((g, b, "" if g.solver_status != "infeasible" else "greedy found no plan within the budget"))
 
     # Each distinct plan is measured twice, in forward then reverse order, and keeps the faster median:
     # on a shared CPU, timings drift (warm-up, other load) and only ever upwards.
     distinct: dict[frozenset[str], Plan] = {}
     for plan, _, _ in plans:
-        if plan is not None:
+        if plan is not None and not (plan.strategy == "greedy" and plan.solver_status == "infeasible"):
             distinct.setdefault(frozenset(plan.checkpointed), plan)
     order = list(distinct.items())
     # Note [Warm-up]: the first steps of a process run slow (thread pools, allocator, clocks): on the
@@ -129,8 +139,12 @@ def tradeoff(
         if plan is None:
             rows.append(TradeoffRow("remat", budget, (), None, None, None, None, None, None, "infeasible", None, note))
             continue
-        m = measured[frozenset(plan.checkpointed)]
         name = "remat" if plan.strategy == "ilp" else plan.strategy
+        if plan.strategy == "greedy" and plan.solver_status == "infeasible":
+            rows.append(TradeoffRow("greedy", budget, plan.checkpointed, plan.predicted_peak_bytes, None, None, None,
+                                    None, plan.solve_time_s, "infeasible", None, note))
+            continue
+        m = measured[frozenset(plan.checkpointed)]
         rows.append(TradeoffRow(
             strategy=name,
             budget_bytes=budget,
