@@ -167,8 +167,8 @@ from torch.distributed._tools.ilp_utils import aggregate_stats, parse_module_inf
 from torch.distributed._tools.sac_ilp import sac_milp
 from remat.examples import GPT
 dev = torch.device("{device}")
-with FakeTensorMode(allow_non_fake_inputs=True):
-    model = GPT(512, 64, 128, 4, 4, 0.1).to(dev).train()
+with FakeTensorMode(allow_non_fake_inputs=True), torch.device(dev):
+    model = GPT(512, 64, 128, 4, 4, 0.1).train()
     opt = torch.optim.AdamW(model.parameters())
     idx = torch.randint(0, 512, (8, 64), device=dev)
     mem, rt, sac = MemTracker(), RuntimeEstimator(), SACEstimator()

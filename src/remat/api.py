@@ -107,7 +107,20 @@ def make_profile(
     model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
     device: torch.device,
 ) -> Profile:
-    """Capture and profile (the model is left as it was, remat's own checkpointing included)."""
+    """Capture and profile (the model is left as it was, remat's own checkpointing included). The step
+    is profiled as remat will run it: without a KV cache or the model's own gradient checkpointing
+    (Note [Hugging Face]), which are given back afterwards."""
+    _, undo = prepare_hf_for_training(model)
+    try:
+        return _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device)
+    finally:
+        undo()
+
+
+def _make_profile(
+    model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
+    device: torch.device,
+) -> Profile:
     with preserved(model):
         remove_checkpointing(model)
         graph = capture(model, args, kwargs)
@@ -152,10 +165,10 @@ def optimize_checkpointing(
     """
     budget_bytes, args, kwargs, device = validate(model, budget_gb, example_inputs)
     loss_fn = loss_fn or default_loss
-    notes, undo = _take_over_hf(model)
+    notes, undo = prepare_hf_for_training(model)
     try:
         with preserved(model, on_success=False):
-            profile = make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device)
+            profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device)
             planner = Planner(profile, time_limit_s=time_limit_s)
             plan = plan_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes) if check \
                 else planner.plan_for_budget(budget_bytes)
@@ -248,7 +261,7 @@ def plan_checked(
     )
 
 
-def _take_over_hf(model: nn.Module) -> tuple[tuple[str, ...], Callable[[], None]]:
+def prepare_hf_for_training(model: nn.Module) -> tuple[tuple[str, ...], Callable[[], None]]:
     """Hugging Face specifics, before profiling (Note [Hugging Face]). Returns notes for the plan and a
     function that puts everything back (called when optimize_checkpointing fails).
 
@@ -316,7 +329,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> None:
     if absent:
         raise PlanMismatchError(f"the plan checkpoints units this model does not have: {absent}")
     if plan.checkpointed:
-        for note in _take_over_hf(model)[0]:
+        for note in prepare_hf_for_training(model)[0]:
             log.warning("remat.apply_plan: %s", note)
     remove_checkpointing(model)
     checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers))

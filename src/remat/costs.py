@@ -74,6 +74,14 @@ class UnitCost:
     members: tuple[str, ...] = ()
     #: inputs that checkpointing the unit keeps alive longer than the plain step
     keeps: tuple[Keep, ...] = ()
+    #: checkpoint's own bookkeeping for this unit, beyond the recompute (seconds; Note [Checkpoint
+    #: overhead] in remat.profile)
+    overhead_s: float = 0.0
+
+    @property
+    def cost_s(self) -> float:
+        """Predicted extra step time of checkpointing this unit: recompute plus bookkeeping (seconds)."""
+        return self.recompute_s + self.overhead_s
 
     @property
     def is_segment(self) -> bool:

@@ -17,7 +17,15 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from remat.api import apply_plan, default_loss, model_device, model_signature, plan_checked, split_inputs
+from remat.api import (
+    prepare_hf_for_training,
+    apply_plan,
+    default_loss,
+    model_device,
+    model_signature,
+    plan_checked,
+    split_inputs,
+)
 from remat.costs import Profile
 from remat.errors import InfeasibleBudgetError
 from remat.plan import GiB, Plan, fmt_bytes
@@ -84,6 +92,17 @@ def tradeoff(
 
     Rows: ``hand_rules`` (default: ``planner.baselines()``), then per budget remat's checked plan
     and, with ``greedy``, the greedy plan for that budget."""
+    notes, undo = prepare_hf_for_training(model)  # every row is a training step as remat runs it (no KV cache)
+    try:
+        return _tradeoff(model, inputs, profile, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
+                         budgets=budgets, points=points, warmup=warmup, repeats=repeats, warmup_s=warmup_s,
+                         planner=planner, hand_rules=hand_rules, greedy=greedy, progress=progress)
+    finally:
+        undo()
+
+
+def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, points, warmup, repeats, warmup_s,
+              planner, hand_rules, greedy, progress) -> list[TradeoffRow]:
     planner = planner or Planner(profile)
     sweep = budgets if budgets is not None else budget_sweep(planner, points)
     say = progress or (lambda msg: None)

@@ -188,8 +188,9 @@ class MemoryModel:
         )
 
     def recompute_s(self, plan: Iterable[str]) -> float:
-        """Predicted extra time of ``plan``: the measured recompute time of its units (seconds)."""
-        return sum(self.units[u].recompute_s for u in plan)
+        """Predicted extra time of ``plan``: the measured recompute time of its units plus checkpoint's
+        measured bookkeeping per unit (seconds)."""
+        return sum(self.units[u].cost_s for u in plan)
 
     def conflicts(self, a: str, b: str) -> bool:
         """Whether units ``a`` and ``b`` cannot be checkpointed together: one contains the other or

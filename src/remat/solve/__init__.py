@@ -142,7 +142,7 @@ class Planner:
         t0 = time.perf_counter()
         ranked = sorted(
             self.model.units.values(),
-            key=lambda u: u.droppable_bytes / max(u.recompute_s, 1e-9),
+            key=lambda u: u.droppable_bytes / max(u.cost_s, 1e-9),
             reverse=True,
         )
         chosen: list[str] = []

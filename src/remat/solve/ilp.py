@@ -9,7 +9,8 @@ Constraints:
     ``overlap_<unit>`` units whose forward spans cover ``unit``'s first operator (nested units,
                      overlapping segments) are never checkpointed together: ``sum(x[v]) <= 1``
 
-Objective: minimise ``sum(recompute_s[u] * x[u])`` (measured seconds of recompute).
+Objective: minimise ``sum(cost_s[u] * x[u])``: measured seconds of recompute plus checkpoint's
+measured bookkeeping per unit.
 
 The solver's own tolerances are not trusted: the rounded solution is re-checked with the
 simulator, and a (rare) violation tightens the budget and solves again.
@@ -58,7 +59,7 @@ def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | N
     units = list(model.units)
     # x[u]: 1 if unit u is checkpointed
     x = {u: prob.add_variable(f"x_{i}_{_name(u)}", 0, 1, cat=pulp.LpBinary) for i, u in enumerate(units)}
-    recompute = pulp.LpAffineExpression([(x[u], model.units[u].recompute_s * _US + _TIE_US) for u in units])
+    recompute = pulp.LpAffineExpression([(x[u], model.units[u].cost_s * _US + _TIE_US) for u in units])
     peak = None
     if budget_bytes is None:
         # peak: the predicted peak memory of the step, in bytes (minimised)
