@@ -195,7 +195,9 @@ def cmd_tradeoff(args, out, err) -> int:
     out.print(f"predicted: remat's memory model over one profile (capture: {profile.capture_path}, memory "
               f"recorded on {profile.memory_recorded_with} tensors); measured: real training steps, peak as "
               f"{'the CUDA allocator' if device.type == 'cuda' else 'live tensor storages (CPU)'}, step time the "
-              f"median of {args.repeats}. Least achievable peak (predicted): {fmt_bytes(planner_min)}.")
+              f"median of {2 * args.repeats if device.type == 'cpu' else args.repeats} steps"
+              f"{' (plans interleaved round-robin, each on its own copy)' if device.type == 'cpu' else ''}. "
+              f"Least achievable peak (predicted): {fmt_bytes(planner_min)}.")
     meta = dict(target=desc, device=str(device), optimizer=args.optimizer, torch=torch.__version__,
                 remat=__version__, machine=platform.platform(), date=datetime.now(timezone.utc).isoformat(),
                 capture_path=profile.capture_path, memory_recorded_with=profile.memory_recorded_with)

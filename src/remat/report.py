@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -31,7 +32,7 @@ from remat.errors import InfeasibleBudgetError
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.rewrite import remove_checkpointing
 from remat.solve import Planner
-from remat.verify import measure_step, warm_up
+from remat.verify import measure_step, time_interleaved, warm_up
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -85,24 +86,27 @@ def tradeoff(
     planner: Planner | None = None,
     hand_rules: list[Plan] | None = None,
     greedy: bool = False,
+    interleave: bool | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[TradeoffRow]:
     """Plan and measure. ``model`` must be plain (not checkpointed); it is checkpointed and restored
     in turn, and each measurement trains a deep copy, so ``model`` ends as it started.
 
     Rows: ``hand_rules`` (default: ``planner.baselines()``), then per budget remat's checked plan
-    and, with ``greedy``, the greedy plan for that budget."""
+    and, with ``greedy``, the greedy plan for that budget. Step times are interleaved across plans
+    (Note [Interleaved timing]) unless ``interleave`` is False; the default interleaves on CPU."""
     notes, undo = prepare_hf_for_training(model)  # every row is a training step as remat runs it (no KV cache)
     try:
         return _tradeoff(model, inputs, profile, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
                          budgets=budgets, points=points, warmup=warmup, repeats=repeats, warmup_s=warmup_s,
-                         planner=planner, hand_rules=hand_rules, greedy=greedy, progress=progress)
+                         planner=planner, hand_rules=hand_rules, greedy=greedy, interleave=interleave,
+                         progress=progress)
     finally:
         undo()
 
 
 def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, points, warmup, repeats, warmup_s,
-              planner, hand_rules, greedy, progress) -> list[TradeoffRow]:
+              planner, hand_rules, greedy, interleave, progress) -> list[TradeoffRow]:
     planner = planner or Planner(profile)
     sweep = budgets if budgets is not None else budget_sweep(planner, points)
     say = progress or (lambda msg: None)
@@ -120,8 +124,6 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
             g = planner.greedy(b)
             plans.append((g, b, "" if g.solver_status != "infeasible" else "greedy found no plan within the budget"))
 
-    # Each distinct plan is measured twice, in forward then reverse order, and keeps the faster median:
-    # on a shared CPU, timings drift (warm-up, other load) and only ever upwards.
     distinct: dict[frozenset[str], Plan] = {}
     for plan, _, _ in plans:
         if plan is not None and not (plan.strategy == "greedy" and plan.solver_status == "infeasible"):
@@ -138,20 +140,34 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
     finally:
         remove_checkpointing(model)
     measured: dict[frozenset[str], Any] = {}
-    for pass_no, seq in enumerate((order, order[::-1])):
-        for i, (key, plan) in enumerate(seq):
-            say(f"measuring {plan.strategy} ({len(plan.checkpointed)} units), pass {pass_no + 1}/2 "
-                f"[{i + 1}/{len(seq)}]")
+    for i, (key, plan) in enumerate(order):
+        say(f"measuring the peak of {plan.strategy} ({len(plan.checkpointed)} units) [{i + 1}/{len(order)}]")
+        apply_plan(model, dataclasses.replace(plan, model_signature=model_signature(model)))
+        try:
+            measured[key] = measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
+                                         warmup=1, repeats=0)
+        finally:
+            remove_checkpointing(model)
+    interleave = model_device(model).type == "cpu" if interleave is None else interleave
+    say("timing steps")
+    if interleave:
+        # Note [Interleaved timing]: on a shared CPU, step times drift by 10-20% over a minute; timing
+        # the plans one after another compares drifts, not plans. Round-robin one step of every plan
+        # per round (each plan on its own copy of the model) and take the median per plan.
+        times = time_interleaved(model, inputs, [p for _, p in order], loss_fn=loss_fn,
+                                 optimizer_factory=optimizer_factory, warmup=warmup, rounds=2 * repeats)
+    else:
+        times = []
+        for key, plan in order:
             apply_plan(model, dataclasses.replace(plan, model_signature=model_signature(model)))
             try:
-                m = measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
-                                 warmup=warmup, repeats=repeats, measure_memory=pass_no == 0)
+                times.append(measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
+                                          warmup=warmup, repeats=repeats, measure_memory=False).step_times_s)
             finally:
                 remove_checkpointing(model)
-            if key in measured:
-                m = dataclasses.replace(measured[key], step_time_s=min(measured[key].step_time_s, m.step_time_s),
-                                        step_times_s=measured[key].step_times_s + m.step_times_s)
-            measured[key] = m
+    for (key, _), ts in zip(order, times):
+        measured[key] = dataclasses.replace(measured[key], step_time_s=statistics.median(ts),
+                                            step_times_s=tuple(ts))
     plain_time = measured[frozenset()].step_time_s
     rows = []
     for plan, budget, note in plans:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -243,3 +244,61 @@ def warm_up(
         if len(times) >= 5 and max(last) <= 1.05 * min(last):
             break
     return len(times)
+
+
+def time_interleaved(
+    model: nn.Module,
+    example_inputs: Any,
+    plans: list,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    warmup: int = 2,
+    rounds: int = 10,
+    seed: int = 0,
+) -> list[list[float]]:
+    """Step times (seconds) of ``model`` under each plan, timed round-robin: every round runs one
+    training step of every plan, in a shuffled order, each plan on its own deep copy with its own
+    optimizer. ``model`` itself is not modified. Returns one list of ``rounds`` times per plan."""
+    import random
+
+    from remat.api import apply_plan, model_signature
+
+    loss_fn = loss_fn or default_loss
+    args, kwargs = split_inputs(example_inputs)
+    device = model_device(model)
+    copies = []
+    for plan in plans:
+        m = copy.deepcopy(model)
+        remove_checkpointing(m)
+        apply_plan(m, dataclasses.replace(plan, model_signature=model_signature(m)))
+        m.zero_grad(set_to_none=True)
+        copies.append((m, optimizer_factory(m.parameters()) if optimizer_factory else None))
+
+    def step(m, opt) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        loss = loss_fn(m(*args, **kwargs))
+        with outside_autocast():
+            loss.backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            m.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
+        for m, opt in copies:
+            step(m, opt)
+    times: list[list[float]] = [[] for _ in copies]
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        order = list(range(len(copies)))
+        rng.shuffle(order)
+        for i in order:
+            times[i].append(step(*copies[i]))
+    return times
