@@ -126,7 +126,10 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        t0 = time.perf_counter()
         out = func(*args, **kwargs)
+        #: wall time of the operator itself, without the tracker's bookkeeping (seconds)
+        self.last_op_s = time.perf_counter() - t0
         if func.namespace == "prim":  # metadata queries (prim.device) under FakeTensorMode
             return out
         for t in tree_flatten(out)[0]:

@@ -53,7 +53,7 @@ from remat.capture import ModelGraph, quiet_loggers, unit_parent
 from remat.costs import Drop, Keep, Profile, UnitCost
 from remat.errors import InvalidInputError
 from remat.measure import StorageRecord, StorageTracker, outside_autocast, storage_key, tensor_bytes
-from remat.rewrite import checkpoint_modules, segment_name
+from remat.rewrite import SAVED_OPS, SELECTIVE, checkpoint_modules, segment_name
 from remat.solve import chen_segments
 from remat.state import preserved
 
@@ -92,6 +92,8 @@ class _Recorder(StorageTracker):
         self.inputs: dict[str, list[StorageRecord]] = {}
         #: (operator, records of the storages it created) of every forward operator
         self.forward_ops: list[tuple[str, list[StorageRecord | None]]] = []
+        #: forward operator index -> measured seconds on the real forward (set after timing)
+        self.op_seconds: dict[int, float] = {}
 
     # module hooks
     def enter(self, name: str, args: Any = ()) -> None:
@@ -161,14 +163,16 @@ def _new_records(tracker: StorageTracker, out: Any) -> list[StorageRecord | None
 
 
 class _SizeLog(StorageTracker):
-    """Logs the sizes of the storages each forward operator creates (for Note [Fake sizes])."""
+    """Logs each real forward operator: the sizes of the storages it creates (Note [Fake sizes]) and
+    its wall time (for selective checkpointing's recompute cost)."""
 
     def __init__(self, device: torch.device, ignore) -> None:
         super().__init__(device, ignore=ignore)
-        self.ops: list[tuple[str, list[int | None]]] = []
+        self.ops: list[tuple[str, list[int | None], float]] = []
 
     def on_op(self, func, args, kwargs, out) -> None:
-        self.ops.append((str(func), [r.nbytes if r is not None else None for r in _new_records(self, out)]))
+        sizes = [r.nbytes if r is not None else None for r in _new_records(self, out)]
+        self.ops.append((str(func), sizes, self.last_op_s))
 
 
 def _hook_units(model: nn.Module, units: list[str], enter, leave) -> list:
@@ -288,8 +292,8 @@ class _Timing:
     mutated_buffers: dict[str, tuple[str, ...]]
     forward_s: dict[str, float]
     recompute_s: dict[str, float]
-    #: the storage sizes each real forward operator created (first step)
-    forward_sizes: list[tuple[str, list[int | None]]]
+    #: each real forward operator of the first step: name, sizes of the storages it created, seconds
+    forward_sizes: list[tuple[str, list[int | None], float]]
     backward_s: dict[str, float]
     step_forward_s: float
     step_backward_s: float
@@ -325,7 +329,7 @@ def _measure_time(
     for name in checkpointed:
         mods[name].forward.recompute_timer = timer_for(name)
     result = None
-    sizes: list[tuple[str, list[int | None]]] = []
+    sizes: list[tuple[str, list[int | None], float]] = []
     pre = list(model.parameters()) + list(model.buffers()) + _tensors((args, kwargs))
     for step in range(max(2, steps)):  # step 0 logs sizes and warms up; the others are timed
         calls: dict[str, int] = defaultdict(int)
@@ -512,6 +516,8 @@ class _Spec:
     parent: str | None
     #: prefix of buffer names relative to the unit's module (the Sequential's for a segment)
     scope: str
+    #: checkpointed selectively (``@ops``: Note [Selective checkpointing] in remat.rewrite)
+    selective: bool = False
 
 
 def _segments(n: int, container_is_unit: bool) -> list[tuple[int, int]]:
@@ -534,6 +540,7 @@ def _specs(rec: "_Recorder", ran: list[str], sequentials: dict[str, list[str]]) 
     """Module units that ran, then the segments of each Sequential that ran once with its children
     back to back (Note [Segments])."""
     specs = [_Spec(u, (u,), unit_parent(u, ran), u + ".") for u in ran]
+    specs += [_Spec(u + SELECTIVE, (u,), unit_parent(u, ran), u + ".", selective=True) for u in ran]
     for container, children in sequentials.items():
         if container and rec.calls.get(container, 0) != 1:
             continue
@@ -557,6 +564,8 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
     for ev in rec.packs:
         if ev.rec is not None:
             packs_of[id(ev.rec)].append(ev)
+    # the operator that created each storage in forward, by overload packet name ("mm", "gelu", ...)
+    producer = {id(r): op.split(".")[1] for op, recs in rec.forward_ops for r in recs if r is not None}
     unit_costs: dict[str, dict[str, Any]] = {}
     for spec in specs:
         u, members = spec.name, spec.members
@@ -585,6 +594,8 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
             free_from = max(end + 1, rec.last_use.get(id(r), -1) + 1, max(outside, default=-1) + 1)
             if free_from >= r_at or (r.free_index is not None and r.free_index <= r_at):
                 continue
+            if spec.selective and producer.get(id(r)) in SAVED_OPS:
+                continue  # a selective checkpoint keeps it
             drops.append(Drop(r.nbytes, free_from))
         # Note [Checkpoint holds its inputs]: non-reentrant checkpoint keeps the unit's inputs in its
         # recompute closure, alive while any tensor saved inside the unit waits to be read back: until
@@ -597,6 +608,14 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
             for r in {id(r): r for r in rec.inputs.get(members[0], [])}.values()
             if r_at is not None and r.free_index is not None and r.free_index < release
         )
+        if spec.selective and r_at is not None:
+            # the selective checkpoint caches every output of a kept operator until the recomputation
+            # reads it back, also those the plain step frees early (Note [Selective checkpointing])
+            keeps += tuple(
+                Keep(r.nbytes, r.free_index, r_at) for r in rec.records
+                if start <= r.alloc_index <= end and producer.get(id(r)) in SAVED_OPS
+                and r.free_index is not None and r.free_index < r_at
+            )
         excluded = None
         mutated: set[str] = set()
         calls = max(rec.calls[m] for m in members)
@@ -619,27 +638,30 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
             forward_start=start, forward_end=end, recompute_at=r_at, drops=tuple(drops),
             recompute_peak_bytes=max(peak_inc, 0), saved_bytes=sum(r.nbytes for r in saved.values()),
             excluded=excluded, mutated_buffers=tuple(sorted(mutated)),
-            members=members if members != (u,) else (), keeps=keeps, release=release, saved_count=len(packs),
+            members=members if members != (u,) and not spec.selective else (), keeps=keeps, release=release,
+            saved_count=len(packs), op_count=end - start + 1, selective=spec.selective,
         )
         if excluded and members == (u,):
             log.info("unit %s cannot be checkpointed: %s", u, excluded)
     return unit_costs
 
 
-def _calibrate_sizes(rec: _Recorder, real: list[tuple[str, list[int | None]]]) -> int:
+def _align_forward(rec: _Recorder, real: list[tuple[str, list[int | None], float]]) -> dict[int, int]:
+    """Recorded forward operator index -> index of the same operator in the real forward."""
+    matcher = difflib.SequenceMatcher(None, [f for f, _ in rec.forward_ops], [o[0] for o in real], autojunk=False)
+    return {block.a + k: block.b + k for block in matcher.get_matching_blocks() for k in range(block.size)}
+
+
+def _calibrate_sizes(rec: _Recorder, real: list[tuple[str, list[int | None], float]], match: dict[int, int]) -> int:
     """Note [Fake sizes]: a few kernels allocate differently from their fake implementation (CPU
-    ``mse_loss`` returns a 0-d view of an input-sized buffer). Align the recorded forward with the
-    real forward of the timing run, operator by operator, and take the real storage sizes.
-    Returns how many storages were corrected."""
-    fake = rec.forward_ops
-    matcher = difflib.SequenceMatcher(None, [f for f, _ in fake], [f for f, _ in real], autojunk=False)
+    ``mse_loss`` returns a 0-d view of an input-sized buffer). Take the real storage sizes of the
+    operators matched between the recorded and the real forward. Returns how many were corrected."""
     fixed = 0
-    for block in matcher.get_matching_blocks():
-        for k in range(block.size):
-            for r, nbytes in zip(fake[block.a + k][1], real[block.b + k][1]):
-                if r is not None and nbytes is not None and r.nbytes != nbytes:
-                    r.nbytes = nbytes
-                    fixed += 1
+    for i, j in match.items():
+        for r, nbytes in zip(rec.forward_ops[i][1], real[j][1]):
+            if r is not None and nbytes is not None and r.nbytes != nbytes:
+                r.nbytes = nbytes
+                fixed += 1
     return fixed
 
 
@@ -682,6 +704,51 @@ def checkpoint_overhead(device: torch.device, reps: int = 30) -> tuple[float, fl
         overhead[k] = timed(ckpt) - timed(plain) - timed(fwd)
     per_tensor = max((overhead[16] - overhead[1]) / 15, 0.0)
     return max(overhead[1] - per_tensor, 0.0), per_tensor
+
+
+def _recompute_share(rec: _Recorder, start: int, end: int) -> float:
+    """Share of the measured forward time of operators ``start..end`` spent in operators a selective
+    checkpoint recomputes (those not in SAVED_OPS); by operator count where times are missing."""
+    total = again = 0.0
+    for i in range(start, end + 1):
+        op = rec.forward_ops[i][0].split(".")[1]
+        t = rec.op_seconds.get(i, 1e-6)
+        total += t
+        if op not in SAVED_OPS:
+            again += t
+    return again / total if total > 0 else 1.0
+
+
+def selective_overhead(device: torch.device, reps: int = 30) -> float:
+    """Seconds per operator that selective checkpointing adds over plain checkpointing (its policy runs
+    for every operator in forward and in the recomputation), measured with a tiny function."""
+    from torch.utils.checkpoint import checkpoint
+
+    from remat.rewrite import _selective_contexts
+
+    def f(x):
+        for _ in range(16):
+            x = torch.sin(x)
+        return x
+
+    x = torch.randn(4, device=device, requires_grad=True)
+    runs = {
+        False: lambda: checkpoint(f, x, use_reentrant=False).sum().backward(),
+        True: lambda: checkpoint(f, x, use_reentrant=False, context_fn=_selective_contexts).sum().backward(),
+    }
+    med = {}
+    for key, fn in runs.items():
+        ts = []
+        for _ in range(reps + 3):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            ts.append(time.perf_counter() - t0)
+        med[key] = sorted(ts[3:])[reps // 2]
+    return max((med[True] - med[False]) / 16, 0.0)
 
 
 def _autocast_enabled(device: torch.device) -> bool:
@@ -747,8 +814,10 @@ def profile_model(
             model, args, kwargs, loss_fn, device, timed, top,
             {u: costs[u]["mutated_buffers"] for u in top}, timing_steps,
         )
+    match = _align_forward(rec, timing.forward_sizes)
+    rec.op_seconds = {i: timing.forward_sizes[j][2] for i, j in match.items()}
     if recorded == "fake":
-        fixed = _calibrate_sizes(rec, timing.forward_sizes)
+        fixed = _calibrate_sizes(rec, timing.forward_sizes, match)
         if fixed:
             notes.append(f"{fixed} storage size(s) on fake tensors differed from the real kernels' and were "
                          "corrected from the real forward")
@@ -765,6 +834,7 @@ def profile_model(
 
     buffer_bytes = {name: tensor_bytes([b], device) for name, b in model.named_buffers()}
     call_s, per_tensor_s = checkpoint_overhead(device)
+    per_op_s = selective_overhead(device)
     units_out = []
     for spec in specs:
         c = unit_costs[spec.name]
@@ -774,9 +844,12 @@ def profile_model(
             f"{m[len(spec.scope):]}.{b}" if segment else b
             for m in members for b in timing.mutated_buffers.get(m, ())}))
         fwd = sum(timing.forward_s.get(m, 0.0) for m in members)
-        recompute = None if segment else timing.recompute_s.get(spec.name)
+        recompute = None if segment else timing.recompute_s.get(spec.name.removesuffix(SELECTIVE))
         if recompute is None:  # not recomputed while timing: a recomputation is a forward
             recompute = sum(timing.recompute_s.get(m, timing.forward_s.get(m, 0.0)) for m in members)
+        if spec.selective:
+            # only the operators it does not keep run again: their share of the unit's measured op time
+            recompute *= _recompute_share(rec, c["forward_start"], c["forward_end"])
         backward = None if segment else timing.backward_s.get(spec.name)
         # what the checkpoint itself holds per call (Note [Checkpoint holds its inputs]): the snapshot of
         # the buffers it replays (Note [Buffers replay]). (The CPU RNG state it saves, 5 KB, is made
@@ -787,6 +860,9 @@ def profile_model(
         else:
             c.pop("release")
         overhead = call_s + per_tensor_s * c.pop("saved_count")
+        ops, selective = c.pop("op_count"), c.pop("selective")
+        if selective:
+            overhead += per_op_s * ops
         units_out.append(UnitCost(**c, forward_s=fwd, recompute_s=recompute, backward_s=backward,
                                   overhead_s=overhead))
     # the timed steps checkpointed the top-level units: take their recomputation and bookkeeping out

@@ -2,7 +2,17 @@
 
 A unit is a submodule by qualified name (``h.3``, ``h.3.mlp``) or a *segment*: a contiguous run of
 the children of an ``nn.Sequential`` (``blocks[0:4]``, ``[2:5]`` for a Sequential root), checkpointed
-as one piece as ``torch.utils.checkpoint.checkpoint_sequential`` does.
+as one piece as ``torch.utils.checkpoint.checkpoint_sequential`` does. A module unit with the suffix
+``@ops`` (``h.3.mlp@ops``) is checkpointed *selectively* (Note [Selective checkpointing]).
+
+Note [Selective checkpointing]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``@ops`` keeps the outputs of the expensive operators (matrix products, attention kernels,
+convolutions: ``SAVED_OPS``) and recomputes the cheap, memory-heavy rest (pointwise ops, softmax,
+norms, dropout masks), as Megatron-LM's selective recomputation does. It uses
+``torch.utils.checkpoint.create_selective_checkpoint_contexts`` under non-reentrant checkpoint with
+the RNG state preserved, so random ops replay identically; in-place ops and views are recomputed with
+the op they belong to.
 
 Note [Checkpoint the forward, not the module]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -40,6 +50,30 @@ log = logging.getLogger(__name__)
 
 _SEGMENT = re.compile(r"^(?P<container>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 
+#: the policy suffix of a selectively checkpointed unit (Note [Selective checkpointing])
+SELECTIVE = "@ops"
+
+#: operators whose outputs a selective checkpoint keeps (by overload packet name)
+SAVED_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_grouped_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward",
+})
+
+
+def _save_compute_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = getattr(op, "_overloadpacket", op).__name__
+    return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_save_compute_policy)
+
 
 def segment_name(container: str, start: int, stop: int) -> str:
     """The unit name of children ``start:stop`` of the Sequential ``container``."""
@@ -47,7 +81,8 @@ def segment_name(container: str, start: int, stop: int) -> str:
 
 
 def parse_unit(name: str) -> tuple[str, tuple[int, int] | None]:
-    """``"blocks[0:2]"`` -> ``("blocks", (0, 2))``; ``"h.3"`` -> ``("h.3", None)``."""
+    """``"blocks[0:2]"`` -> ``("blocks", (0, 2))``; ``"h.3"`` and ``"h.3@ops"`` -> ``("h.3", None)``."""
+    name = name.removesuffix(SELECTIVE)
     m = _SEGMENT.match(name)
     if m is None:
         return name, None
@@ -55,7 +90,7 @@ def parse_unit(name: str) -> tuple[str, tuple[int, int] | None]:
 
 
 def _checkpointed_call(fn: Callable, args: tuple, kwargs: dict, buffers: list[torch.Tensor],
-                       preserve_rng_state: bool, timer) -> object:
+                       preserve_rng_state: bool, timer, selective: bool = False) -> object:
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint, replaying ``buffers`` (Note [Buffers replay])."""
     before = [b.detach().clone() for b in buffers]
     calls = 0
@@ -84,6 +119,9 @@ def _checkpointed_call(fn: Callable, args: tuple, kwargs: dict, buffers: list[to
                 return replay(*a, **kw)
         return replay(*a, **kw)
 
+    if selective:
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+                          context_fn=_selective_contexts, **kwargs)
     return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
 
 
@@ -106,10 +144,13 @@ class CheckpointedForward(_RematForward):
     """The ``forward`` remat installs on a checkpointed module (see Note [Checkpoint the forward, not the module])."""
 
     def __init__(
-        self, module: nn.Module, *, preserve_rng_state: bool = True, buffers: Iterable[str] | None = None
+        self, module: nn.Module, *, preserve_rng_state: bool = True, buffers: Iterable[str] | None = None,
+        selective: bool = False,
     ) -> None:
         self.module = module
         self.preserve_rng_state = preserve_rng_state
+        #: checkpoint selectively: keep the outputs of SAVED_OPS (Note [Selective checkpointing])
+        self.selective = selective
         #: names (relative to the module) of the buffers to replay; None: all of them
         self.buffers = None if buffers is None else tuple(buffers)
         #: the instance attribute ``forward`` the module had before, if any (restored on removal)
@@ -122,15 +163,15 @@ class CheckpointedForward(_RematForward):
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         return _checkpointed_call(original, args, kwargs, _buffers(self.module, self.buffers),
-                                  self.preserve_rng_state, self.recompute_timer)
+                                  self.preserve_rng_state, self.recompute_timer, self.selective)
 
     def unit_names(self, name: str) -> list[str]:
-        return [name]
+        return [name + SELECTIVE if self.selective else name]
 
     def __reduce__(self):
         return (_rebuild, (CheckpointedForward, dict(
             module=self.module, preserve_rng_state=self.preserve_rng_state, previous=self.previous,
-            buffers=self.buffers, recompute_timer=None)))
+            buffers=self.buffers, recompute_timer=None, selective=self.selective)))
 
 
 class SegmentedForward(_RematForward):
@@ -215,6 +256,9 @@ def check_units(model: nn.Module, names: Iterable[str]) -> list[str]:
     bad = []
     for n in names:
         container, seg = parse_unit(n)
+        if n.endswith(SELECTIVE) and seg is not None:
+            bad.append(n)
+            continue
         m = mods.get(container)
         if m is None:
             bad.append(n)
@@ -248,10 +292,11 @@ def checkpoint_modules(
         if seg is not None:
             segments.setdefault(container, []).append(seg)
             continue
-        m = mods[n]
+        m = mods[container]
         if not is_checkpointed(m):
             bufs = tuple(mutated[n]) if n in mutated else None
-            m.forward = CheckpointedForward(m, preserve_rng_state=preserve_rng_state, buffers=bufs)
+            m.forward = CheckpointedForward(m, preserve_rng_state=preserve_rng_state, buffers=bufs,
+                                            selective=n.endswith(SELECTIVE))
     for container, segs in segments.items():
         m = mods[container]
         if is_checkpointed(m):

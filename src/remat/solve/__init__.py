@@ -16,6 +16,9 @@ from remat.costs import Profile
 from remat.errors import InfeasibleBudgetError
 from remat.plan import Plan, fmt_bytes
 from remat.simulate import MemoryModel
+
+#: the suffix of a selectively checkpointed unit (as remat.rewrite.SELECTIVE, kept here free of torch)
+SELECTIVE = "@ops"
 from remat.solve.ilp import min_peak, solve_ilp
 
 __all__ = [
@@ -32,7 +35,8 @@ def block_units(model: MemoryModel) -> list[str]:
     blocks = [u for u in numbered if not any(u.startswith(v + ".") for v in numbered)]
     if len(blocks) >= 2:
         return blocks
-    return [u for u in model.units if not model.ancestors(u) and not model.units[u].is_segment]
+    return [u for u in model.units
+            if not model.ancestors(u) and not model.units[u].is_segment and not u.endswith(SELECTIVE)]
 
 
 def chen_segments(n: int) -> list[tuple[int, int]]:
@@ -46,9 +50,15 @@ def chen_segments(n: int) -> list[tuple[int, int]]:
 class Planner:
     """Makes plans for one profile; the memory model and the least peak are computed once."""
 
-    def __init__(self, profile: Profile, *, time_limit_s: float | None = 60.0) -> None:
+    def __init__(self, profile: Profile, *, time_limit_s: float | None = 60.0, granularity: str = "block") -> None:
+        """``granularity``: "block" plans whole units only; "op" also lets units be checkpointed
+        selectively (``name@ops``: keep matmul/attention/conv outputs, recompute the rest)."""
+        if granularity not in ("block", "op"):
+            raise ValueError(f"granularity must be 'block' or 'op', got {granularity!r}")
         self.profile = profile
-        self.model = MemoryModel(profile)
+        self.granularity = granularity
+        names = [u.name for u in profile.candidates() if granularity == "op" or not u.name.endswith(SELECTIVE)]
+        self.model = MemoryModel(profile, names)
         self.time_limit_s = time_limit_s
         self.baseline_peak_bytes = self.model.peak_bytes(())
         t0 = time.perf_counter()
@@ -117,7 +127,7 @@ class Planner:
         Raises InfeasibleBudgetError when no plan fits."""
         if self.baseline_peak_bytes <= budget_bytes:
             return self.make_plan(
-                (), "ilp", budget_bytes=budget_bytes, status="fits",
+                (), "ilp" if self.granularity == "block" else "ilp-op", budget_bytes=budget_bytes, status="fits",
                 notes=("the step fits the budget without checkpointing",),
             )
         if budget_bytes < self.min_peak_bytes:
@@ -125,7 +135,8 @@ class Planner:
         units, status, dt = solve_ilp(self.model, budget_bytes, time_limit_s=self.time_limit_s)
         if units is None:
             raise self.infeasible(budget_bytes)
-        return self.make_plan(units, "ilp", budget_bytes=budget_bytes, status=status, solve_time_s=dt)
+        name = "ilp" if self.granularity == "block" else "ilp-op"
+        return self.make_plan(units, name, budget_bytes=budget_bytes, status=status, solve_time_s=dt)
 
     # -- baselines -------------------------------------------------------------------------------
     def no_checkpointing(self) -> Plan:
