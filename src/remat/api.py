@@ -145,6 +145,7 @@ def optimize_checkpointing(
     optimizer: torch.optim.Optimizer | None = None,
     time_limit_s: float | None = 60.0,
     check: bool = True,
+    granularity: str = "op",
 ) -> Plan:
     """Checkpoint ``model``'s submodules in place so a training step fits ``budget_gb``.
 
@@ -156,7 +157,10 @@ def optimize_checkpointing(
     state, as it is after a step, counts in the budget (None: no optimizer state counted).
 
     With ``check`` (the default) the plan is run once for real before it is returned (Note [Checked
-    plans]) and tightened if its measured peak exceeds the budget.
+    plans]) and tightened if its measured peak exceeds the budget. ``granularity="op"`` (the default)
+    also considers checkpointing units selectively (``name@ops``: keep matmul/attention/conv outputs,
+    recompute the rest); the ILP picks that only where its measured per-operator overhead pays off,
+    so it is never predicted slower than ``"block"`` (whole units only).
 
     Mutates ``model`` (the chosen submodules' ``forward`` is checkpointed) and returns the
     :class:`Plan`. On any error the model, its gradients, buffers and the RNG state are left
@@ -169,7 +173,7 @@ def optimize_checkpointing(
     try:
         with preserved(model, on_success=False):
             profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device)
-            planner = Planner(profile, time_limit_s=time_limit_s)
+            planner = Planner(profile, time_limit_s=time_limit_s, granularity=granularity)
             plan = plan_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes) if check \
                 else planner.plan_for_budget(budget_bytes)
             plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)

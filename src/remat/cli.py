@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--points", type=int, default=6,
                    help="number of budgets from the least achievable to the no-checkpointing peak (default 6)")
     t.add_argument("--repeats", type=int, default=5, help="timed steps per plan (median; default 5)")
+    t.add_argument("--granularity", choices=["block", "op", "both"], default="both",
+                   help="remat rows for whole units (block), also selective units (op), or both (default)")
     t.add_argument("--warmup", type=float, default=3.0,
                    help="seconds of warm-up steps before measuring (default 3; the first steps run slow)")
     t.add_argument("--json", type=Path, help="write every row with all fields to this file")
@@ -172,6 +174,7 @@ def cmd_tradeoff(args, out, err) -> int:
         budgets = [int(b * GiB) for b in args.budgets] if args.budgets else None
         rows = tradeoff(model, inputs, profile, loss_fn=loss_fn, optimizer_factory=OPTIMIZERS[args.optimizer],
                         budgets=budgets, points=args.points, repeats=args.repeats, warmup_s=args.warmup,
+                        granularities={"block": ("block",), "op": ("op",), "both": ("block", "op")}[args.granularity],
                         progress=st.update)
     planner_min = min((r.predicted_peak_bytes for r in rows if r.predicted_peak_bytes), default=None)
     table = Table(title="memory / step-time tradeoff of one training step", title_justify="left")
@@ -183,7 +186,7 @@ def cmd_tradeoff(args, out, err) -> int:
     for r in rows:
         ms = (lambda s: "-" if s is None else f"{s * 1e3:.1f} ms")
         table.add_row(
-            fmt_bytes(r.budget_bytes), r.strategy if r.status != "infeasible" else "remat (infeasible)",
+            fmt_bytes(r.budget_bytes), r.strategy if r.status != "infeasible" else f"{r.strategy} (infeasible)",
             str(r.units) if r.status != "infeasible" else "-",
             fmt_bytes(r.predicted_peak_bytes) if r.predicted_peak_bytes is not None else r.note,
             fmt_bytes(r.measured_peak_bytes), {True: "yes", False: "[red]NO[/red]", None: "-"}[r.budget_met],

@@ -632,7 +632,14 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
             elif r is not None and r.alloc_index < start:
                 excluded = excluded or f"modifies its input in place ({op})"
         base = live[start - 1] if start > 0 else 0
-        peak_inc = max(live[start:end + 1], default=base) - base
+        if spec.selective:
+            # a selective recomputation reuses the cached outputs of kept operators: they add nothing
+            cached = [r for r in rec.records if start <= r.alloc_index <= end and producer.get(id(r)) in SAVED_OPS]
+            peak_inc = max((live[t] - sum(r.nbytes for r in cached if r.alloc_index <= t and
+                                          (r.free_index is None or t < r.free_index))
+                            for t in range(start, end + 1)), default=base) - base
+        else:
+            peak_inc = max(live[start:end + 1], default=base) - base
         unit_costs[u] = dict(
             name=u, parent=spec.parent, calls=calls, flops=sum(rec.flops.get(m, 0) for m in members),
             forward_start=start, forward_end=end, recompute_at=r_at, drops=tuple(drops),

@@ -63,6 +63,17 @@ class TradeoffRow:
         return len(self.checkpointed)
 
 
+#: table names of remat's own strategies
+_STRATEGY = {"ilp": "remat", "ilp-op": "remat-op"}
+
+
+@dataclass(frozen=True)
+class _Infeasible:
+    """Stands for a plan that no budget-meeting solution exists for."""
+
+    strategy: str
+
+
 def budget_sweep(planner: Planner, points: int) -> list[int]:
     """``points`` budgets (bytes) evenly from the least achievable peak to the no-checkpointing peak."""
     lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
@@ -87,6 +98,7 @@ def tradeoff(
     hand_rules: list[Plan] | None = None,
     greedy: bool = False,
     interleave: bool | None = None,
+    granularities: tuple[str, ...] = ("block",),
     progress: Callable[[str], None] | None = None,
 ) -> list[TradeoffRow]:
     """Plan and measure. ``model`` must be plain (not checkpointed); it is checkpointed and restored
@@ -100,33 +112,38 @@ def tradeoff(
         return _tradeoff(model, inputs, profile, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
                          budgets=budgets, points=points, warmup=warmup, repeats=repeats, warmup_s=warmup_s,
                          planner=planner, hand_rules=hand_rules, greedy=greedy, interleave=interleave,
-                         progress=progress)
+                         granularities=granularities, progress=progress)
     finally:
         undo()
 
 
 def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, points, warmup, repeats, warmup_s,
-              planner, hand_rules, greedy, interleave, progress) -> list[TradeoffRow]:
+              planner, hand_rules, greedy, interleave, granularities, progress) -> list[TradeoffRow]:
     planner = planner or Planner(profile)
     sweep = budgets if budgets is not None else budget_sweep(planner, points)
     say = progress or (lambda msg: None)
     rules = planner.baselines() if hand_rules is None else hand_rules
     plans: list[tuple[Plan | None, int | None, str]] = [(p, None, "") for p in rules]
     args, kwargs = split_inputs(inputs)
+    planners = {"block": planner}
+    if "op" in granularities:
+        planners["op"] = Planner(profile, granularity="op")
     for b in sweep:
         say(f"planning for {fmt_bytes(b)}")
-        try:
-            plans.append((plan_checked(model, args, kwargs, loss_fn or default_loss, model_device(model), planner, b),
-                          b, ""))
-        except InfeasibleBudgetError as e:
-            plans.append((None, b, f"below the least achievable peak {fmt_bytes(e.min_feasible_bytes)}"))
+        for gran in granularities:
+            try:
+                plans.append((plan_checked(model, args, kwargs, loss_fn or default_loss, model_device(model),
+                                           planners[gran], b), b, ""))
+            except InfeasibleBudgetError as e:
+                plans.append((_Infeasible("ilp" if gran == "block" else "ilp-op"), b,
+                              f"below the least achievable peak {fmt_bytes(e.min_feasible_bytes)}"))
         if greedy:
             g = planner.greedy(b)
             plans.append((g, b, "" if g.solver_status != "infeasible" else "greedy found no plan within the budget"))
 
     distinct: dict[frozenset[str], Plan] = {}
     for plan, _, _ in plans:
-        if plan is not None and not (plan.strategy == "greedy" and plan.solver_status == "infeasible"):
+        if not isinstance(plan, _Infeasible) and plan.solver_status != "infeasible":
             distinct.setdefault(frozenset(plan.checkpointed), plan)
     order = list(distinct.items())
     # Note [Warm-up]: the first steps of a process run slow (thread pools, allocator, clocks): on the
@@ -171,10 +188,11 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
     plain_time = measured[frozenset()].step_time_s
     rows = []
     for plan, budget, note in plans:
-        if plan is None:
-            rows.append(TradeoffRow("remat", budget, (), None, None, None, None, None, None, "infeasible", None, note))
+        if isinstance(plan, _Infeasible):
+            rows.append(TradeoffRow(_STRATEGY.get(plan.strategy, plan.strategy), budget, (), None, None, None, None,
+                                    None, None, "infeasible", None, note))
             continue
-        name = "remat" if plan.strategy == "ilp" else plan.strategy
+        name = _STRATEGY.get(plan.strategy, plan.strategy)
         if plan.strategy == "greedy" and plan.solver_status == "infeasible":
             rows.append(TradeoffRow("greedy", budget, plan.checkpointed, plan.predicted_peak_bytes, None, None, None,
                                     None, plan.solve_time_s, "infeasible", None, note))
@@ -189,7 +207,7 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
             predicted_step_time_s=plan.predicted_step_time_s,
             measured_step_time_s=m.step_time_s,
             measured_overhead=m.step_time_s / plain_time - 1 if plain_time > 0 else None,
-            solve_time_s=plan.solve_time_s if plan.strategy == "ilp" else None,
+            solve_time_s=plan.solve_time_s if plan.strategy in _STRATEGY else None,
             status=plan.solver_status,
             budget_met=None if budget is None else m.peak_bytes <= budget,
             note=note,
@@ -211,15 +229,19 @@ def plot_rows(rows: list[TradeoffRow], path: str | Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     peaks = [r.measured_peak_bytes for r in rows if r.measured_peak_bytes is not None]
     unit, scale = ("GiB", GiB) if max(peaks, default=0) >= GiB else ("MiB", 2**20)
-    mine = sorted((r for r in rows if r.strategy == "remat" and r.measured_peak_bytes is not None),
-                  key=lambda r: r.measured_peak_bytes)
-    if mine:
-        ax.plot([r.measured_peak_bytes / scale for r in mine], [r.measured_step_time_s * 1e3 for r in mine],
-                "o-", color="C0", label="remat (one point per budget)")
-        for r in mine:
-            ax.axvline(r.budget_bytes / scale, color="C0", alpha=0.12, lw=1)
-    for k, r in enumerate(x for x in rows if x.strategy != "remat" and x.measured_peak_bytes is not None):
-        ax.plot(r.measured_peak_bytes / scale, r.measured_step_time_s * 1e3, "s", color=f"C{k + 1}", label=r.strategy)
+    curves = [s for s in dict.fromkeys(r.strategy for r in rows) if sum(x.strategy == s for x in rows) > 1]
+    for k, name in enumerate(curves):
+        pts = sorted((r for r in rows if r.strategy == name and r.measured_peak_bytes is not None),
+                     key=lambda r: r.measured_peak_bytes)
+        ax.plot([r.measured_peak_bytes / scale for r in pts], [r.measured_step_time_s * 1e3 for r in pts],
+                "o-" if name.startswith("remat") else "x--", color=f"C{k}", label=f"{name} (one point per budget)")
+        if name == "remat":
+            for r in pts:
+                ax.axvline(r.budget_bytes / scale, color="C0", alpha=0.12, lw=1)
+    singles = [x for x in rows if x.strategy not in curves and x.measured_peak_bytes is not None]
+    for k, r in enumerate(singles):
+        ax.plot(r.measured_peak_bytes / scale, r.measured_step_time_s * 1e3, "s", color=f"C{k + len(curves)}",
+                label=r.strategy)
     ax.set_xlabel(f"measured peak memory of a training step ({unit}; faint lines: budgets)")
     ax.set_ylabel("measured step time (ms)")
     ax.set_title(title)
