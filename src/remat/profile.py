@@ -850,6 +850,10 @@ def profile_model(
         c["mutated_buffers"] = tuple(sorted(set(c["mutated_buffers"]) | {
             f"{m[len(spec.scope):]}.{b}" if segment else b
             for m in members for b in timing.mutated_buffers.get(m, ())}))
+        if spec.selective and c["mutated_buffers"] and c["excluded"] is None:
+            # replaying buffers runs clone/copy_ inside the selective checkpoint's caching modes, which
+            # then refuse the recomputation; whole-unit checkpointing handles these units
+            c["excluded"] = "selective checkpointing cannot replay the buffers it mutates (BatchNorm statistics)"
         fwd = sum(timing.forward_s.get(m, 0.0) for m in members)
         recompute = None if segment else timing.recompute_s.get(spec.name.removesuffix(SELECTIVE))
         if recompute is None:  # not recomputed while timing: a recomputation is a forward
