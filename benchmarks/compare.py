@@ -193,15 +193,23 @@ def sac_milp_status(device: str) -> str:
     return f"does not run on {device} with torch {torch.__version__}: exit {out.returncode}, {tail!r}"
 
 
+def _op(r: TradeoffRow | None) -> str:
+    if r is None or r.measured_step_time_s is None:
+        return "-"
+    n_sel = sum(u.endswith("@ops") for u in r.checkpointed)
+    return f"{r.measured_step_time_s * 1e3:.1f} ms ({fmt_bytes(r.measured_peak_bytes)}; {n_sel} selective)"
+
+
 def summarize(name: str, rows: list[TradeoffRow], comp: list[dict]) -> tuple[str, dict]:
     """Markdown table and headline numbers of one model."""
-    peers = [r for r in rows if r.strategy not in ("remat",) and r.measured_peak_bytes is not None]
+    peers = [r for r in rows if not r.strategy.startswith("remat") and r.measured_peak_bytes is not None]
     mine = [r for r in rows if r.strategy == "remat"]
+    ops = {r.budget_bytes: r for r in rows if r.strategy == "remat-op"}
     none = next(r for r in rows if r.strategy == "none")
     lines = [
         "| budget | remat peak (pred / meas) | remat step | best peer within budget | its peak | its step | "
-        "time ratio | overhead remat / peer |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|",
+        "time ratio | overhead remat / peer | remat-op step (peak) |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     ratios, errs, lost = [], [], []
     for r in mine:
@@ -210,7 +218,7 @@ def summarize(name: str, rows: list[TradeoffRow], comp: list[dict]) -> tuple[str
         best = min(fits, key=lambda p: p.measured_step_time_s, default=None)
         if r.measured_peak_bytes is None:
             lines.append(f"| {fmt_bytes(r.budget_bytes)} | infeasible ({r.note}) | - | "
-                         f"{best.strategy if best else '-'} | - | - | - | - |")
+                         f"{best.strategy if best else '-'} | - | - | - | - | - |")
             if best is not None:
                 lost.append((fmt_bytes(r.budget_bytes), best.strategy))
             continue
@@ -218,7 +226,7 @@ def summarize(name: str, rows: list[TradeoffRow], comp: list[dict]) -> tuple[str
         if best is None:
             lines.append(f"| {fmt_bytes(r.budget_bytes)} | {fmt_bytes(r.predicted_peak_bytes)} / "
                          f"{fmt_bytes(r.measured_peak_bytes)} | {r.measured_step_time_s * 1e3:.1f} ms | none meets it | "
-                         f"- | - | - | - |")
+                         f"- | - | - | - | {_op(ops.get(r.budget_bytes))} |")
             continue
         ratio = r.measured_step_time_s / best.measured_step_time_s
         ratios.append(ratio)
@@ -228,7 +236,7 @@ def summarize(name: str, rows: list[TradeoffRow], comp: list[dict]) -> tuple[str
         lines.append(
             f"| {fmt_bytes(r.budget_bytes)} | {fmt_bytes(r.predicted_peak_bytes)} / {fmt_bytes(r.measured_peak_bytes)}"
             f" | {r.measured_step_time_s * 1e3:.1f} ms | {best.strategy} | {fmt_bytes(best.measured_peak_bytes)} | "
-            f"{best.measured_step_time_s * 1e3:.1f} ms | {ratio:.2f} | {o_ratio} |")
+            f"{best.measured_step_time_s * 1e3:.1f} ms | {ratio:.2f} | {o_ratio} | {_op(ops.get(r.budget_bytes))} |")
     least = {}
     for r in rows:
         if r.measured_peak_bytes is not None:
@@ -295,7 +303,8 @@ def main() -> None:
         rules += [chen] if chen is not None else []
         budgets = budget_sweep(planner, args.points)
         rows = tradeoff(model, inputs, profile, loss_fn=loss_fn, optimizer_factory=adamw, budgets=budgets,
-                        planner=planner, hand_rules=rules, greedy=True, repeats=args.repeats)
+                        planner=planner, hand_rules=rules, greedy=True, repeats=args.repeats,
+                        granularities=("block", "op"))
         comp = compile_rows(factories[name], planner, budgets, device, args.repeats) if args.compile else []
         table, head = summarize(name, rows, comp)
         md = RESULTS / f"{name}-{args.device}.md"
