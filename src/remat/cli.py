@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--points", type=int, default=6,
                    help="number of budgets from the least achievable to the no-checkpointing peak (default 6)")
     t.add_argument("--repeats", type=int, default=5, help="timed steps per plan (median; default 5)")
-    t.add_argument("--granularity", choices=["block", "op", "both"], default="both",
-                   help="remat rows for whole units (block), also selective units (op), or both (default)")
+    t.add_argument("--granularity", choices=["block", "op", "both"], default="block",
+                   help="remat rows for whole units (block, the default), selective units allowed (op), or both")
     t.add_argument("--warmup", type=float, default=3.0,
                    help="seconds of warm-up steps before measuring (default 3; the first steps run slow)")
     t.add_argument("--json", type=Path, help="write every row with all fields to this file")

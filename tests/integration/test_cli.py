@@ -25,7 +25,7 @@ def run(capsys, *argv):
 
 
 def test_tradeoff_table_json_and_plot(capsys, tmp_path):
-    code, out, err = run(capsys, "tradeoff", *TINY_GPT, "--points", "3", "--repeats", "1", "--warmup", "0",
+    code, out, err = run(capsys, "tradeoff", *TINY_GPT, "--points", "3", "--repeats", "1", "--warmup", "0", "--granularity", "both",
                          "--json", str(tmp_path / "rows.json"), "--plot", str(tmp_path / "curve.png"))
     assert code == 0, err
     for label in ("every_block", "every_2nd_block", "remat", "predicted", "measured"):
@@ -47,7 +47,7 @@ def test_tradeoff_table_json_and_plot(capsys, tmp_path):
 
 
 def test_tradeoff_reports_an_unreachable_budget_and_goes_on(capsys, tmp_path):
-    code, out, err = run(capsys, "tradeoff", *TINY_UNET, "--budgets", "0.000001,1", "--repeats", "1",
+    code, out, err = run(capsys, "tradeoff", *TINY_UNET, "--budgets", "0.000001,1", "--repeats", "1", "--granularity", "both",
                          "--warmup", "0", "--json", str(tmp_path / "rows.json"))
     assert code == 0, err
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
