@@ -672,6 +672,20 @@ def _calibrate_sizes(rec: _Recorder, real: list[tuple[str, list[int | None], flo
     return fixed
 
 
+def _median_time(fn, device: torch.device, reps: int) -> float:
+    """Median wall time of ``reps`` calls of ``fn`` (seconds), synchronising CUDA around each."""
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append(time.perf_counter() - t0)
+    return sorted(out)[len(out) // 2]
+
+
 def checkpoint_overhead(device: torch.device, reps: int = 30) -> tuple[float, float]:
     """Note [Checkpoint overhead]: torch.utils.checkpoint's own bookkeeping per call (frame, RNG state,
     hooks) and per saved tensor (pack, unpack, recomputed-tensor checks), measured on this machine
@@ -688,16 +702,7 @@ def checkpoint_overhead(device: torch.device, reps: int = 30) -> tuple[float, fl
         return f
 
     def timed(fn):
-        out = []
-        for _ in range(reps):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            out.append(time.perf_counter() - t0)
-        return sorted(out)[len(out) // 2]
+        return _median_time(fn, device, reps)
 
     x = torch.randn(4, device=device, requires_grad=True)
     overhead = {}
@@ -745,16 +750,8 @@ def selective_overhead(device: torch.device, reps: int = 30) -> float:
     }
     med = {}
     for key, fn in runs.items():
-        ts = []
-        for _ in range(reps + 3):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            ts.append(time.perf_counter() - t0)
-        med[key] = sorted(ts[3:])[reps // 2]
+        _median_time(fn, device, 3)  # warm up
+        med[key] = _median_time(fn, device, reps)
     return max((med[True] - med[False]) / 16, 0.0)
 
 

@@ -163,6 +163,20 @@ def assert_equivalent(model: nn.Module, example_inputs: Any, **kwargs: Any) -> E
     return report
 
 
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, args: tuple, kwargs: dict,
+               loss_fn: LossFn) -> None:
+    """One training step as a loop runs it: forward and loss (under the caller's autocast state),
+    backward outside autocast (Note [Autocast]), optimizer step, gradients set to None."""
+    loss = loss_fn(model(*args, **kwargs))
+    with outside_autocast():
+        loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad(set_to_none=True)
+
+
 def measure_step(
     model: nn.Module,
     example_inputs: Any,
@@ -187,15 +201,7 @@ def measure_step(
     device = model_device(m)
 
     def step():
-        out = m(*args, **kwargs)
-        loss = loss_fn(out)
-        with outside_autocast():
-            loss.backward()
-        if opt is not None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            m.zero_grad(set_to_none=True)
+        train_step(m, opt, args, kwargs, loss_fn)
 
     def state():
         yield from m.parameters()
@@ -229,14 +235,7 @@ def warm_up(
     start = time.perf_counter()
     while len(times) < max_steps and time.perf_counter() - start < seconds:
         t0 = time.perf_counter()
-        loss = loss_fn(m(*args, **kwargs))
-        with outside_autocast():
-            loss.backward()
-        if opt is not None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            m.zero_grad(set_to_none=True)
+        train_step(m, opt, args, kwargs, loss_fn)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
@@ -279,14 +278,7 @@ def time_interleaved(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        loss = loss_fn(m(*args, **kwargs))
-        with outside_autocast():
-            loss.backward()
-        if opt is not None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            m.zero_grad(set_to_none=True)
+        train_step(m, opt, args, kwargs, loss_fn)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0
