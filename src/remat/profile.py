@@ -68,6 +68,8 @@ class _Pack:
 
     rec: StorageRecord | None
     stack: tuple[str, ...]
+    #: operators run when it was saved (the saving operator is the one before)
+    at: int = 0
     unpacked_at: int | None = None
 
 
@@ -112,7 +114,7 @@ class _Recorder(StorageTracker):
     # saved-tensor hooks
     def pack(self, t: torch.Tensor):
         rec = self.by_key.get(storage_key(t)) if t.device.type == self.device_type else None
-        ev = _Pack(rec, tuple(self.stack))
+        ev = _Pack(rec, tuple(self.stack), self.index)
         self.packs.append(ev)
         return ev, t
 
@@ -632,14 +634,21 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
             elif r is not None and r.alloc_index < start:
                 excluded = excluded or f"modifies its input in place ({op})"
         base = live[start - 1] if start > 0 else 0
+        # Note [Early stop]: non-reentrant checkpoint stops recomputing once the last tensor saved
+        # inside the unit exists again, so what a segment's last children allocate after that is not
+        # recomputed. Only segments use this: for modules the full forward's growth is kept, because
+        # modelling it there exposed other conservative terms of the model (see the README's limits).
+        end_rec = end
+        if spec.members != (spec.name,) and not spec.selective:
+            end_rec = min(end, max((ev.at - 1 for ev in packs if ev.at - 1 >= start), default=end))
         if spec.selective:
             # a selective recomputation reuses the cached outputs of kept operators: they add nothing
             cached = [r for r in rec.records if start <= r.alloc_index <= end and producer.get(id(r)) in SAVED_OPS]
             peak_inc = max((live[t] - sum(r.nbytes for r in cached if r.alloc_index <= t and
                                           (r.free_index is None or t < r.free_index))
-                            for t in range(start, end + 1)), default=base) - base
+                            for t in range(start, end_rec + 1)), default=base) - base
         else:
-            peak_inc = max(live[start:end + 1], default=base) - base
+            peak_inc = max(live[start:end_rec + 1], default=base) - base
         unit_costs[u] = dict(
             name=u, parent=spec.parent, calls=calls, flops=sum(rec.flops.get(m, 0) for m in members),
             forward_start=start, forward_end=end, recompute_at=r_at, drops=tuple(drops),

@@ -166,8 +166,11 @@ def assert_equivalent(model: nn.Module, example_inputs: Any, **kwargs: Any) -> E
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, args: tuple, kwargs: dict,
                loss_fn: LossFn) -> None:
     """One training step as a loop runs it: forward and loss (under the caller's autocast state),
-    backward outside autocast (Note [Autocast]), optimizer step, gradients set to None."""
-    loss = loss_fn(model(*args, **kwargs))
+    backward outside autocast (Note [Autocast]), optimizer step, gradients set to None. The output
+    stays referenced until the step ends, as in ``out = model(x); loss = crit(out, y); ...`` (and as
+    the profile records it)."""
+    out = model(*args, **kwargs)
+    loss = loss_fn(out)
     with outside_autocast():
         loss.backward()
     if optimizer is not None:

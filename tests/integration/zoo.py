@@ -118,12 +118,14 @@ class Branchy(nn.Module):
         self.c = Mixer(d)
 
     def forward(self, x):
+        # data-dependent on the input, not on dropout's draws, so that one step's memory is repeatable
+        positive = x.mean() > 0
         x = self.a(x)
-        if x.mean() > 0:  # data-dependent
+        if positive:
             x = self.b(x)
         else:
             x = self.b(x) * 2
-        for _ in range(int(x.abs().sum().item() > 0) + 1):  # data-dependent loop count
+        for _ in range(int(positive.item()) + 1):  # data-dependent loop count
             x = torch.tanh(x)
         return self.c(x)
 
