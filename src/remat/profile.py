@@ -635,12 +635,8 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
                 excluded = excluded or f"modifies its input in place ({op})"
         base = live[start - 1] if start > 0 else 0
         # Note [Early stop]: non-reentrant checkpoint stops recomputing once the last tensor saved
-        # inside the unit exists again, so what a segment's last children allocate after that is not
-        # recomputed. Only segments use this: for modules the full forward's growth is kept, because
-        # modelling it there exposed other conservative terms of the model (see the README's limits).
-        end_rec = end
-        if spec.members != (spec.name,) and not spec.selective:
-            end_rec = min(end, max((ev.at - 1 for ev in packs if ev.at - 1 >= start), default=end))
+        # inside the unit exists again, so what the unit allocates after that is not recomputed.
+        end_rec = min(end, max((ev.at - 1 for ev in packs if ev.at - 1 >= start), default=end))
         if spec.selective:
             # a selective recomputation reuses the cached outputs of kept operators: they add nothing
             cached = [r for r in rec.records if start <= r.alloc_index <= end and producer.get(id(r)) in SAVED_OPS]
