@@ -57,6 +57,7 @@ def models(device: str, large: bool):
     """name -> factory returning (model, inputs, loss_fn). --device cuda uses larger sizes."""
     s = 4 if large else 1
     out = {
+        "gpt4": lambda: make_gpt(layers=4, batch_size=8 * s, seq_len=64 * s, d_model=128 * s, device=device),
         "gpt12": lambda: make_gpt(layers=12, batch_size=8 * s, seq_len=64 * s, d_model=128 * s, device=device),
         "gpt24": lambda: make_gpt(layers=24, batch_size=8 * s, seq_len=64 * s, d_model=128 * s, device=device),
         "unet": lambda: make_unet(batch_size=4 * s, image_size=64 * s, device=device),
@@ -193,6 +194,10 @@ def sac_milp_status(device: str) -> str:
     return f"does not run on {device} with torch {torch.__version__}: exit {out.returncode}, {tail!r}"
 
 
+def _solve(r: TradeoffRow) -> str:
+    return "-" if r.solve_time_s is None else f"{r.solve_time_s:.2f} s"
+
+
 def _op(r: TradeoffRow | None) -> str:
     if r is None or r.measured_step_time_s is None:
         return "-"
@@ -208,8 +213,8 @@ def summarize(name: str, rows: list[TradeoffRow], comp: list[dict]) -> tuple[str
     none = next(r for r in rows if r.strategy == "none")
     lines = [
         "| budget | remat peak (pred / meas) | remat step | best peer within budget | its peak | its step | "
-        "time ratio | overhead remat / peer | remat-op step (peak) |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "time ratio | overhead remat / peer | remat solve | remat-op step (peak) |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     ratios, errs, lost = [], [], []
     for r in mine:
@@ -218,7 +223,7 @@ def summarize(name: str, rows: list[TradeoffRow], comp: list[dict]) -> tuple[str
         best = min(fits, key=lambda p: p.measured_step_time_s, default=None)
         if r.measured_peak_bytes is None:
             lines.append(f"| {fmt_bytes(r.budget_bytes)} | infeasible ({r.note}) | - | "
-                         f"{best.strategy if best else '-'} | - | - | - | - | - |")
+                         f"{best.strategy if best else '-'} | - | - | - | - | - | - |")
             if best is not None:
                 lost.append((fmt_bytes(r.budget_bytes), best.strategy))
             continue
@@ -226,7 +231,7 @@ def summarize(name: str, rows: list[TradeoffRow], comp: list[dict]) -> tuple[str
         if best is None:
             lines.append(f"| {fmt_bytes(r.budget_bytes)} | {fmt_bytes(r.predicted_peak_bytes)} / "
                          f"{fmt_bytes(r.measured_peak_bytes)} | {r.measured_step_time_s * 1e3:.1f} ms | none meets it | "
-                         f"- | - | - | - | {_op(ops.get(r.budget_bytes))} |")
+                         f"- | - | - | - | {_solve(r)} | {_op(ops.get(r.budget_bytes))} |")
             continue
         ratio = r.measured_step_time_s / best.measured_step_time_s
         ratios.append(ratio)
@@ -236,7 +241,8 @@ def summarize(name: str, rows: list[TradeoffRow], comp: list[dict]) -> tuple[str
         lines.append(
             f"| {fmt_bytes(r.budget_bytes)} | {fmt_bytes(r.predicted_peak_bytes)} / {fmt_bytes(r.measured_peak_bytes)}"
             f" | {r.measured_step_time_s * 1e3:.1f} ms | {best.strategy} | {fmt_bytes(best.measured_peak_bytes)} | "
-            f"{best.measured_step_time_s * 1e3:.1f} ms | {ratio:.2f} | {o_ratio} | {_op(ops.get(r.budget_bytes))} |")
+            f"{best.measured_step_time_s * 1e3:.1f} ms | {ratio:.2f} | {o_ratio} | {_solve(r)} | "
+            f"{_op(ops.get(r.budget_bytes))} |")
     least = {}
     for r in rows:
         if r.measured_peak_bytes is not None:
@@ -273,6 +279,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="also torch.compile with activation_memory_budget")
     ap.add_argument("--no-sac", action="store_true", help="skip the sac_milp probe")
+    ap.add_argument("--tag", default="", help="suffix for the result files (keeps other runs' files)")
     args = ap.parse_args()
     device = torch.device(args.device)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -307,10 +314,10 @@ def main() -> None:
                         granularities=("block", "op"))
         comp = compile_rows(factories[name], planner, budgets, device, args.repeats) if args.compile else []
         table, head = summarize(name, rows, comp)
-        md = RESULTS / f"{name}-{args.device}.md"
+        md = RESULTS / f"{name}-{args.device}{args.tag}.md"
         md.write_text(f"# {name} on {args.device}\n\n{header}\n\nsac_milp: {sac}\n\n{table}\n\n"
-                      f"![{name}]({name}-{args.device}.png)\n")
-        plot_rows(rows, RESULTS / f"{name}-{args.device}.png", f"{name} on {args.device}")
+                      f"![{name}]({name}-{args.device}{args.tag}.png)\n")
+        plot_rows(rows, RESULTS / f"{name}-{args.device}{args.tag}.png", f"{name} on {args.device}")
         heads.append(head)
         print(f"{name}: {time.perf_counter() - t0:.0f} s; worst time ratio "
               f"{head['worst_ratio'] if head['worst_ratio'] is None else round(head['worst_ratio'], 2)}, "
@@ -326,7 +333,7 @@ def main() -> None:
             f"{', '.join(f'{b} ({s})' for b, s in h['lost']) or 'none'} |" if h["worst_ratio"] is not None else
             f"| {h['model']} | - | - | {h['worst_pred_err']:+.1%} | {fmt_bytes(h['remat_least'])} | "
             f"{fmt_bytes(h['every_block_least'])} | {', '.join(f'{b} ({s})' for b, s in h['lost']) or 'none'} |")
-    (RESULTS / f"SUMMARY-{args.device}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"SUMMARY-{args.device}{args.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
