@@ -42,7 +42,8 @@ class Plan:
     #: measured step time with nothing checkpointed (seconds)
     baseline_step_time_s: float
     predicted_recompute_s: float
-    #: "optimal", "fits" (no checkpointing needed), "feasible" (time limit hit), "infeasible", "heuristic"
+    #: "optimal", "optimal within 1%" (large problems, Note [Solver gap] in remat.solve.ilp), "fits" (no
+    #: checkpointing needed), "feasible" (time limit hit), "infeasible", "heuristic", "baseline"
     solver_status: str
     solve_time_s: float
     capture_path: str = ""

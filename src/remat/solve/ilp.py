@@ -10,7 +10,7 @@ Constraints:
                      overlapping segments) are never checkpointed together: ``sum(x[v]) <= 1``
 
 Objective: minimise ``sum(cost_s[u] * x[u])``: measured seconds of recompute plus checkpoint's
-measured bookkeeping per unit.
+measured bookkeeping per unit; exactly for small problems, within 1% for large ones (Note [Solver gap]).
 
 The solver's own tolerances are not trusted: the rounded solution is re-checked with the
 simulator, and a (rare) violation tightens the budget and solves again.
@@ -39,13 +39,21 @@ def _name(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", s)
 
 
-def _solver(time_limit_s: float | None) -> pulp.LpSolver:
+#: Note [Solver gap]: models of identical blocks give CBC many symmetric, near-equal solutions to rule
+#: out (a 24-block GPT with 72 units took 32 s to prove optimality, 0.05 s to get within 1%). Above
+#: EXACT_UNITS candidates the ILP stops within GAP_REL of the best recompute time; 1% of the recompute
+#: is far below the noise of the measured costs it optimises. Small problems are solved exactly.
+EXACT_UNITS = 32
+GAP_REL = 0.01
+
+
+def _solver(time_limit_s: float | None, gap_rel: float | None = None) -> pulp.LpSolver:
     """CBC through PuLP: ``COIN_CMD`` when a CBC binary is installed (PuLP 4 style), else PuLP 3's bundled one."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         for name in ("COIN_CMD", "PULP_CBC_CMD"):
             try:
-                solver = pulp.getSolver(name, msg=False, timeLimit=time_limit_s)
+                solver = pulp.getSolver(name, msg=False, timeLimit=time_limit_s, gapRel=gap_rel)
             except Exception:  # noqa: BLE001 - solver not known to this PuLP version
                 continue
             if solver.available():
@@ -80,13 +88,16 @@ def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | N
     # overlap_<unit>: never two units whose forwards intersect (a unit inside another, overlapping segments)
     for i, group in enumerate(model.cliques()):
         prob += (pulp.lpSum(x[v] for v in group) <= 1, f"overlap_{i}_{_name(group[0])}")
-    prob.solve(_solver(time_limit_s))
+    gap = GAP_REL if len(units) > EXACT_UNITS and budget_bytes is not None else None
+    prob.solve(_solver(time_limit_s, gap))
     status = pulp.LpStatus[prob.status]
     if status != "Optimal":
         return None, status.lower()
     chosen = frozenset(u for u in units if (x[u].varValue or 0) > 0.5)
     sol = getattr(prob, "sol_status", pulp.LpSolutionOptimal)
-    return chosen, "optimal" if sol == pulp.LpSolutionOptimal else "feasible"
+    if sol != pulp.LpSolutionOptimal:
+        return chosen, "feasible"
+    return chosen, "optimal" if gap is None else f"optimal within {gap:.0%}"
 
 
 def solve_ilp(
