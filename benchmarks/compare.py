@@ -27,7 +27,6 @@ timings on a shared CPU drift by several percent).
 from __future__ import annotations
 
 import argparse
-import copy
 import platform
 import statistics
 import subprocess
@@ -46,7 +45,7 @@ import remat  # noqa: E402
 from remat.api import make_profile, split_inputs  # noqa: E402
 from remat.examples import make_gpt, make_unet  # noqa: E402
 from remat.measure import outside_autocast  # noqa: E402
-from remat.plan import MiB, fmt_bytes  # noqa: E402
+from remat.plan import fmt_bytes  # noqa: E402
 from remat.report import TradeoffRow, budget_sweep, plot_rows, tradeoff  # noqa: E402
 from remat.solve import Planner  # noqa: E402
 

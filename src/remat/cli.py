@@ -12,7 +12,6 @@ User mistakes print one line and exit with status 2; --debug shows the traceback
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import platform
 import sys
@@ -23,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from remat import __version__
-from remat.api import apply_plan, make_profile, model_signature, optimize_checkpointing, split_inputs, validate
+from remat.api import apply_plan, make_profile, optimize_checkpointing, split_inputs, validate
 from remat.errors import RematError
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.report import plot_rows, rows_to_json, tradeoff

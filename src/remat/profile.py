@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import logging
-import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
