@@ -18,6 +18,7 @@ import time
 
 import pulp
 
+import remat.solve.ilp as ilp
 from remat.simulate import MemoryModel
 from remat.solve import Planner
 from remat.solve.synthetic import random_chain_profile
@@ -27,7 +28,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="12,48,200,500", help="numbers of candidate units, comma-separated")
     ap.add_argument("--flat", action="store_true", help="no nested sub-units (one candidate per block)")
+    ap.add_argument("--gpt", type=int, default=0, metavar="LAYERS",
+                    help="also profile the built-in GPT with this many blocks and time exact vs within-1%% solves")
     args = ap.parse_args()
+    if args.gpt:
+        gpt_solves(args.gpt)
     print(f"# ILP solve time (PuLP {pulp.__version__}, CBC; {platform.processor() or platform.machine()})")
     print("| units | rows | build memory model (s) | least peak (s) | solve at mid budget (s) | status |")
     print("|---:|---:|---:|---:|---:|---|")
@@ -42,6 +47,37 @@ def main() -> None:
         plan = planner.plan_for_budget(budget)
         print(f"| {len(model.units)} | {len(model.rows)} | {t_build:.2f} | {planner.min_peak_solve_s:.2f} | "
               f"{plan.solve_time_s:.2f} | {plan.solver_status} |")
+
+
+def gpt_solves(layers: int) -> None:
+    """Solve time on a real profile (identical blocks: the symmetric case), exact and within 1%."""
+    import torch
+
+    import remat
+    from remat.api import make_profile, split_inputs
+    from remat.examples import make_gpt
+
+    model, inputs, _ = make_gpt(layers=layers)
+    a, k = split_inputs(inputs)
+    profile = make_profile(model, a, k, loss_fn=remat.default_loss,
+                           optimizer=torch.optim.AdamW(model.parameters()), device=torch.device("cpu"))
+    planner = Planner(profile)
+    lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
+    print(f"# built-in GPT, {layers} blocks: {len(planner.model.units)} units, {len(planner.model.rows)} rows")
+    print("| budget (fraction of range) | exact (s) | exact recompute (ms) | within 1% (s) | its recompute (ms) |")
+    print("|---:|---:|---:|---:|---:|")
+    for f in (0.25, 0.5):
+        b = int(lo + f * (hi - lo))
+        saved = ilp.EXACT_UNITS
+        ilp.EXACT_UNITS = 1 << 30
+        try:
+            exact, _, t_exact = ilp.solve_ilp(planner.model, b)
+        finally:
+            ilp.EXACT_UNITS = saved
+        gap, _, t_gap = ilp.solve_ilp(planner.model, b)
+        print(f"| {f} | {t_exact:.2f} | {planner.model.recompute_s(exact) * 1e3:.2f} | {t_gap:.2f} | "
+              f"{planner.model.recompute_s(gap) * 1e3:.2f} |")
+    print()
 
 
 if __name__ == "__main__":

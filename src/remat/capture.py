@@ -44,10 +44,6 @@ class ModelGraph:
     #: why the earlier capture paths failed
     failures: tuple[str, ...] = ()
 
-    def parent(self, unit: str) -> str | None:
-        """The closest enclosing unit of ``unit``, or None."""
-        return unit_parent(unit, self.units)
-
 
 def unit_parent(unit: str, units: tuple[str, ...] | list[str]) -> str | None:
     best = None

@@ -22,13 +22,15 @@ from typing import Any, Sequence
 import torch
 
 from remat import __version__
-from remat.api import apply_plan, make_profile, optimize_checkpointing, split_inputs, validate
+from remat.api import apply_plan, default_loss, make_profile, optimize_checkpointing, split_inputs, validate
+from remat.capture import composite_modules
 from remat.errors import RematError
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.report import plot_rows, rows_to_json, tradeoff
 from remat.solve import Planner
 from remat.targets import resolve_target
-from remat.verify import check_equivalence, measure_step
+from remat.rewrite import checkpoint_modules, remove_checkpointing
+from remat.verify import check_equivalence, measure_step, warm_up
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
@@ -136,16 +138,10 @@ def _profile(args, model, inputs, loss_fn, device, status):
     optimizer = factory(model.parameters()) if factory else None
     validate(model, 1.0, inputs)
     a, k = split_inputs(inputs)
-    from remat.api import default_loss
-
     warmup_s = getattr(args, "warmup", 0.0)
     if warmup_s > 0:
         # Note [Warm-up] in remat.report: a fresh process runs its first steps slow, and profiling
         # measures times too. Warm up with the top-level composite modules checkpointed (little memory).
-        from remat.capture import composite_modules
-        from remat.rewrite import checkpoint_modules, remove_checkpointing
-        from remat.verify import warm_up
-
         status("warming up")
         comp = composite_modules(model)
         top = [c for c in comp if not any(c.startswith(o + ".") for o in comp)]
@@ -215,14 +211,19 @@ def cmd_tradeoff(args, out, err) -> int:
     return 0
 
 
+def _optimize(args, model, inputs, loss_fn) -> Plan:
+    """optimize_checkpointing with the command line's budget, optimizer and time limit."""
+    factory = OPTIMIZERS[args.optimizer]
+    return optimize_checkpointing(model, args.budget, inputs, loss_fn=loss_fn,
+                                  optimizer=factory(model.parameters()) if factory else None,
+                                  time_limit_s=args.time_limit)
+
+
 def cmd_plan(args, out, err) -> int:
     model, inputs, loss_fn, desc, device = _target(args)
     _header(out, desc, device, args)
-    factory = OPTIMIZERS[args.optimizer]
     with err.status("profiling and solving"):
-        plan = optimize_checkpointing(model, args.budget, inputs, loss_fn=loss_fn,
-                                      optimizer=factory(model.parameters()) if factory else None,
-                                      time_limit_s=args.time_limit)
+        plan = _optimize(args, model, inputs, loss_fn)
     out.print(str(plan), markup=False, highlight=False)
     if args.out:
         plan.save(args.out)
@@ -246,7 +247,8 @@ def cmd_profile(args, out, err) -> int:
               f"{fmt_bytes(profile.buffers_bytes)}, inputs {fmt_bytes(profile.inputs_bytes)}")
     out.print(f"peak (predicted): {fmt_bytes(planner.baseline_peak_bytes)} without checkpointing, "
               f"{fmt_bytes(planner.min_peak_bytes)} at least")
-    table = Table(title="units (measured)", title_justify="left")
+    table = Table(title=f"units: times measured (a segment's or @ops unit's recompute derived from its parts), "
+                        f"bytes recorded on {profile.memory_recorded_with} tensors", title_justify="left")
     for col in ["unit", "forward", "recompute", "backward", "GFLOP", "saved for bwd", "freed if ckpt", "note"]:
         table.add_column(col, justify="left" if col in ("unit", "note") else "right")
     ms = (lambda s: "-" if s is None else f"{s * 1e3:.2f} ms")
@@ -272,9 +274,7 @@ def cmd_verify(args, out, err) -> int:
             plan = Plan.load(args.plan)
             apply_plan(model, plan)
         else:
-            plan = optimize_checkpointing(model, args.budget, inputs, loss_fn=loss_fn,
-                                          optimizer=factory(model.parameters()) if factory else None,
-                                          time_limit_s=args.time_limit)
+            plan = _optimize(args, model, inputs, loss_fn)
     with err.status("running plain and checkpointed steps"):
         report = check_equivalence(model, inputs, loss_fn=loss_fn, rtol=args.rtol, atol=args.atol)
         measured = measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=factory)

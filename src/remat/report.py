@@ -147,7 +147,7 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
             distinct.setdefault(frozenset(plan.checkpointed), plan)
     order = list(distinct.items())
     # Note [Warm-up]: the first steps of a process run slow (thread pools, allocator, clocks): on the
-    # 2-core CPU this project is measured on, ~50% slower for the first ~15 steps. Warm up first, with
+    # 2-core CPU this project is developed on, markedly so for the first dozen or so. Warm up first, with
     # the least-memory plan so that warming up fits wherever the plans do.
     say("warming up")
     least = min(distinct.values(), key=lambda p: p.predicted_peak_bytes)
@@ -168,7 +168,7 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
     interleave = model_device(model).type == "cpu" if interleave is None else interleave
     say("timing steps")
     if interleave:
-        # Note [Interleaved timing]: on a shared CPU, step times drift by 10-20% over a minute; timing
+        # Note [Interleaved timing]: on a shared CPU, step times drift within a minute; timing
         # the plans one after another compares drifts, not plans. Round-robin one step of every plan
         # per round (each plan on its own copy of the model) and take the median per plan.
         times = time_interleaved(model, inputs, [p for _, p in order], loss_fn=loss_fn,

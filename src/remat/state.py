@@ -31,7 +31,7 @@ def take_snapshot(model: nn.Module) -> Snapshot:
     )
 
 
-def restore(snap: Snapshot, *, rng: bool = True) -> None:
+def restore(snap: Snapshot) -> None:
     """Put the model's buffers (in place, same objects), gradients, forwards and the RNG back."""
     with torch.no_grad():
         for b, v in snap.buffers:
@@ -43,10 +43,9 @@ def restore(snap: Snapshot, *, rng: bool = True) -> None:
             m.__dict__.pop("forward", None)
         else:
             m.forward = f
-    if rng:
-        torch.set_rng_state(snap.cpu_rng)
-        if snap.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(snap.cuda_rng)
+    torch.set_rng_state(snap.cpu_rng)
+    if snap.cuda_rng is not None:
+        torch.cuda.set_rng_state_all(snap.cuda_rng)
 
 
 @contextlib.contextmanager

@@ -173,3 +173,20 @@ def test_chen_segments_follow_checkpoint_sequential():
     assert chen_segments(3) == [(0, 1)]
     assert chen_segments(10) == [(0, 3), (3, 6)]
     assert chen_segments(1) == []
+
+
+def test_large_problems_stop_within_the_stated_gap(monkeypatch):
+    """Above EXACT_UNITS candidates the ILP may stop within GAP_REL of the least recompute, never further."""
+    import remat.solve.ilp as ilp
+
+    planner = Planner(random_chain_profile(20, seed=7, nested=True))  # 40 candidate units
+    assert len(planner.model.units) > ilp.EXACT_UNITS
+    for frac in (0.3, 0.6):
+        budget = int(planner.min_peak_bytes + frac * (planner.baseline_peak_bytes - planner.min_peak_bytes))
+        fast = planner.plan_for_budget(budget)
+        assert fast.solver_status == "optimal within 1%" and fast.predicted_peak_bytes <= budget
+        monkeypatch.setattr(ilp, "EXACT_UNITS", 10**6)
+        exact = planner.plan_for_budget(budget)
+        monkeypatch.setattr(ilp, "EXACT_UNITS", 32)
+        assert exact.solver_status == "optimal"
+        assert fast.predicted_recompute_s <= exact.predicted_recompute_s * (1 + ilp.GAP_REL) + 1e-12

@@ -40,7 +40,8 @@ def _name(s: str) -> str:
 
 
 #: Note [Solver gap]: models of identical blocks give CBC many symmetric, near-equal solutions to rule
-#: out (a 24-block GPT with 72 units took 32 s to prove optimality, 0.05 s to get within 1%). Above
+#: out (a 24-block GPT with 72 units took 40-60 s to prove optimality, 0.06-0.2 s to get within 1%:
+#: benchmarks/solve_scaling.py --gpt 24). Above
 #: EXACT_UNITS candidates the ILP stops within GAP_REL of the best recompute time; 1% of the recompute
 #: is far below the noise of the measured costs it optimises. Small problems are solved exactly.
 EXACT_UNITS = 32
