@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >/dev/null
-exec .venv/bin/remat tradeoff "${@:-gpt}"
+# the target defaults to the built-in GPT; options alone (e.g. --layers 2) apply to it
+if [ $# -eq 0 ] || [[ "$1" == -* ]]; then set -- gpt "$@"; fi
+exec .venv/bin/remat tradeoff "$@"
