@@ -180,7 +180,8 @@ def optimize_checkpointing(
                 else planner.plan_for_budget(budget_bytes)
             plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)
             remove_checkpointing(model)
-            checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers))
+            checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
+                           saved_ops=dict(plan.saved_ops))
     except BaseException:
         undo()
         raise
@@ -237,7 +238,8 @@ def plan_checked(
     target = budget_bytes
     for _ in range(3):
         remove_checkpointing(model)
-        checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers))
+        checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
+                           saved_ops=dict(plan.saved_ops))
         try:
             measured = measure_forward_backward(model, args, kwargs, loss_fn, device,
                                                 planner.profile.optimizer_state_bytes)
@@ -338,7 +340,8 @@ def apply_plan(model: nn.Module, plan: Plan) -> None:
         for note in prepare_hf_for_training(model)[0]:
             log.warning("remat.apply_plan: %s", note)
     remove_checkpointing(model)
-    checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers))
+    checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
+                           saved_ops=dict(plan.saved_ops))
 
 
 __all__ = [

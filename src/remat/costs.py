@@ -77,6 +77,9 @@ class UnitCost:
     #: checkpoint's own bookkeeping for this unit, beyond the recompute (seconds; Note [Checkpoint
     #: overhead] in remat.profile)
     overhead_s: float = 0.0
+    #: for a selective unit (``h.3@ops2``), the operators whose outputs its policy keeps, as the rewrite
+    #: names them (``aten.addmm.default#1``; Note [Selective checkpointing] in remat.rewrite)
+    saved_ops: tuple[str, ...] = ()
 
     @property
     def cost_s(self) -> float:
@@ -158,7 +161,8 @@ class Profile:
             UnitCost(**{**u, "drops": tuple(Drop(**x) for x in u["drops"]),
                         "mutated_buffers": tuple(u.get("mutated_buffers", ())),
                         "members": tuple(u.get("members", ())),
-                        "keeps": tuple(Keep(**k) for k in u.get("keeps", ()))}) for u in d["units"]
+                        "keeps": tuple(Keep(**k) for k in u.get("keeps", ())),
+                        "saved_ops": tuple(u.get("saved_ops", ()))}) for u in d["units"]
         )
         for k in ("live_bytes", "grad_bytes", "saved_bytes", "notes"):
             d[k] = tuple(d[k])

@@ -93,6 +93,8 @@ class StorageTracker(TorchDispatchMode):
         #: live bytes after each operator (only kept when ``keep_timeline``)
         self.timeline: list[int] = []
         self.keep_timeline = False
+        #: synchronise CUDA around each operator so that ``last_op_s`` is its kernel time, not its launch
+        self.sync_cuda = False
 
     def _freed(self, rec: StorageRecord) -> None:
         rec.free_index = self.index
@@ -126,8 +128,12 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.sync_cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
+        if self.sync_cuda:
+            torch.cuda.synchronize()
         #: wall time of the operator itself, without the tracker's bookkeeping (seconds)
         self.last_op_s = time.perf_counter() - t0
         if func.namespace == "prim":  # metadata queries (prim.device) under FakeTensorMode

@@ -54,6 +54,9 @@ class Plan:
     checked_peak_bytes: int | None = None
     #: per checkpointed unit, the buffers its forward mutates (replayed on recompute)
     mutated_buffers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: per selective unit (``h.3@ops2``), the operators whose outputs its policy keeps (Note [Selective
+    #: checkpointing] in remat.rewrite)
+    saved_ops: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: parameter names and shapes of the model the plan was made for (checked by apply_plan)
     model_signature: tuple[tuple[str, tuple[int, ...]], ...] = field(default_factory=tuple)
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -115,6 +118,7 @@ class Plan:
         d["model_signature"] = tuple((n, tuple(s)) for n, s in d.get("model_signature", ()))
         d["notes"] = tuple(d.get("notes", ()))
         d["mutated_buffers"] = {k: tuple(v) for k, v in d.get("mutated_buffers", {}).items()}
+        d["saved_ops"] = {k: tuple(v) for k, v in d.get("saved_ops", {}).items()}
         return cls(**d)
 
     def save(self, path: str | Path) -> None:

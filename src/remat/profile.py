@@ -52,7 +52,7 @@ from remat.capture import ModelGraph, quiet_loggers, unit_parent
 from remat.costs import Drop, Keep, Profile, UnitCost
 from remat.errors import InvalidInputError
 from remat.measure import StorageRecord, StorageTracker, outside_autocast, storage_key, tensor_bytes
-from remat.rewrite import SAVED_OPS, SELECTIVE, checkpoint_modules, segment_name
+from remat.rewrite import SAVED_OPS, SELECTIVE, KeepOps, checkpoint_modules, draws_random, segment_name
 from remat.solve import chen_segments
 from remat.state import preserved
 
@@ -95,6 +95,8 @@ class _Recorder(StorageTracker):
         self.forward_ops: list[tuple[str, list[StorageRecord | None]]] = []
         #: forward operator index -> measured seconds on the real forward (set after timing)
         self.op_seconds: dict[int, float] = {}
+        #: forward operators (timeline indices) that draw random numbers (dropout masks)
+        self.random_ops: set[int] = set()
 
     # module hooks
     def enter(self, name: str, args: Any = ()) -> None:
@@ -127,6 +129,8 @@ class _Recorder(StorageTracker):
         if self.backward:
             return
         self.forward_ops.append((str(func), _new_records(self, out)))
+        if draws_random(func, args, kwargs):
+            self.random_ops.add(self.index)
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
                 rec = self.by_key.get(storage_key(t))
@@ -169,6 +173,7 @@ class _SizeLog(StorageTracker):
 
     def __init__(self, device: torch.device, ignore) -> None:
         super().__init__(device, ignore=ignore)
+        self.sync_cuda = torch.device(device).type == "cuda"
         self.ops: list[tuple[str, list[int | None], float]] = []
 
     def on_op(self, func, args, kwargs, out) -> None:
@@ -409,6 +414,14 @@ def _measure_time(
         del out, loss
         result.step_forward_s = min(result.step_forward_s, t1 - t0)
         result.step_backward_s = min(result.step_backward_s, t2 - t1)
+    # each operator's time again, warm (step 0's were the first calls): keep the lesser of the two
+    log = _SizeLog(device, pre)
+    with log:
+        out = model(*args, **kwargs)
+        loss = loss_fn(out)
+    del out, loss
+    if [o[0] for o in log.ops] == [o[0] for o in result.forward_sizes]:
+        result.forward_sizes = [(f, sz, min(t, t2)) for (f, sz, t), (_, _, t2) in zip(result.forward_sizes, log.ops)]
     for name in checkpointed:
         mods[name].forward.recompute_timer = None
     return result
@@ -517,8 +530,15 @@ class _Spec:
     parent: str | None
     #: prefix of buffer names relative to the unit's module (the Sequential's for a segment)
     scope: str
-    #: checkpointed selectively (``@ops``: Note [Selective checkpointing] in remat.rewrite)
-    selective: bool = False
+    #: for a selective unit (``h.3@ops2``), the forward operators (timeline indices) whose outputs its
+    #: policy keeps (Note [Selective checkpointing] in remat.rewrite); None for a whole unit
+    keep: frozenset[int] | None = None
+    #: the same operators as the rewrite names them (``aten.addmm.default#1``)
+    saved_ops: tuple[str, ...] = ()
+
+    @property
+    def selective(self) -> bool:
+        return self.keep is not None
 
 
 def _segments(n: int, container_is_unit: bool) -> list[tuple[int, int]]:
@@ -541,7 +561,6 @@ def _specs(rec: "_Recorder", ran: list[str], sequentials: dict[str, list[str]]) 
     """Module units that ran, then the segments of each Sequential that ran once with its children
     back to back (Note [Segments])."""
     specs = [_Spec(u, (u,), unit_parent(u, ran), u + ".") for u in ran]
-    specs += [_Spec(u + SELECTIVE, (u,), unit_parent(u, ran), u + ".", selective=True) for u in ran]
     for container, children in sequentials.items():
         if container and rec.calls.get(container, 0) != 1:
             continue
@@ -565,8 +584,8 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
     for ev in rec.packs:
         if ev.rec is not None:
             packs_of[id(ev.rec)].append(ev)
-    # the operator that created each storage in forward, by overload packet name ("mm", "gelu", ...)
-    producer = {id(r): op.split(".")[1] for op, recs in rec.forward_ops for r in recs if r is not None}
+    # the forward operator (timeline index) that created each storage
+    made_by = {id(r): i for i, (_, recs) in enumerate(rec.forward_ops) for r in recs if r is not None}
     unit_costs: dict[str, dict[str, Any]] = {}
     for spec in specs:
         u, members = spec.name, spec.members
@@ -595,7 +614,7 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
             free_from = max(end + 1, rec.last_use.get(id(r), -1) + 1, max(outside, default=-1) + 1)
             if free_from >= r_at or (r.free_index is not None and r.free_index <= r_at):
                 continue
-            if spec.selective and producer.get(id(r)) in SAVED_OPS:
+            if spec.keep is not None and made_by.get(id(r)) in spec.keep:
                 continue  # a selective checkpoint keeps it
             drops.append(Drop(r.nbytes, free_from))
         # Note [Checkpoint holds its inputs]: non-reentrant checkpoint keeps the unit's inputs in its
@@ -609,13 +628,12 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
             for r in {id(r): r for r in rec.inputs.get(members[0], [])}.values()
             if r_at is not None and r.free_index is not None and r.free_index < release
         )
-        if spec.selective and r_at is not None:
+        if spec.keep is not None and r_at is not None:
             # the selective checkpoint caches every output of a kept operator until the recomputation
             # reads it back, also those the plain step frees early (Note [Selective checkpointing])
             keeps += tuple(
                 Keep(r.nbytes, r.free_index, r_at) for r in rec.records
-                if start <= r.alloc_index <= end and producer.get(id(r)) in SAVED_OPS
-                and r.free_index is not None and r.free_index < r_at
+                if made_by.get(id(r)) in spec.keep and r.free_index is not None and r.free_index < r_at
             )
         excluded = None
         mutated: set[str] = set()
@@ -636,9 +654,9 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
         # Note [Early stop]: non-reentrant checkpoint stops recomputing once the last tensor saved
         # inside the unit exists again, so what the unit allocates after that is not recomputed.
         end_rec = min(end, max((ev.at - 1 for ev in packs if ev.at - 1 >= start), default=end))
-        if spec.selective:
+        if spec.keep is not None:
             # a selective recomputation reuses the cached outputs of kept operators: they add nothing
-            cached = [r for r in rec.records if start <= r.alloc_index <= end and producer.get(id(r)) in SAVED_OPS]
+            cached = [r for r in rec.records if made_by.get(id(r)) in spec.keep]
             peak_inc = max((live[t] - sum(r.nbytes for r in cached if r.alloc_index <= t and
                                           (r.free_index is None or t < r.free_index))
                             for t in range(start, end_rec + 1)), default=base) - base
@@ -650,7 +668,7 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
             recompute_peak_bytes=max(peak_inc, 0), saved_bytes=sum(r.nbytes for r in saved.values()),
             excluded=excluded, mutated_buffers=tuple(sorted(mutated)),
             members=members if members != (u,) and not spec.selective else (), keeps=keeps, release=release,
-            saved_count=len(packs), op_count=end - start + 1, selective=spec.selective,
+            saved_count=len(packs), op_count=end - start + 1, recompute_end=end_rec, saved_ops=spec.saved_ops,
         )
         if excluded and members == (u,):
             log.info("unit %s cannot be checkpointed: %s", u, excluded)
@@ -722,17 +740,93 @@ def checkpoint_overhead(device: torch.device, reps: int = 30) -> tuple[float, fl
     return max(overhead[1] - per_tensor, 0.0), per_tensor
 
 
-def _recompute_share(rec: _Recorder, start: int, end: int) -> float:
+def _recompute_share(rec: _Recorder, start: int, end: int, keep: frozenset[int]) -> float:
     """Share of the measured forward time of operators ``start..end`` spent in operators a selective
-    checkpoint recomputes (those not in SAVED_OPS); by operator count where times are missing."""
+    checkpoint runs again (those not in ``keep``); operators without a time count as 1 us."""
     total = again = 0.0
     for i in range(start, end + 1):
-        op = rec.forward_ops[i][0].split(".")[1]
         t = rec.op_seconds.get(i, 1e-6)
         total += t
-        if op not in SAVED_OPS:
+        if i not in keep:
             again += t
     return again / total if total > 0 else 1.0
+
+
+#: Note [Policy menus]: the shares of a unit's keepable operator time at which its greedy policies stop
+POLICY_TIME_SHARES = (0.5, 0.75, 0.9, 1.0)
+
+
+def _policy_menu(rec: _Recorder, start: int, end: int) -> list[frozenset[int]]:
+    """Note [Policy menus]
+    ~~~~~~~~~~~~~~~~~~~~~~
+    The selective policies remat offers for one unit, as sets of forward operators (timeline
+    indices) whose outputs are kept. Recomputing with a policy runs every operator it does not keep
+    (``torch.utils.checkpoint``'s selective mode reruns the whole forward and hands back the kept
+    outputs), so against checkpointing the whole unit, keeping operator ``i`` costs the bytes of its
+    new storages until the recomputation and saves its measured time ``t_i``: a knapsack per unit.
+    The menu is its greedy frontier: operators ranked by time saved per byte kept (matmuls first,
+    cheap memory-heavy ops last), cut where the kept operators reach each share of the keepable time
+    in POLICY_TIME_SHARES; plus the hand policy of the field (keep the matrix products, attention
+    kernels and convolutions: SAVED_OPS). The ILP then costs each option exactly, against the
+    whole-step memory model, and picks at most one option per unit.
+
+    An operator is keepable when it creates storage (views and in-place ops allocate nothing), does
+    not draw random numbers (Note [Selective checkpointing]: skipping a draw would shift the ones
+    after it), and no operator modifies its output in place later in the forward (the cache refuses
+    mutated entries). Only operators up to ``end``, the last one the recomputation runs (Note [Early
+    stop]), are worth keeping."""
+    written = {id(r) for _, _, r, _ in rec.writes if r is not None}
+    ops: list[tuple[int, int, float]] = []  # (index, bytes created, seconds)
+    for i in range(start, end + 1):
+        new = [r for r in rec.forward_ops[i][1] if r is not None]
+        if not new or i in rec.random_ops or any(id(r) in written for r in new):
+            continue
+        ops.append((i, sum(r.nbytes for r in new), rec.op_seconds.get(i, 0.0)))
+    if len(ops) < 2:
+        return []
+    ranked = sorted(ops, key=lambda o: o[2] / max(o[1], 1), reverse=True)
+    total = sum(t for _, _, t in ops)
+    menu: list[frozenset[int]] = []
+    for share in POLICY_TIME_SHARES:
+        acc, kept = 0.0, []
+        for i, _, t in ranked:
+            if acc >= share * total and kept:
+                break
+            kept.append(i)
+            acc += t
+        menu.append(frozenset(kept))
+    menu.append(frozenset(i for i, _, _ in ops if rec.forward_ops[i][0].split(".")[1] in SAVED_OPS))
+    out: list[frozenset[int]] = []
+    for keep in sorted(menu, key=lambda k: (-sum(b for i, b, _ in ops if i in k), sorted(k))):
+        if keep and keep not in out:
+            out.append(keep)
+    return out
+
+
+def _op_keys(rec: _Recorder, start: int, keep: frozenset[int]) -> tuple[str, ...]:
+    """The rewrite's names of forward operators ``keep`` of a unit starting at ``start``: the
+    overload and its call count within the unit (``aten.addmm.default#1``)."""
+    seen: dict[str, int] = defaultdict(int)
+    keys = []
+    for i in range(start, max(keep) + 1):
+        op = rec.forward_ops[i][0]
+        if i in keep:
+            keys.append(f"{op}#{seen[op]}")
+        seen[op] += 1
+    return tuple(keys)
+
+
+def _selective_specs(rec: _Recorder, ran: list[str], costs: dict[str, dict[str, Any]]) -> list[_Spec]:
+    """The selective options of every module unit that may be checkpointed (Note [Policy menus])."""
+    specs = []
+    for u in ran:
+        c = costs[u]
+        if c["excluded"] is not None or not c["drops"] or c["mutated_buffers"]:
+            continue
+        for k, keep in enumerate(_policy_menu(rec, c["forward_start"], c["recompute_end"]), start=1):
+            specs.append(_Spec(f"{u}{SELECTIVE}{k}", (u,), c["parent"], u + ".", keep=keep,
+                               saved_ops=_op_keys(rec, c["forward_start"], keep)))
+    return specs
 
 
 def selective_overhead(device: torch.device, reps: int = 30) -> float:
@@ -740,23 +834,24 @@ def selective_overhead(device: torch.device, reps: int = 30) -> float:
     for every operator in forward and in the recomputation), measured with a tiny function."""
     from torch.utils.checkpoint import checkpoint
 
-    from remat.rewrite import _selective_contexts
-
     def f(x):
         for _ in range(16):
             x = torch.sin(x)
         return x
 
     x = torch.randn(4, device=device, requires_grad=True)
+    policy = KeepOps(f"aten.sin.default#{k}" for k in range(0, 16, 2))  # keeps every other operator
     runs = {
         False: lambda: checkpoint(f, x, use_reentrant=False).sum().backward(),
-        True: lambda: checkpoint(f, x, use_reentrant=False, context_fn=_selective_contexts).sum().backward(),
+        True: lambda: checkpoint(f, x, use_reentrant=False, context_fn=policy).sum().backward(),
     }
     med = {}
     for key, fn in runs.items():
         _median_time(fn, device, 3)  # warm up
         med[key] = _median_time(fn, device, reps)
-    return max((med[True] - med[False]) / 16, 0.0)
+    forward = _median_time(lambda: f(x), device, reps)
+    # the selective recomputation skips the 8 kept operators: add their time back
+    return max((med[True] - med[False] + forward / 2) / 16, 0.0)
 
 
 def _autocast_enabled(device: torch.device) -> bool:
@@ -830,6 +925,11 @@ def profile_model(
             notes.append(f"{fixed} storage size(s) on fake tensors differed from the real kernels' and were "
                          "corrected from the real forward")
             costs = _unit_costs(rec, specs)
+    for u in ran:
+        costs[u]["mutated_buffers"] = tuple(sorted({*costs[u]["mutated_buffers"], *timing.mutated_buffers.get(u, ())}))
+    selective = _selective_specs(rec, ran, costs)
+    costs.update(_unit_costs(rec, selective))
+    specs = specs[:len(ran)] + selective + specs[len(ran):]
     n = len(rec.timeline)
     live = _timeline(rec.records, n, lambda r: True)
     grad_tl = _timeline(rec.records, n, lambda r: getattr(r, "is_grad", False))
@@ -851,17 +951,13 @@ def profile_model(
         c["mutated_buffers"] = tuple(sorted(set(c["mutated_buffers"]) | {
             f"{m[len(spec.scope):]}.{b}" if segment else b
             for m in members for b in timing.mutated_buffers.get(m, ())}))
-        if spec.selective and c["mutated_buffers"] and c["excluded"] is None:
-            # replaying buffers runs clone/copy_ inside the selective checkpoint's caching modes, which
-            # then refuse the recomputation; whole-unit checkpointing handles these units
-            c["excluded"] = "selective checkpointing cannot replay the buffers it mutates (BatchNorm statistics)"
         fwd = sum(timing.forward_s.get(m, 0.0) for m in members)
         recompute = None if segment else timing.recompute_s.get(spec.name.removesuffix(SELECTIVE))
         if recompute is None:  # not recomputed while timing: a recomputation is a forward
             recompute = sum(timing.recompute_s.get(m, timing.forward_s.get(m, 0.0)) for m in members)
         if spec.selective:
             # only the operators it does not keep run again: their share of the unit's measured op time
-            recompute *= _recompute_share(rec, c["forward_start"], c["forward_end"])
+            recompute *= _recompute_share(rec, c["forward_start"], c["recompute_end"], spec.keep)
         backward = None if segment else timing.backward_s.get(spec.name)
         # what the checkpoint itself holds per call (Note [Checkpoint holds its inputs]): the snapshot of
         # the buffers it replays (Note [Buffers replay]). (The CPU RNG state it saves, 5 KB, is made
@@ -872,8 +968,9 @@ def profile_model(
         else:
             c.pop("release")
         overhead = call_s + per_tensor_s * c.pop("saved_count")
-        ops, selective = c.pop("op_count"), c.pop("selective")
-        if selective:
+        ops = c.pop("op_count")
+        c.pop("recompute_end")
+        if spec.selective:
             overhead += per_op_s * ops
         units_out.append(UnitCost(**c, forward_s=fwd, recompute_s=recompute, backward_s=backward,
                                   overhead_s=overhead))

@@ -3,16 +3,24 @@
 A unit is a submodule by qualified name (``h.3``, ``h.3.mlp``) or a *segment*: a contiguous run of
 the children of an ``nn.Sequential`` (``blocks[0:4]``, ``[2:5]`` for a Sequential root), checkpointed
 as one piece as ``torch.utils.checkpoint.checkpoint_sequential`` does. A module unit with the suffix
-``@ops`` (``h.3.mlp@ops``) is checkpointed *selectively* (Note [Selective checkpointing]).
+``@ops<k>`` (``h.3.mlp@ops2``) is checkpointed *selectively*, with its own policy.
 
 Note [Selective checkpointing]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-``@ops`` keeps the outputs of the expensive operators (matrix products, attention kernels,
-convolutions: ``SAVED_OPS``) and recomputes the cheap, memory-heavy rest (pointwise ops, softmax,
-norms, dropout masks), as Megatron-LM's selective recomputation does. It uses
-``torch.utils.checkpoint.create_selective_checkpoint_contexts`` under non-reentrant checkpoint with
-the RNG state preserved, so random ops replay identically; in-place ops and views are recomputed with
-the op they belong to.
+A selective unit (``h.3@ops2``) is checkpointed with a *policy*: the operators of its forward
+whose outputs are kept (``saved_ops``, keys like ``aten.addmm.default#1``: the second ``addmm``
+of the unit's forward). Kept outputs are cached in forward and handed back during the
+recomputation instead of computing them again; every other operator runs again, as in plain
+checkpointing. Megatron-LM's selective recomputation is one such policy (keep the matmuls,
+recompute the attention core, softmax, dropout, norms); remat profiles several per unit, at
+different memory levels (``remat.profile``: Note [Policy menus]), and the ILP picks at most one
+option per unit. It uses ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` under
+non-reentrant checkpoint with the RNG state preserved; the policy never keeps the output of an
+operator that draws random numbers (``draws_random``), so every random operator runs again, in
+order, from the restored RNG state and draws the same values (skipping one would shift the draws
+of those after it). In-place ops and views are recomputed (they allocate nothing to keep), and
+an output that a later operator of the unit modifies in place is never kept (the cache would
+refuse it).
 
 Note [Checkpoint the forward, not the module]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import defaultdict
 from typing import Callable, Iterable
 
 import torch
@@ -50,10 +59,13 @@ log = logging.getLogger(__name__)
 
 _SEGMENT = re.compile(r"^(?P<container>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 
-#: the policy suffix of a selectively checkpointed unit (Note [Selective checkpointing])
+#: separates a module's name from a selective policy in a unit name (``h.3@ops2``; Note [Selective
+#: checkpointing])
 SELECTIVE = "@ops"
 
-#: operators whose outputs a selective checkpoint keeps (by overload packet name)
+#: operators whose outputs the hand policy keeps (by overload packet name): matrix products,
+#: attention kernels, convolutions (Megatron-LM's "selective recomputation"); one of the policies
+#: remat profiles per unit
 SAVED_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "convolution", "_grouped_mm",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -62,17 +74,44 @@ SAVED_OPS = frozenset({
 })
 
 
-def _save_compute_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
+def draws_random(func, args: tuple, kwargs: dict) -> bool:
+    """Whether operator ``func`` draws from the RNG with these arguments: it is tagged
+    ``nondeterministic_seeded`` and is not an attention kernel called with ``dropout_p=0``."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p":
+            p = kwargs.get("dropout_p", args[i] if i < len(args) else a.default_value)
+            return p is None or float(p) != 0.0
+    return True
 
-    name = getattr(op, "_overloadpacket", op).__name__
-    return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+class KeepOps:
+    """The ``context_fn`` of a selective checkpoint: keep the outputs of the operators in
+    ``saved_ops`` (``"aten.addmm.default#1"``: the 2nd call of that overload in the unit's forward),
+    recompute the rest. Picklable; each checkpointed call counts its own operators."""
+
+    def __init__(self, saved_ops: Iterable[str]) -> None:
+        self.saved_ops = frozenset(saved_ops)
+
+    def __call__(self):
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        keep, counts = self.saved_ops, defaultdict(int)
+
+        def policy(ctx, func, *args, **kwargs):
+            k = counts[func]
+            counts[func] = k + 1
+            if f"{func}#{k}" in keep and not draws_random(func, args, kwargs):
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
 
 
-def _selective_contexts():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(_save_compute_policy)
+def is_selective(name: str) -> bool:
+    """Whether unit ``name`` is a selective (op-level) unit (Note [Selective checkpointing])."""
+    return SELECTIVE in name
 
 
 def segment_name(container: str, start: int, stop: int) -> str:
@@ -81,8 +120,8 @@ def segment_name(container: str, start: int, stop: int) -> str:
 
 
 def parse_unit(name: str) -> tuple[str, tuple[int, int] | None]:
-    """``"blocks[0:2]"`` -> ``("blocks", (0, 2))``; ``"h.3"`` and ``"h.3@ops"`` -> ``("h.3", None)``."""
-    name = name.removesuffix(SELECTIVE)
+    """``"blocks[0:2]"`` -> ``("blocks", (0, 2))``; ``"h.3"`` and ``"h.3@ops2"`` -> ``("h.3", None)``."""
+    name = name.partition(SELECTIVE)[0]
     m = _SEGMENT.match(name)
     if m is None:
         return name, None
@@ -90,7 +129,7 @@ def parse_unit(name: str) -> tuple[str, tuple[int, int] | None]:
 
 
 def _checkpointed_call(fn: Callable, args: tuple, kwargs: dict, buffers: list[torch.Tensor],
-                       preserve_rng_state: bool, timer, selective: bool = False) -> object:
+                       preserve_rng_state: bool, timer, saved_ops: tuple[str, ...] | None = None) -> object:
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint, replaying ``buffers`` (Note [Buffers replay])."""
     before = [b.detach().clone() for b in buffers]
     calls = 0
@@ -119,9 +158,9 @@ def _checkpointed_call(fn: Callable, args: tuple, kwargs: dict, buffers: list[to
                 return replay(*a, **kw)
         return replay(*a, **kw)
 
-    if selective:
+    if saved_ops is not None:
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
-                          context_fn=_selective_contexts, **kwargs)
+                          context_fn=KeepOps(saved_ops), **kwargs)
     return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
 
 
@@ -145,12 +184,15 @@ class CheckpointedForward(_RematForward):
 
     def __init__(
         self, module: nn.Module, *, preserve_rng_state: bool = True, buffers: Iterable[str] | None = None,
-        selective: bool = False,
+        saved_ops: Iterable[str] | None = None, policy: str = "",
     ) -> None:
         self.module = module
         self.preserve_rng_state = preserve_rng_state
-        #: checkpoint selectively: keep the outputs of SAVED_OPS (Note [Selective checkpointing])
-        self.selective = selective
+        #: checkpoint selectively, keeping these operators' outputs (Note [Selective checkpointing]);
+        #: None: checkpoint the whole forward
+        self.saved_ops = None if saved_ops is None else tuple(saved_ops)
+        #: the policy's name in the unit name (``"@ops2"``), for selective units
+        self.policy = policy
         #: names (relative to the module) of the buffers to replay; None: all of them
         self.buffers = None if buffers is None else tuple(buffers)
         #: the instance attribute ``forward`` the module had before, if any (restored on removal)
@@ -163,15 +205,15 @@ class CheckpointedForward(_RematForward):
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         return _checkpointed_call(original, args, kwargs, _buffers(self.module, self.buffers),
-                                  self.preserve_rng_state, self.recompute_timer, self.selective)
+                                  self.preserve_rng_state, self.recompute_timer, self.saved_ops)
 
     def unit_names(self, name: str) -> list[str]:
-        return [name + SELECTIVE if self.selective else name]
+        return [name + self.policy]
 
     def __reduce__(self):
         return (_rebuild, (CheckpointedForward, dict(
             module=self.module, preserve_rng_state=self.preserve_rng_state, previous=self.previous,
-            buffers=self.buffers, recompute_timer=None, selective=self.selective)))
+            buffers=self.buffers, recompute_timer=None, saved_ops=self.saved_ops, policy=self.policy)))
 
 
 class SegmentedForward(_RematForward):
@@ -256,7 +298,7 @@ def check_units(model: nn.Module, names: Iterable[str]) -> list[str]:
     bad = []
     for n in names:
         container, seg = parse_unit(n)
-        if n.endswith(SELECTIVE) and seg is not None:
+        if is_selective(n) and seg is not None:
             bad.append(n)
             continue
         m = mods.get(container)
@@ -273,8 +315,12 @@ def checkpoint_modules(
     *,
     preserve_rng_state: bool = True,
     mutated_buffers: dict[str, Iterable[str]] | None = None,
+    saved_ops: dict[str, Iterable[str]] | None = None,
 ) -> None:
     """Checkpoint the named units of ``model`` in place (mutates ``model``).
+
+    A selective unit (``h.3@ops2``) needs its policy in ``saved_ops``: the operators whose outputs
+    it keeps (Note [Selective checkpointing]; ``Plan.saved_ops``).
 
     ``mutated_buffers`` maps a unit to the names (relative to its module, or for a segment to its
     Sequential) of the buffers its forward mutates (Note [Buffers replay]); units not in it replay
@@ -284,6 +330,11 @@ def checkpoint_modules(
     bad = check_units(model, names)
     if bad:
         raise KeyError(f"no unit named {bad} in {type(model).__name__}")
+    policies = saved_ops or {}
+    missing = [n for n in names if is_selective(n) and n not in policies]
+    if missing:
+        raise KeyError(f"selective units {missing} need their policy: pass saved_ops={{unit: operators to keep}} "
+                       "(a Plan carries it in plan.saved_ops)")
     mods = dict(model.named_modules())
     mutated = mutated_buffers or {}
     segments: dict[str, list[tuple[int, int]]] = {}
@@ -295,8 +346,9 @@ def checkpoint_modules(
         m = mods[container]
         if not is_checkpointed(m):
             bufs = tuple(mutated[n]) if n in mutated else None
+            policy = n[len(container):]
             m.forward = CheckpointedForward(m, preserve_rng_state=preserve_rng_state, buffers=bufs,
-                                            selective=n.endswith(SELECTIVE))
+                                            saved_ops=policies[n] if policy else None, policy=policy)
     for container, segs in segments.items():
         m = mods[container]
         if is_checkpointed(m):

@@ -1,36 +1,169 @@
-"""Selective (op-level) checkpointing: name@ops units keep matmul/attention outputs and recompute the rest."""
+"""Selective (op-level) checkpointing: each unit's menu of policies (``name@ops<k>``) keeps some
+operators' outputs and recomputes the rest (Note [Selective checkpointing], Note [Policy menus])."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
+import remat.rewrite
 from helpers import adam, case, descendant_calls, step_runner
+from remat.api import make_profile
+from remat.plan import Plan
 from remat.solve import Planner
 
 
-@pytest.mark.parametrize("units", [("h.0@ops", "h.1.mlp@ops", "h.2.attn"), ("h.0@ops", "h.1@ops", "h.2@ops")])
-def test_selective_plans_predicted_equivalent_and_recomputed(units):
+def options(profile, unit: str) -> list[str]:
+    return [u.name for u in profile.units if u.name.partition("@")[0] == unit and "@ops" in u.name]
+
+
+@pytest.mark.parametrize("unit", ["h.0", "h.1.attn", "h.1.mlp"])
+def test_menu_options_keep_outputs_to_recompute_less(unit):
+    p = case("gpt").profile
+    full = p.unit(unit)
+    names = options(p, unit)
+    assert len(names) >= 2, names
+    for name in names:
+        sel = p.unit(name)
+        assert sel.saved_ops, name
+        assert not any("bernoulli" in op or "dropout" in op for op in sel.saved_ops)  # random ops replay
+        assert 0 < sel.droppable_bytes <= full.droppable_bytes
+        assert sel.recompute_s < full.recompute_s  # kept operators do not run again
+        assert sel.overhead_s > full.overhead_s  # but the policy runs on every operator
+    kept = [len(p.unit(n).saved_ops) for n in names]
+    assert len(set(map(tuple, (p.unit(n).saved_ops for n in names)))) == len(names)  # no duplicates
+    assert max(kept) > min(kept)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_selective_plans_predicted_equivalent_and_recomputed(k, tmp_path):
     c = case("gpt")
+    picks = []
+    for unit in ("h.0", "h.1.mlp", "h.2.attn"):
+        names = options(c.profile, unit)
+        picks.append(names[min(k, len(names)) - 1])
     planner = Planner(c.profile, granularity="op")
-    plan = planner.make_plan(units, "hand")
+    plan = planner.make_plan(picks, "hand")
+    assert set(plan.saved_ops) == set(picks)
+    plan.save(tmp_path / "plan.json")
     model, inputs, loss_fn = c.fresh()
-    remat.apply_plan(model, plan)
-    assert sorted(remat.checkpointed_modules(model)) == sorted(units)
+    remat.apply_plan(model, Plan.load(tmp_path / "plan.json"))
+    assert sorted(remat.checkpointed_modules(model)) == sorted(picks)
     measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=1)
     assert abs(plan.predicted_peak_bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes
     report = remat.check_equivalence(model, inputs, loss_fn=loss_fn)  # dropout is recomputed: RNG replays
     assert report.equal, str(report)
-    counts = descendant_calls(model, [u.removesuffix("@ops") for u in units], step_runner(model, inputs, loss_fn))
+    counts = descendant_calls(model, [u.partition("@")[0] for u in picks], step_runner(model, inputs, loss_fn))
     assert set(counts.values()) == {2}
 
 
-def test_selective_saves_less_than_full_and_costs_less_recompute():
-    p = case("gpt").profile
-    full, sel = p.unit("h.1.mlp"), p.unit("h.1.mlp@ops")
-    assert 0 < sel.droppable_bytes < full.droppable_bytes  # it keeps the matmul outputs
-    assert sel.recompute_s < full.recompute_s  # and does not rerun the matmuls
-    assert sel.overhead_s > full.overhead_s  # but pays its policy on every operator
+class CountOps(TorchDispatchMode):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.count = name, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func._overloadpacket.__name__ == self.name
+        return func(*args, **kwargs or {})
+
+
+def backward_addmm(model, inputs, loss_fn) -> int:
+    """addmm calls during backward: linear layers run again by a recomputation (their own
+    backward uses mm)."""
+    loss = loss_fn(model(*inputs))
+    with CountOps("addmm") as counter:
+        loss.backward()
+    return counter.count
+
+
+def test_kept_operators_are_not_run_again():
+    c = case("gpt")
+    full = "h.1.mlp"
+    keeps_both = [n for n in options(c.profile, full)
+                  if sum(op.startswith("aten.addmm") for op in c.profile.unit(n).saved_ops) == 2]
+    assert keeps_both, "some policy of the MLP keeps both of its matmuls"
+    counts = {}
+    for units in ((), (full,), (keeps_both[0],)):
+        model, inputs, loss_fn = c.fresh()
+        remat.apply_plan(model, Planner(c.profile, granularity="op").make_plan(units, "hand"))
+        counts[units] = backward_addmm(model, inputs, loss_fn)
+    assert counts[()] == 0
+    assert counts[(full,)] == 2  # the whole MLP ran again: both linear layers
+    assert counts[(keeps_both[0],)] == 0  # its policy handed back both matmul outputs
+
+
+class RandomThenDropout(nn.Module):
+    """A random op whose output would be worth keeping, then a dropout after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        noise = torch.rand_like(x)
+        return F.dropout(torch.tanh(self.fc(x)) * noise, 0.5, training=True)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = RandomThenDropout()
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.out(self.block(x)).pow(2).mean()
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_random_operators_are_never_kept(guard, monkeypatch):
+    """A policy that names a random operator still runs it again; with that guard off, skipping the
+    draw shifts the dropout after it and the check fails (so the check can fail)."""
+    if not guard:
+        monkeypatch.setattr(remat.rewrite, "draws_random", lambda *a: False)
+    torch.manual_seed(0)
+    model, x = Net().train(), torch.randn(8, 16)
+    remat.rewrite.checkpoint_modules(model, ["block@ops1"],
+                                     saved_ops={"block@ops1": ("aten.rand_like.default#0", "aten.addmm.default#0")})
+    report = remat.check_equivalence(model, (x,), loss_fn=lambda out: out)
+    assert report.equal is guard, str(report)
+
+
+class InPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 64)
+        self.fc2 = nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h.relu_()  # modifies fc1's output in place: a cached copy would be refused
+        return self.fc2(torch.tanh(h) * h)
+
+
+def test_outputs_modified_in_place_are_not_kept():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), InPlace(), InPlace(), nn.Linear(16, 1))
+    x = torch.randn(256, 16)
+    loss = lambda out: out.pow(2).mean()  # noqa: E731
+    profile = make_profile(model, (x,), {}, loss_fn=loss, optimizer=None, device=torch.device("cpu"))
+    names = options(profile, "1")
+    assert names
+    for name in names:
+        assert "aten.addmm.default#0" not in profile.unit(name).saved_ops  # fc1's output is mutated
+        plan = Planner(profile, granularity="op").make_plan([name], "hand")
+        m = nn.Sequential(*(l for l in model))  # same parameters, fresh forward
+        remat.apply_plan(m, plan)
+        assert remat.check_equivalence(m, (x,), loss_fn=loss).equal
+        remat.remove_checkpointing(m)
+
+
+def test_units_that_update_buffers_have_no_selective_options():
+    p = case("resnet").profile
+    assert not [u.name for u in p.units if "@ops" in u.name and "blocks" in u.name]
 
 
 @pytest.mark.parametrize("name", ["gpt", "resnet", "unet"])

@@ -36,7 +36,7 @@ def block_units(model: MemoryModel) -> list[str]:
     if len(blocks) >= 2:
         return blocks
     return [u for u in model.units
-            if not model.ancestors(u) and not model.units[u].is_segment and not u.endswith(SELECTIVE)]
+            if not model.ancestors(u) and not model.units[u].is_segment and SELECTIVE not in u]
 
 
 def chen_segments(n: int) -> list[tuple[int, int]]:
@@ -52,12 +52,13 @@ class Planner:
 
     def __init__(self, profile: Profile, *, time_limit_s: float | None = 60.0, granularity: str = "block") -> None:
         """``granularity``: "block" plans whole units only; "op" also lets units be checkpointed
-        selectively (``name@ops``: keep matmul/attention/conv outputs, recompute the rest)."""
+        selectively (``name@ops<k>``: option k of the unit's menu of policies, which keep some
+        operators' outputs and recompute the rest)."""
         if granularity not in ("block", "op"):
             raise ValueError(f"granularity must be 'block' or 'op', got {granularity!r}")
         self.profile = profile
         self.granularity = granularity
-        names = [u.name for u in profile.candidates() if granularity == "op" or not u.name.endswith(SELECTIVE)]
+        names = [u.name for u in profile.candidates() if granularity == "op" or SELECTIVE not in u.name]
         self.model = MemoryModel(profile, names)
         self.time_limit_s = time_limit_s
         self.baseline_peak_bytes = self.model.peak_bytes(())
@@ -100,6 +101,7 @@ class Planner:
             optimizer=p.optimizer,
             notes=notes + p.notes,
             mutated_buffers={u: p.unit(u).mutated_buffers for u in chosen if p.unit(u).mutated_buffers},
+            saved_ops={u: p.unit(u).saved_ops for u in chosen if p.unit(u).saved_ops},
         )
 
     def infeasible(self, budget_bytes: int) -> InfeasibleBudgetError:
