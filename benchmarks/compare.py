@@ -200,7 +200,7 @@ def _solve(r: TradeoffRow) -> str:
 def _op(r: TradeoffRow | None) -> str:
     if r is None or r.measured_step_time_s is None:
         return "-"
-    n_sel = sum(u.endswith("@ops") for u in r.checkpointed)
+    n_sel = sum("@ops" in u for u in r.checkpointed)
     return f"{r.measured_step_time_s * 1e3:.1f} ms ({fmt_bytes(r.measured_peak_bytes)}; {n_sel} selective)"
 
 

@@ -25,7 +25,7 @@ from remat import __version__
 from remat.api import apply_plan, default_loss, make_profile, optimize_checkpointing, split_inputs, validate
 from remat.capture import composite_modules
 from remat.errors import RematError
-from remat.plan import GiB, Plan, fmt_bytes
+from remat.plan import GiB, Plan, fmt_bytes, policy_summary
 from remat.report import plot_rows, rows_to_json, tradeoff
 from remat.solve import Planner
 from remat.targets import resolve_target
@@ -247,13 +247,14 @@ def cmd_profile(args, out, err) -> int:
               f"{fmt_bytes(profile.buffers_bytes)}, inputs {fmt_bytes(profile.inputs_bytes)}")
     out.print(f"peak (predicted): {fmt_bytes(planner.baseline_peak_bytes)} without checkpointing, "
               f"{fmt_bytes(planner.min_peak_bytes)} at least")
-    table = Table(title=f"units: times measured (a segment's or @ops unit's recompute derived from its parts), "
+    table = Table(title=f"units: times measured (a segment's recompute derived from its parts; a selective "
+                        f"@ops unit's from its operators' measured times), "
                         f"bytes recorded on {profile.memory_recorded_with} tensors", title_justify="left")
     for col in ["unit", "forward", "recompute", "backward", "GFLOP", "saved for bwd", "freed if ckpt", "note"]:
         table.add_column(col, justify="left" if col in ("unit", "note") else "right")
     ms = (lambda s: "-" if s is None else f"{s * 1e3:.2f} ms")
     for u in profile.units:
-        note = u.excluded or ("" if u.drops else "frees nothing")
+        note = u.excluded or ("" if u.drops else "frees nothing") or (policy_summary(u.saved_ops) if u.saved_ops else "")
         table.add_row(u.name, ms(u.forward_s), ms(u.recompute_s), ms(u.backward_s), f"{u.flops / 1e9:.3f}",
                       fmt_bytes(u.saved_bytes), fmt_bytes(u.droppable_bytes), note)
     out.print(table)

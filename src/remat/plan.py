@@ -13,6 +13,16 @@ MiB = 2**20
 PLAN_FORMAT = 1
 
 
+def policy_summary(saved_ops: tuple[str, ...] | list[str]) -> str:
+    """What a selective policy keeps, by operator: ``("aten.addmm.default#0", "aten.addmm.default#1",
+    "aten.gelu.default#0")`` -> ``"keeps addmm x2, gelu"``."""
+    counts: dict[str, int] = {}
+    for key in saved_ops:
+        name = key.split("#")[0].split(".")[1] if key.count(".") >= 2 else key.split("#")[0]
+        counts[name] = counts.get(name, 0) + 1
+    return "keeps " + ", ".join(f"{n} x{c}" if c > 1 else n for n, c in counts.items())
+
+
 def fmt_bytes(n: int | float | None) -> str:
     """Human-readable bytes (GiB above 1 GiB, else MiB)."""
     if n is None:
@@ -99,6 +109,8 @@ class Plan:
             lines.append(f"    {label:<32}{fmt_bytes(b.get(key))}")
         if self.checkpointed:
             lines.append(f"  checkpointed ({len(self.checkpointed)}): " + ", ".join(self.checkpointed))
+            for unit, ops in self.saved_ops.items():
+                lines.append(f"    {unit}: selective, {policy_summary(ops)}; recomputes the rest")
         else:
             lines.append("  checkpointed: nothing")
         lines += [f"  note: {n}" for n in self.notes]

@@ -927,7 +927,15 @@ def profile_model(
             costs = _unit_costs(rec, specs)
     for u in ran:
         costs[u]["mutated_buffers"] = tuple(sorted({*costs[u]["mutated_buffers"], *timing.mutated_buffers.get(u, ())}))
-    selective = _selective_specs(rec, ran, costs)
+    if graph.capture_path == "hooks":
+        # a policy names operators by their position in the unit's forward, which must not depend on
+        # the data (Note [Selective checkpointing]); without a captured graph that is not known
+        selective = []
+        notes.append("no selective (op-level) options: the model could not be captured as a graph (its "
+                     "operator sequence may depend on the data), so policies naming operators by position "
+                     "are not offered")
+    else:
+        selective = _selective_specs(rec, ran, costs)
     costs.update(_unit_costs(rec, selective))
     specs = specs[:len(ran)] + selective + specs[len(ran):]
     n = len(rec.timeline)

@@ -57,6 +57,8 @@ class TradeoffRow:
     #: whether the measured peak is within the budget (None without a budget or a measurement)
     budget_met: bool | None
     note: str = ""
+    #: every timed step (seconds); with interleaved timing, entry i of every row is from round i
+    measured_step_times_s: tuple[float, ...] = ()
 
     @property
     def units(self) -> int:
@@ -211,6 +213,7 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
             status=plan.solver_status,
             budget_met=None if budget is None else m.peak_bytes <= budget,
             note=note,
+            measured_step_times_s=tuple(m.step_times_s),
         ))
     return rows
 

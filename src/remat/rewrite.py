@@ -18,7 +18,9 @@ option per unit. It uses ``torch.utils.checkpoint.create_selective_checkpoint_co
 non-reentrant checkpoint with the RNG state preserved; the policy never keeps the output of an
 operator that draws random numbers (``draws_random``), so every random operator runs again, in
 order, from the restored RNG state and draws the same values (skipping one would shift the draws
-of those after it). In-place ops and views are recomputed (they allocate nothing to keep), and
+of those after it). Operators are named by position, so the unit's operator sequence must be the
+same at every step: remat offers selective options only for models it captured as a graph (fx or
+export), not for those with data-dependent control flow (the ``hooks`` path). In-place ops and views are recomputed (they allocate nothing to keep), and
 an output that a later operator of the unit modifies in place is never kept (the cache would
 refuse it).
 

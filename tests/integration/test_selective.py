@@ -188,3 +188,13 @@ def test_optimize_checkpointing_with_op_granularity():
                               repeats=1).peak_bytes <= budget
     with pytest.raises(ValueError, match="granularity must be"):
         remat.optimize_checkpointing(model, 1.0, inputs, granularity="ops")
+
+
+def test_no_selective_options_without_a_graph():
+    """Policies name operators by position: a model whose operator sequence may depend on the data
+    (captured with hooks) gets no selective options, and the profile says why."""
+    p = case("branchy").profile
+    assert p.capture_path == "hooks"
+    assert not [u.name for u in p.units if "@ops" in u.name]
+    assert any("no selective" in n for n in p.notes)
+    assert [u.name for u in case("kwargs").profile.units if "@ops" in u.name]  # a graph: options offered

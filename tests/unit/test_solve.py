@@ -190,3 +190,29 @@ def test_large_problems_stop_within_the_stated_gap(monkeypatch):
         monkeypatch.setattr(ilp, "EXACT_UNITS", 32)
         assert exact.solver_status == "optimal"
         assert fast.predicted_recompute_s <= exact.predicted_recompute_s * (1 + ilp.GAP_REL) + 1e-12
+
+
+def with_selective(profile: Profile, unit: str, cost_share: float) -> Profile:
+    """``profile`` plus a selective option of ``unit`` that frees the same bytes for ``cost_share`` of
+    its recompute time."""
+    import dataclasses
+
+    u = profile.unit(unit)
+    sel = dataclasses.replace(u, name=unit + "@ops1", recompute_s=u.recompute_s * cost_share,
+                              saved_ops=("aten.addmm.default#0",))
+    return dataclasses.replace(profile, units=profile.units + (sel,))
+
+
+@pytest.mark.parametrize("share, selective", [(0.98, False), (0.7, True)])
+def test_op_plans_must_beat_block_plans_by_the_margin(share, selective):
+    """Note [Selective margin]: a selective option only 2% cheaper than its whole unit does not replace
+    the block-level plan; one 30% cheaper does."""
+    p = with_selective(three_units(), "u0", share)
+    block, op = Planner(p), Planner(p, granularity="op")
+    budget = block.every_nth_block(1).predicted_peak_bytes
+    a, b = block.plan_for_budget(budget), op.plan_for_budget(budget)
+    assert "u0" in a.checkpointed
+    assert ("u0@ops1" in b.checkpointed) is selective
+    assert b.predicted_recompute_s <= a.predicted_recompute_s
+    assert bool(b.saved_ops) is selective
+    assert any("block-level plan kept" in n for n in b.notes) is not selective

@@ -19,6 +19,14 @@ from remat.simulate import MemoryModel
 
 #: the suffix of a selectively checkpointed unit (as remat.rewrite.SELECTIVE, kept here free of torch)
 SELECTIVE = "@ops"
+
+#: Note [Selective margin]: a selective unit's recompute time is derived (its operators' share of the
+#: unit's measured time, plus a per-operator policy cost measured on tiny operators), not measured
+#: itself, so it is less certain than a whole unit's. With granularity="op" the ILP's plan is used only
+#: when it is predicted to save at least this share of the block-level plan's recompute for the same
+#: budget; otherwise the block-level plan is returned (and said so in the plan's notes). Issue 6 asks
+#: that op-level plans never measure slower than block-level ones.
+SELECTIVE_MARGIN = 0.05
 from remat.solve.ilp import min_peak, solve_ilp
 
 __all__ = [
@@ -60,6 +68,9 @@ class Planner:
         self.granularity = granularity
         names = [u.name for u in profile.candidates() if granularity == "op" or SELECTIVE not in u.name]
         self.model = MemoryModel(profile, names)
+        #: the block-level model, for Note [Selective margin]
+        self._block_model = self.model if granularity == "block" else \
+            MemoryModel(profile, [n for n in names if SELECTIVE not in n])
         self.time_limit_s = time_limit_s
         self.baseline_peak_bytes = self.model.peak_bytes(())
         t0 = time.perf_counter()
@@ -137,8 +148,18 @@ class Planner:
         units, status, dt = solve_ilp(self.model, budget_bytes, time_limit_s=self.time_limit_s)
         if units is None:
             raise self.infeasible(budget_bytes)
+        notes: tuple[str, ...] = ()
+        if self.granularity == "op" and any(SELECTIVE in u for u in units):
+            block, block_status, block_dt = solve_ilp(self._block_model, budget_bytes, time_limit_s=self.time_limit_s)
+            dt += block_dt
+            op_s, block_s = self.model.recompute_s(units), None if block is None else self.model.recompute_s(block)
+            if block_s is not None and op_s > (1 - SELECTIVE_MARGIN) * block_s:
+                notes = (f"the best op-level plan was predicted to save {1 - op_s / block_s:.1%} of the block-level "
+                         f"plan's recompute, under the {SELECTIVE_MARGIN:.0%} margin (Note [Selective margin]): "
+                         "block-level plan kept",)
+                units, status = block, block_status
         name = "ilp" if self.granularity == "block" else "ilp-op"
-        return self.make_plan(units, name, budget_bytes=budget_bytes, status=status, solve_time_s=dt)
+        return self.make_plan(units, name, budget_bytes=budget_bytes, status=status, solve_time_s=dt, notes=notes)
 
     # -- baselines -------------------------------------------------------------------------------
     def no_checkpointing(self) -> Plan:
