@@ -145,7 +145,7 @@ def optimize_checkpointing(
     optimizer: torch.optim.Optimizer | None = None,
     time_limit_s: float | None = 60.0,
     check: bool = True,
-    granularity: str = "block",
+    granularity: str = "op",
 ) -> Plan:
     """Checkpoint ``model``'s submodules in place so a training step fits ``budget_gb``.
 
@@ -157,12 +157,14 @@ def optimize_checkpointing(
     state, as it is after a step, counts in the budget (None: no optimizer state counted).
 
     With ``check`` (the default) the plan is run once for real before it is returned (Note [Checked
-    plans]) and tightened if its measured peak exceeds the budget. ``granularity="block"`` (the
-    default) checkpoints whole units; ``"op"`` also considers checkpointing units selectively
-    (``name@ops``: keep matmul/attention/conv outputs, recompute the rest), which the ILP picks only
-    where its measured per-operator overhead is predicted to pay off. "block" is the default because
-    on the CPU benchmarks (benchmarks/results) op-level plans measured no faster than block-level ones:
-    selective checkpointing's policy costs ~40 us per operator there.
+    plans]) and tightened if its measured peak exceeds the budget. ``granularity="op"`` (the default)
+    also considers checkpointing units *selectively* (``name@ops<k>``: one of a menu of policies per
+    unit that keep the outputs of some operators, such as the matmuls, and recompute the cheap rest),
+    and uses such a plan only where it is predicted to save at least 5% of the block-level plan's
+    recompute (Note [Selective margin] in remat.solve); ``"block"`` checkpoints whole units only. "op"
+    is the default because in benchmarks/selective.py op-level plans measured faster than, or within
+    the timing noise of, block-level plans at every budget, with 0.3-0.5x their overhead halfway
+    between "every block" and no checkpointing on 512-wide decoders (CPU).
 
     Mutates ``model`` (the chosen submodules' ``forward`` is checkpointed) and returns the
     :class:`Plan`. On any error the model, its gradients, buffers and the RNG state are left

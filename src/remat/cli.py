@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--points", type=int, default=6,
                    help="number of budgets from the least achievable to the no-checkpointing peak (default 6)")
     t.add_argument("--repeats", type=int, default=5, help="timed steps per plan (median; default 5)")
-    t.add_argument("--granularity", choices=["block", "op", "both"], default="block",
-                   help="remat rows for whole units (block, the default), selective units allowed (op), or both")
+    t.add_argument("--granularity", choices=["block", "op", "both"], default="op",
+                   help="remat rows with selective (op-level) units allowed (op, the default: rows 'remat-op'), "
+                        "whole units only (block: rows 'remat'), or both")
     t.add_argument("--warmup", type=float, default=3.0,
                    help="seconds of warm-up steps before measuring (default 3; the first steps run slow)")
     t.add_argument("--json", type=Path, help="write every row with all fields to this file")
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", parents=[common], help="solve one budget, print and save the plan")
     pl.add_argument("--budget", type=_gib, required=True, help="GiB of peak memory for one training step")
     pl.add_argument("--out", type=Path, help="write the plan as JSON (for remat.apply_plan)")
+    pl.add_argument("--granularity", choices=["block", "op"], default="op",
+                    help="allow selective (op-level) units (op, the default) or whole units only (block)")
 
     pr = sub.add_parser("profile", parents=[common], help="per-unit costs and the capture path")
     pr.add_argument("--warmup", type=float, default=3.0,
@@ -107,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plan", type=Path, help="check a saved plan")
     v.add_argument("--rtol", type=float, default=0.0)
     v.add_argument("--atol", type=float, default=0.0)
+    v.add_argument("--granularity", choices=["block", "op"], default="op",
+                   help="with --budget: allow selective (op-level) units (op, the default) or whole units only")
     return p
 
 
@@ -216,7 +221,7 @@ def _optimize(args, model, inputs, loss_fn) -> Plan:
     factory = OPTIMIZERS[args.optimizer]
     return optimize_checkpointing(model, args.budget, inputs, loss_fn=loss_fn,
                                   optimizer=factory(model.parameters()) if factory else None,
-                                  time_limit_s=args.time_limit)
+                                  time_limit_s=args.time_limit, granularity=getattr(args, "granularity", "op"))
 
 
 def cmd_plan(args, out, err) -> int:

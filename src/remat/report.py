@@ -238,7 +238,7 @@ def plot_rows(rows: list[TradeoffRow], path: str | Path, title: str) -> None:
                      key=lambda r: r.measured_peak_bytes)
         ax.plot([r.measured_peak_bytes / scale for r in pts], [r.measured_step_time_s * 1e3 for r in pts],
                 "o-" if name.startswith("remat") else "x--", color=f"C{k}", label=f"{name} (one point per budget)")
-        if name == "remat":
+        if name == curves[0] and name.startswith("remat"):
             for r in pts:
                 ax.axvline(r.budget_bytes / scale, color="C0", alpha=0.12, lw=1)
     singles = [x for x in rows if x.strategy not in curves and x.measured_peak_bytes is not None]

@@ -135,7 +135,15 @@ def test_frozen_parameters_lora_style():
         f"grad:{n}" for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral", "bert", "t5"])
+def test_no_selective_options_for_t5_without_a_graph():
+    """torch.export fails on T5 here, so it is captured with hooks: no selective options, said why."""
+    profile, _ = profiled("t5")
+    assert profile.capture_path == "hooks"
+    assert not [u.name for u in profile.units if "@ops" in u.name]
+    assert any("no selective" in n for n in profile.notes)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral", "bert"])
 def test_real_model_selective_options(name):
     """Every policy on the menu of the first layer of each transformer (HF attention kernels, GQA,
     mixture-of-experts routing, attention dropout) predicted within 5% and gradient-exact."""
