@@ -187,7 +187,8 @@ def cmd_tradeoff(args, out, err) -> int:
         ms = (lambda s: "-" if s is None else f"{s * 1e3:.1f} ms")
         table.add_row(
             fmt_bytes(r.budget_bytes), r.strategy if r.status != "infeasible" else f"{r.strategy} (infeasible)",
-            str(r.units) if r.status != "infeasible" else "-",
+            (f"{r.units}" + (f" ({sel} @ops)" if (sel := sum("@ops" in u for u in r.checkpointed)) else ""))
+            if r.status != "infeasible" else "-",
             fmt_bytes(r.predicted_peak_bytes) if r.predicted_peak_bytes is not None else r.note,
             fmt_bytes(r.measured_peak_bytes), {True: "yes", False: "[red]NO[/red]", None: "-"}[r.budget_met],
             ms(r.predicted_step_time_s), ms(r.measured_step_time_s),
@@ -200,7 +201,10 @@ def cmd_tradeoff(args, out, err) -> int:
               f"{'the CUDA allocator' if device.type == 'cuda' else 'live tensor storages (CPU)'}, step time the "
               f"median of {2 * args.repeats if device.type == 'cpu' else args.repeats} steps"
               f"{' (plans interleaved round-robin, each on its own copy)' if device.type == 'cpu' else ''}. "
-              f"Least achievable peak (predicted): {fmt_bytes(planner_min)}.")
+              f"Least achievable peak (predicted): {fmt_bytes(planner_min)}."
+              + (" remat-op: remat's plan with selective units allowed; (k @ops): k units checkpointed "
+                 "selectively (keeping some operators' outputs)." if any(r.strategy == "remat-op" for r in rows)
+                 else ""))
     meta = dict(target=desc, device=str(device), optimizer=args.optimizer, torch=torch.__version__,
                 remat=__version__, machine=platform.platform(), date=datetime.now(timezone.utc).isoformat(),
                 capture_path=profile.capture_path, memory_recorded_with=profile.memory_recorded_with)
