@@ -32,6 +32,20 @@ def profiled(name: str):
     return profile, Planner(profile)
 
 
+def applied_and_checked(name: str, plan):
+    """A fresh ``name`` model with ``plan`` applied, after checking its measured peak (within 5% of the
+    prediction) and its gradients (exact). Returns (model, inputs, loss_fn)."""
+    model, inputs, loss_fn = REAL[name]()
+    loss_fn = loss_fn or remat.default_loss
+    remat.apply_plan(model, plan)
+    measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=1)
+    assert abs(plan.predicted_peak_bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes, \
+        (plan.checkpointed, plan.predicted_peak_bytes, measured.peak_bytes)
+    report = remat.check_equivalence(model, inputs, loss_fn=loss_fn)
+    assert report.equal, (plan.checkpointed, str(report))
+    return model, inputs, loss_fn
+
+
 @pytest.mark.parametrize("name", list(REAL))
 def test_real_model(name):
     profile, planner = profiled(name)
@@ -46,15 +60,7 @@ def test_real_model(name):
     # checked plan is then, rightly, infeasible); 15% of the way up leaves room for it
     for frac in (0.15, 0.5):
         budget = int(lo + frac * (hi - lo))
-        plan = planner.plan_for_budget(budget)
-        model, inputs, loss_fn = REAL[name]()
-        loss_fn = loss_fn or remat.default_loss
-        remat.apply_plan(model, plan)
-        measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=1)
-        assert abs(plan.predicted_peak_bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes, \
-            (plan.checkpointed, plan.predicted_peak_bytes, measured.peak_bytes)
-        report = remat.check_equivalence(model, inputs, loss_fn=loss_fn)
-        assert report.equal, str(report)
+        model, inputs, loss_fn = applied_and_checked(name, planner.plan_for_budget(budget))
         # the checked plan (what optimize_checkpointing returns) meets the budget when measured
         remat.remove_checkpointing(model)
         args, kwargs = split_inputs(inputs)
@@ -156,11 +162,4 @@ def test_real_model_selective_options(name):
     lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
     plans = [planner.make_plan([n], "hand") for n in names] + [planner.plan_for_budget(int(lo + 0.5 * (hi - lo)))]
     for plan in plans:
-        model, inputs, loss_fn = REAL[name]()
-        loss_fn = loss_fn or remat.default_loss
-        remat.apply_plan(model, plan)
-        measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=1)
-        assert abs(plan.predicted_peak_bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes, \
-            (plan.checkpointed, plan.predicted_peak_bytes, measured.peak_bytes)
-        report = remat.check_equivalence(model, inputs, loss_fn=loss_fn)
-        assert report.equal, (plan.checkpointed, str(report))
+        applied_and_checked(name, plan)
