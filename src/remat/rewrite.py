@@ -102,8 +102,11 @@ class KeepOps:
         keep, counts = self.saved_ops, defaultdict(int)
 
         def policy(ctx, func, *args, **kwargs):
-            k = counts[func]
-            counts[func] = k + 1
+            # older torch versions also ask the policy during the recomputation (ctx.is_recompute), which
+            # must count its operators from 0 again; torch 2.13 asks only in forward
+            key = (bool(getattr(ctx, "is_recompute", False)), func)
+            k = counts[key]
+            counts[key] = k + 1
             if f"{func}#{k}" in keep and not draws_random(func, args, kwargs):
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
