@@ -1,7 +1,7 @@
 """Op-level (selective) plans against block-level plans at the same budgets, measured (run by hand).
 
-    python benchmarks/selective.py [--models gpt-d512,gpt-d512-nodrop,gpt-d128] [--points 4]
-                                   [--repeats 5] [--device cuda] [--tag NAME]
+    python benchmarks/selective.py [--models gpt-d512,gpt-d512-nodrop,llama-d512,gpt-d128] [--points 4]
+                                   [--repeats 10] [--device cuda] [--tag NAME]   # ~35 min on 2 CPU cores
 
 For every model: profile once; budgets at --points evenly from the least achievable peak to the
 no-checkpointing peak, plus the *halfway* budget between the predicted peaks of "checkpoint every
@@ -172,7 +172,7 @@ def markdown(results: list[dict], meta: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="gpt-d512,gpt-d512-nodrop,gpt-d128")
+    ap.add_argument("--models", default="gpt-d512,gpt-d512-nodrop,llama-d512,gpt-d128")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--points", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=10, help="rounds of interleaved timing, halved")
