@@ -163,7 +163,7 @@ def optimize_checkpointing(
     and uses such a plan only where it is predicted to save at least 5% of the block-level plan's
     recompute (Note [Selective margin] in remat.solve); ``"block"`` checkpoints whole units only. "op"
     is the default because in benchmarks/selective.py op-level plans measured faster than, or within
-    the timing noise of, block-level plans at every budget, with 0.38-0.57x their overhead halfway
+    the timing noise of, block-level plans at every budget, with 0.25-0.68x their overhead halfway
     between "every block" and no checkpointing on 512-wide decoders (CPU).
 
     Mutates ``model`` (the chosen submodules' ``forward`` is checkpointed) and returns the
