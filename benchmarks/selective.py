@@ -1,7 +1,7 @@
 """Op-level (selective) plans against block-level plans at the same budgets, measured (run by hand).
 
     python benchmarks/selective.py [--models gpt-d512,gpt-d512-nodrop,llama-d512,gpt-d128] [--points 4]
-                                   [--repeats 10] [--device cuda] [--tag NAME]   # ~35 min on 2 CPU cores
+                                   [--repeats 10] [--device cuda] [--tag NAME]   # ~20 min on 2 CPU cores
 
 For every model: profile once; budgets at --points evenly from the least achievable peak to the
 no-checkpointing peak, plus the *halfway* budget between the predicted peaks of "checkpoint every
