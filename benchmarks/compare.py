@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import remat  # noqa: E402
 from remat.api import make_profile, split_inputs  # noqa: E402
+from remat.costs import is_selective  # noqa: E402
 from remat.examples import make_gpt, make_unet  # noqa: E402
 from remat.measure import outside_autocast  # noqa: E402
 from remat.plan import fmt_bytes  # noqa: E402
@@ -200,7 +201,7 @@ def _solve(r: TradeoffRow) -> str:
 def _op(r: TradeoffRow | None) -> str:
     if r is None or r.measured_step_time_s is None:
         return "-"
-    n_sel = sum("@ops" in u for u in r.checkpointed)
+    n_sel = sum(is_selective(u) for u in r.checkpointed)
     return f"{r.measured_step_time_s * 1e3:.1f} ms ({fmt_bytes(r.measured_peak_bytes)}; {n_sel} selective)"
 
 

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 import remat  # noqa: E402
 from remat.api import make_profile, split_inputs  # noqa: E402
+from remat.costs import is_selective  # noqa: E402
 from remat.examples import make_gpt  # noqa: E402
 from remat.plan import fmt_bytes  # noqa: E402
 from remat.report import TradeoffRow, budget_sweep, tradeoff  # noqa: E402
@@ -104,7 +105,7 @@ def run(name: str, desc: str, factory, device: torch.device, points: int, repeat
         if rb is None or ro is None or rb.measured_step_time_s is None or ro.measured_step_time_s is None:
             continue
         equal = None
-        if any("@ops" in u for u in ro.checkpointed):
+        if any(is_selective(u) for u in ro.checkpointed):
             m, inp, lf = factory()
             remat.apply_plan(m, op.make_plan(ro.checkpointed, "check"))
             equal = remat.check_equivalence(m, inp, loss_fn=lf or remat.default_loss).equal
@@ -117,7 +118,7 @@ def run(name: str, desc: str, factory, device: torch.device, points: int, repeat
         table.append(dict(
             budget_bytes=b, halfway=b == halfway,
             block_units=list(rb.checkpointed), op_units=list(ro.checkpointed),
-            selective_units=sum("@ops" in u for u in ro.checkpointed),
+            selective_units=sum(is_selective(u) for u in ro.checkpointed),
             block_peak_bytes=rb.measured_peak_bytes, op_peak_bytes=ro.measured_peak_bytes,
             block_step_s=rb.measured_step_time_s, op_step_s=ro.measured_step_time_s,
             block_overhead_s=over_b, op_overhead_s=over_o,

@@ -24,6 +24,7 @@ import torch
 from remat import __version__
 from remat.api import apply_plan, default_loss, make_profile, optimize_checkpointing, split_inputs, validate
 from remat.capture import composite_modules
+from remat.costs import is_selective
 from remat.errors import RematError
 from remat.plan import GiB, Plan, fmt_bytes, policy_summary
 from remat.report import plot_rows, rows_to_json, tradeoff
@@ -187,7 +188,7 @@ def cmd_tradeoff(args, out, err) -> int:
         ms = (lambda s: "-" if s is None else f"{s * 1e3:.1f} ms")
         table.add_row(
             fmt_bytes(r.budget_bytes), r.strategy if r.status != "infeasible" else f"{r.strategy} (infeasible)",
-            (f"{r.units}" + (f" ({sel} @ops)" if (sel := sum("@ops" in u for u in r.checkpointed)) else ""))
+            (f"{r.units}" + (f" ({sel} @ops)" if (sel := sum(is_selective(u) for u in r.checkpointed)) else ""))
             if r.status != "infeasible" else "-",
             fmt_bytes(r.predicted_peak_bytes) if r.predicted_peak_bytes is not None else r.note,
             fmt_bytes(r.measured_peak_bytes), {True: "yes", False: "[red]NO[/red]", None: "-"}[r.budget_met],

@@ -14,6 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+#: separates a module's name from a selective policy in a unit name (``h.3@ops2``; Note [Selective
+#: checkpointing] in remat.rewrite)
+SELECTIVE = "@ops"
+
+
+def is_selective(name: str) -> bool:
+    """Whether unit ``name`` is a selective (op-level) unit, e.g. ``h.3@ops2``."""
+    return SELECTIVE in name
+
+
 @dataclass(frozen=True)
 class Drop:
     """One storage that checkpointing its unit frees during forward and rebuilds in backward."""

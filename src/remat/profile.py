@@ -49,10 +49,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from remat.capture import ModelGraph, quiet_loggers, unit_parent
-from remat.costs import Drop, Keep, Profile, UnitCost
+from remat.costs import SELECTIVE, Drop, Keep, Profile, UnitCost
 from remat.errors import InvalidInputError
 from remat.measure import StorageRecord, StorageTracker, outside_autocast, storage_key, tensor_bytes
-from remat.rewrite import SAVED_OPS, SELECTIVE, KeepOps, checkpoint_modules, draws_random, segment_name
+from remat.rewrite import KeepOps, checkpoint_modules, draws_random, segment_name
 from remat.solve import chen_segments
 from remat.state import preserved
 
@@ -179,6 +179,14 @@ class _SizeLog(StorageTracker):
     def on_op(self, func, args, kwargs, out) -> None:
         sizes = [r.nbytes if r is not None else None for r in _new_records(self, out)]
         self.ops.append((str(func), sizes, self.last_op_s))
+
+
+def _logged_ops(run, device: torch.device, ignore) -> list[tuple[str, list[int | None], float]]:
+    """The operators ``run()`` dispatches, as ``_SizeLog`` logs them (its result is dropped)."""
+    log = _SizeLog(device, ignore)
+    with log:
+        run()
+    return log.ops
 
 
 def _hook_units(model: nn.Module, units: list[str], enter, leave) -> list:
@@ -415,13 +423,9 @@ def _measure_time(
         result.step_forward_s = min(result.step_forward_s, t1 - t0)
         result.step_backward_s = min(result.step_backward_s, t2 - t1)
     # each operator's time again, warm (step 0's were the first calls): keep the lesser of the two
-    log = _SizeLog(device, pre)
-    with log:
-        out = model(*args, **kwargs)
-        loss = loss_fn(out)
-    del out, loss
-    if [o[0] for o in log.ops] == [o[0] for o in result.forward_sizes]:
-        result.forward_sizes = [(f, sz, min(t, t2)) for (f, sz, t), (_, _, t2) in zip(result.forward_sizes, log.ops)]
+    warm = _logged_ops(lambda: loss_fn(model(*args, **kwargs)), device, pre)
+    if [o[0] for o in warm] == [o[0] for o in result.forward_sizes]:
+        result.forward_sizes = [(f, sz, min(t, t2)) for (f, sz, t), (_, _, t2) in zip(result.forward_sizes, warm)]
     for name in checkpointed:
         mods[name].forward.recompute_timer = None
     return result
@@ -752,6 +756,16 @@ def _recompute_share(rec: _Recorder, start: int, end: int, keep: frozenset[int])
     return again / total if total > 0 else 1.0
 
 
+#: operators whose outputs the hand policy keeps (by overload packet name): matrix products,
+#: attention kernels, convolutions (Megatron-LM's "selective recomputation"); one of the policies
+#: remat profiles per unit
+SAVED_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_grouped_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward",
+})
+
 #: Note [Policy menus]: the shares of a unit's keepable operator time at which its greedy policies stop
 POLICY_TIME_SHARES = (0.5, 0.75, 0.9, 1.0)
 
@@ -829,14 +843,6 @@ def _selective_specs(rec: _Recorder, ran: list[str], costs: dict[str, dict[str, 
     return specs
 
 
-def _run_logged(f, x: torch.Tensor, device: torch.device) -> list[tuple[str, list[int | None], float]]:
-    """The operators ``f(x)`` runs, as ``_SizeLog`` logs them."""
-    log = _SizeLog(device, [x])
-    with log:
-        f(x)
-    return log.ops
-
-
 def selective_overhead(device: torch.device, reps: int = 30) -> float:
     """Seconds per operator that selective checkpointing adds over plain checkpointing (its policy and
     cache run for every operator in forward and in the recomputation), measured on a tiny
@@ -859,7 +865,7 @@ def selective_overhead(device: torch.device, reps: int = 30) -> float:
         return x
 
     x = torch.randn(4, 8, device=device, requires_grad=True)
-    ops = [op for op, _, _ in _run_logged(f, x, device)]
+    ops = [op for op, _, _ in _logged_ops(lambda: f(x), device, [x])]
     seen: dict[str, int] = defaultdict(int)
     keys = []
     for i, op in enumerate(ops):
@@ -987,9 +993,8 @@ def profile_model(
             f"{m[len(spec.scope):]}.{b}" if segment else b
             for m in members for b in timing.mutated_buffers.get(m, ())}))
         fwd = sum(timing.forward_s.get(m, 0.0) for m in members)
-        recompute = None if segment else timing.recompute_s.get(spec.name.removesuffix(SELECTIVE))
-        if recompute is None:  # not recomputed while timing: a recomputation is a forward
-            recompute = sum(timing.recompute_s.get(m, timing.forward_s.get(m, 0.0)) for m in members)
+        # a unit not recomputed while timing (nested, or a segment's members) recomputes as it runs forward
+        recompute = sum(timing.recompute_s.get(m, timing.forward_s.get(m, 0.0)) for m in members)
         if spec.selective:
             # only the operators it does not keep run again: their share of the unit's measured op time
             recompute *= _recompute_share(rec, c["forward_start"], c["recompute_end"], spec.keep)

@@ -57,24 +57,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from remat.costs import SELECTIVE, is_selective
+
 log = logging.getLogger(__name__)
 
 _SEGMENT = re.compile(r"^(?P<container>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
-
-#: separates a module's name from a selective policy in a unit name (``h.3@ops2``; Note [Selective
-#: checkpointing])
-SELECTIVE = "@ops"
-
-#: operators whose outputs the hand policy keeps (by overload packet name): matrix products,
-#: attention kernels, convolutions (Megatron-LM's "selective recomputation"); one of the policies
-#: remat profiles per unit
-SAVED_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "convolution", "_grouped_mm",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_flash_attention_forward", "_efficient_attention_forward",
-})
-
 
 def draws_random(func, args: tuple, kwargs: dict) -> bool:
     """Whether operator ``func`` draws from the RNG with these arguments: it is tagged
@@ -112,11 +99,6 @@ class KeepOps:
             return CheckpointPolicy.PREFER_RECOMPUTE
 
         return create_selective_checkpoint_contexts(policy)
-
-
-def is_selective(name: str) -> bool:
-    """Whether unit ``name`` is a selective (op-level) unit (Note [Selective checkpointing])."""
-    return SELECTIVE in name
 
 
 def segment_name(container: str, start: int, stop: int) -> str:

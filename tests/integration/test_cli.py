@@ -120,3 +120,20 @@ def test_debug_shows_the_traceback(capsys):
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "remat", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("remat ")
+
+
+@pytest.mark.parametrize("flag, expected", [([], "op"), (["--granularity", "block"], "block")])
+def test_plan_passes_granularity_through(capsys, monkeypatch, flag, expected):
+    import remat.cli
+
+    seen = {}
+    real = remat.cli.optimize_checkpointing
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(remat.cli, "optimize_checkpointing", spy)
+    code, out, err = run(capsys, "plan", *TINY_GPT, "--budget", "1", *flag)
+    assert code == 0, err
+    assert seen["granularity"] == expected

@@ -12,13 +12,10 @@ import math
 import time
 from typing import Iterable
 
-from remat.costs import Profile
+from remat.costs import Profile, is_selective
 from remat.errors import InfeasibleBudgetError
 from remat.plan import Plan, fmt_bytes
 from remat.simulate import MemoryModel
-
-#: the suffix of a selectively checkpointed unit (as remat.rewrite.SELECTIVE, kept here free of torch)
-SELECTIVE = "@ops"
 
 #: Note [Selective margin]: a selective unit's recompute time is derived (its operators' share of the
 #: unit's measured time, plus a per-operator policy cost measured on tiny operators), not measured
@@ -44,7 +41,7 @@ def block_units(model: MemoryModel) -> list[str]:
     if len(blocks) >= 2:
         return blocks
     return [u for u in model.units
-            if not model.ancestors(u) and not model.units[u].is_segment and SELECTIVE not in u]
+            if not model.ancestors(u) and not model.units[u].is_segment and not is_selective(u)]
 
 
 def chen_segments(n: int) -> list[tuple[int, int]]:
@@ -66,11 +63,11 @@ class Planner:
             raise ValueError(f"granularity must be 'block' or 'op', got {granularity!r}")
         self.profile = profile
         self.granularity = granularity
-        names = [u.name for u in profile.candidates() if granularity == "op" or SELECTIVE not in u.name]
+        names = [u.name for u in profile.candidates() if granularity == "op" or not is_selective(u.name)]
         self.model = MemoryModel(profile, names)
         #: the block-level model, for Note [Selective margin]
         self._block_model = self.model if granularity == "block" else \
-            MemoryModel(profile, [n for n in names if SELECTIVE not in n])
+            MemoryModel(profile, [n for n in names if not is_selective(n)])
         self.time_limit_s = time_limit_s
         self.baseline_peak_bytes = self.model.peak_bytes(())
         t0 = time.perf_counter()
@@ -149,7 +146,7 @@ class Planner:
         if units is None:
             raise self.infeasible(budget_bytes)
         notes: tuple[str, ...] = ()
-        if self.granularity == "op" and any(SELECTIVE in u for u in units):
+        if self.granularity == "op" and any(is_selective(u) for u in units):
             block, block_status, block_dt = solve_ilp(self._block_model, budget_bytes, time_limit_s=self.time_limit_s)
             dt += block_dt
             op_s, block_s = self.model.recompute_s(units), None if block is None else self.model.recompute_s(block)
