@@ -8,12 +8,14 @@ Pipeline (one module per stage): ``capture`` -> ``profile`` -> ``solve`` (with `
 from remat.api import apply_plan, default_loss, optimize_checkpointing
 from remat.costs import Profile, UnitCost
 from remat.errors import (
-    CaptureError,
     EquivalenceError,
     InfeasibleBudgetError,
+    InternalError,
     InvalidInputError,
     PlanMismatchError,
     RematError,
+    SolverError,
+    UnsupportedError,
 )
 from remat.plan import Plan
 from remat.rewrite import checkpointed_modules, remove_checkpointing
@@ -38,6 +40,8 @@ __all__ = [
     "InvalidInputError",
     "InfeasibleBudgetError",
     "PlanMismatchError",
-    "CaptureError",
+    "InternalError",
+    "SolverError",
+    "UnsupportedError",
     "EquivalenceError",
 ]

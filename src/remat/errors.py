@@ -11,8 +11,23 @@ class InvalidInputError(RematError, ValueError):
     """An argument is malformed (budget, inputs, loss, model); the message says which and how to fix it."""
 
 
-class CaptureError(RematError):
-    """The model could not be run or traced on the example inputs."""
+class UnsupportedError(RematError):
+    """remat cannot handle this (an optimizer it cannot predict, a construct it cannot checkpoint); the
+    message says what and what to do instead."""
+
+
+class InternalError(RematError):
+    """remat itself failed (the user's own training step runs): the message names the stage, the cause
+    is chained, and the model and its training state are as they were."""
+
+    def __init__(self, message: str, *, stage: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+class SolverError(RematError):
+    """The ILP solver failed or ran out of time before it found any plan; the message says how to
+    give it more room (time_limit_s)."""
 
 
 class InfeasibleBudgetError(RematError):

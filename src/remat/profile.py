@@ -51,6 +51,7 @@ from torch.utils.flop_counter import flop_registry
 from remat.capture import ModelGraph, quiet_loggers, unit_parent
 from remat.costs import SELECTIVE, Drop, Keep, Profile, UnitCost
 from remat.errors import InvalidInputError
+from remat.optimizer import optimizer_costs
 from remat.measure import StorageRecord, StorageTracker, outside_autocast, storage_key, tensor_bytes
 from remat.rewrite import KeepOps, checkpoint_modules, draws_random, segment_name
 from remat.solve import chen_segments
@@ -437,92 +438,6 @@ def _min_timing(a: _Timing, b: _Timing) -> _Timing:
     return _Timing(a.mutated_buffers, lo(a.forward_s, b.forward_s), lo(a.recompute_s, b.recompute_s),
                    a.forward_sizes, lo(a.backward_s, b.backward_s), min(a.step_forward_s, b.step_forward_s),
                    min(a.step_backward_s, b.step_backward_s))
-
-
-def _shadow_optimizer(optimizer: torch.optim.Optimizer, hp: dict, param: torch.Tensor) -> torch.optim.Optimizer:
-    """An optimizer of ``optimizer``'s class and settings over ``param`` alone (not via the class's
-    constructor, whose arguments need not match its ``defaults``)."""
-    cls = type(optimizer)
-    opt = cls.__new__(cls)
-    torch.optim.Optimizer.__init__(opt, [{**hp, "params": [param]}], dict(optimizer.defaults))
-    for k, v in vars(optimizer).items():
-        if k not in vars(opt):
-            setattr(opt, k, v)
-    return opt
-
-
-def _optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.device) -> tuple[int, int, float, str]:
-    """(state bytes, step temporaries bytes, step seconds, label) of ``optimizer`` in steady state.
-
-    Measured on zero-filled shadow copies, one parameter at a time (so profiling never holds a
-    second copy of the model): one step creates the state, a second is measured. Temporaries
-    add up across parameters when the optimizer runs its foreach/fused implementation, and are
-    the largest single parameter's otherwise. Time: the per-parameter step times, less the fixed
-    cost of a step call (timed on a one-element shadow) paid once per parameter instead of once."""
-    if optimizer is None:
-        return 0, 0, 0.0, "none (no optimizer given: no optimizer state counted)"
-    cls = type(optimizer)
-    state_bytes = 0
-    temps: list[int] = []
-    total_s = 0.0
-    multi = False
-    for group in optimizer.param_groups:
-        hp = {k: v for k, v in group.items() if k != "params"}
-        trainable = [p for p in group["params"] if p.requires_grad]
-        if not trainable:
-            continue
-        foreach = hp.get("foreach")
-        fused = hp.get("fused")
-        if foreach is None and not fused:
-            from torch.optim.optimizer import _default_to_fused_or_foreach
-
-            _, foreach = _default_to_fused_or_foreach(trainable, bool(hp.get("differentiable")), False)
-        multi = multi or bool(foreach) or bool(fused)
-        for p in trainable:
-            shadow = torch.zeros_like(p, requires_grad=True)
-            shadow.grad = torch.zeros_like(p)
-            try:
-                opt = _shadow_optimizer(optimizer, hp, shadow)
-                opt.step()
-            except Exception as e:  # noqa: BLE001
-                raise InvalidInputError(
-                    f"cannot account for optimizer {cls.__name__}: a step on a copy of its parameters failed "
-                    f"({type(e).__name__}: {e}); pass optimizer=None to leave its state out of the budget"
-                ) from e
-            state_bytes += tensor_bytes(
-                (t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)), device
-            )
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            kept = [shadow, shadow.grad] + [t for st in opt.state.values() for t in st.values()
-                                            if isinstance(t, torch.Tensor)]
-            with StorageTracker(device, ignore=kept) as tr:
-                opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            total_s += time.perf_counter() - t0
-            temps.append(tr.peak_bytes)
-            del opt, shadow
-    temp = (sum(temps) if multi else max(temps, default=0))
-    if len(temps) > 1:
-        group = optimizer.param_groups[0]
-        tiny = torch.zeros(1, device=device, dtype=torch.float32, requires_grad=True)
-        tiny.grad = torch.zeros_like(tiny)
-        opt = _shadow_optimizer(optimizer, {k: v for k, v in group.items() if k != "params"}, tiny)
-        opt.step()
-        call_s = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            call_s = min(call_s, time.perf_counter() - t0)
-        total_s = max(total_s - (len(temps) - 1) * call_s, total_s / len(temps))
-    return state_bytes, temp, total_s, cls.__name__
 
 
 @dataclass(frozen=True)
@@ -977,7 +892,7 @@ def profile_model(
     packed_ids = {id(ev.rec) for ev in rec.packs if ev.rec is not None}
     saved_tl = _timeline(rec.records, n, lambda r: id(r) in packed_ids)
     unit_costs = costs
-    opt_state, opt_temp, opt_s, opt_label = _optimizer_costs(optimizer, device)
+    opt = optimizer_costs(optimizer, device)
     if optimizer is None:
         notes.append("no optimizer given: optimizer state and step are not counted")
 
@@ -1029,14 +944,14 @@ def profile_model(
         grads_bytes=tensor_bytes(trainable),
         buffers_bytes=tensor_bytes(model.buffers()),
         inputs_bytes=tensor_bytes(_tensors((args, kwargs)), device),
-        optimizer_state_bytes=opt_state,
-        optimizer_step_bytes=opt_temp,
+        optimizer_state_bytes=opt.state_bytes,
+        optimizer_step_bytes=opt.step_bytes,
         forward_s=timing.step_forward_s,
         backward_s=backward_s,
-        optimizer_s=opt_s,
+        optimizer_s=opt.step_s,
         device=str(device),
         capture_path=graph.capture_path,
         memory_recorded_with=recorded,
-        optimizer=opt_label,
+        optimizer=opt.label,
         notes=tuple(notes),
     )

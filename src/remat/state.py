@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, ParamSpec, TypeVar
 
 import torch
 from torch import nn
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass
@@ -46,6 +50,20 @@ def restore(snap: Snapshot) -> None:
     torch.set_rng_state(snap.cpu_rng)
     if snap.cuda_rng is not None:
         torch.cuda.set_rng_state_all(snap.cuda_rng)
+
+
+def _cuda_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+
+
+def keeps_rng(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorate a function that runs the model for real (dropout draws from the global generators) so
+    that the CPU and CUDA RNG states are as they were when it returns or raises."""
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with torch.random.fork_rng(devices=_cuda_devices()):
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from remat.api import default_loss, model_device, split_inputs
 from remat.errors import EquivalenceError
 from remat.measure import StepMeasurement, measure_training_step, outside_autocast
 from remat.rewrite import checkpointed_modules, remove_checkpointing
+from remat.state import keeps_rng
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -180,6 +181,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, args: 
         model.zero_grad(set_to_none=True)
 
 
+@keeps_rng
 def measure_step(
     model: nn.Module,
     example_inputs: Any,
@@ -218,6 +220,7 @@ def measure_step(
                                  measure_memory=measure_memory)
 
 
+@keeps_rng
 def warm_up(
     model: nn.Module,
     example_inputs: Any,
@@ -248,6 +251,7 @@ def warm_up(
     return len(times)
 
 
+@keeps_rng
 def time_interleaved(
     model: nn.Module,
     example_inputs: Any,
