@@ -142,8 +142,9 @@ class Planner:
             )
         if budget_bytes < self.min_peak_bytes:
             raise self.infeasible(budget_bytes)
-        units, status, dt = solve_ilp(self.model, budget_bytes, time_limit_s=self.time_limit_s)
-        if units is None:
+        units, status, dt = solve_ilp(self.model, budget_bytes, time_limit_s=self.time_limit_s,
+                                      fallback=self._min_units)
+        if units is None:  # cannot happen at or above the least peak: the least-memory plan fits
             raise self.infeasible(budget_bytes)
         notes: tuple[str, ...] = ()
         if self.granularity == "op" and any(is_selective(u) for u in units):

@@ -4,8 +4,10 @@ Decision variables (one per candidate unit ``u``):
     ``x[u]`` = 1 if ``u`` is checkpointed, else 0.
 
 Constraints:
-    ``mem_<row>``   for every row of the memory model (remat.simulate.Row):
-                     ``row.const_bytes + sum(row.coef_bytes[u] * x[u]) <= budget_bytes``
+    ``mem_<row>``   for every row of the memory model (remat.simulate.Row), in units of
+                     ``scale`` bytes rounded soundly (Note [Sound scaling]):
+                     ``ceil(row.const_bytes / scale) + sum(ceil(row.coef_bytes[u] / scale) * x[u])
+                     <= floor(budget_bytes / scale)``
     ``overlap_<unit>`` units whose forward spans cover ``unit``'s first operator (nested units,
                      overlapping segments) are never checkpointed together: ``sum(x[v]) <= 1``
 
@@ -14,17 +16,32 @@ measured bookkeeping per unit; exactly for small problems, within 1% for large o
 
 The solver's own tolerances are not trusted: the rounded solution is re-checked with the
 simulator, and a (rare) violation tightens the budget and solves again.
+
+Note [Sound scaling]
+~~~~~~~~~~~~~~~~~~~~
+Rows in raw bytes (10^6-10^10) next to 0/1 variables are badly scaled for CBC: its presolve
+declared a feasible problem infeasible when the only feasible plans lay exactly on a row
+(``random_chain_profile(5, 512)`` at its least peak, a failure seen in CI). So every row is
+written in units of ``scale`` bytes, a power of two that brings the largest number to about
+2^20, and rounded so that the scaled problem is never looser than the real one: constants and
+coefficients round up (a saving, being negative, rounds towards zero), the budget rounds down.
+Any plan feasible after scaling is feasible in bytes; the price is at most (terms + 1) x scale
+bytes of slack per row, about one millionth of the row. A budget at or above the least peak that
+rounding (or the time limit) leaves without a solution gets the least-memory plan, which is
+known to fit (``solve_ilp``'s ``fallback``), never "infeasible".
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 import warnings
 
 import pulp
 
+from remat.errors import SolverError
 from remat.simulate import MemoryModel
 
 log = logging.getLogger(__name__)
@@ -59,33 +76,59 @@ def _solver(time_limit_s: float | None, gap_rel: float | None = None) -> pulp.Lp
                 continue
             if solver.available():
                 return solver
-    raise RuntimeError("no CBC solver found: install it with `pip install 'pulp[cbc]'`")
+    raise SolverError("no CBC solver found: PuLP 2.7-3.x bundles one (`pip install 'pulp>=2.7,<4'`); with PuLP 4 "
+                      "install a CBC binary (e.g. `apt-get install coinor-cbc`)")
+
+
+#: Note [Sound scaling]: the largest number in a scaled row is about 2**SCALED_BITS
+SCALED_BITS = 20
+
+
+def row_scale(model: MemoryModel) -> int:
+    """Bytes per unit of the scaled rows (a power of two; 1 for small problems)."""
+    biggest = max((abs(v) for row in model.rows for v in (row.const_bytes, *row.coef_bytes.values())), default=1)
+    return 2 ** max(0, math.ceil(math.log2(max(biggest, 1))) - SCALED_BITS)
+
+
+def _up(nbytes: int, scale: int) -> int:
+    """``ceil(nbytes / scale)`` in integers (never smaller than the true value, for either sign)."""
+    return -(-nbytes // scale)
+
+
+def _variable(prob: pulp.LpProblem, name: str, low: float, high: float | None, cat: str) -> pulp.LpVariable:
+    """A variable of ``prob``: ``prob.add_variable`` where PuLP has it (3.x, required by 4), else
+    ``LpVariable`` (2.7-2.9, where it does not exist yet)."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, low, high, cat=cat)
+    return pulp.LpVariable(name, low, high, cat=cat)
 
 
 def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | None):
-    """Solve once. Returns (chosen units, status, peak variable value or None)."""
+    """Solve once. Returns (chosen units or None, status)."""
     prob = pulp.LpProblem("remat", pulp.LpMinimize)
     units = list(model.units)
+    scale = row_scale(model)
     # x[u]: 1 if unit u is checkpointed
-    x = {u: prob.add_variable(f"x_{i}_{_name(u)}", 0, 1, cat=pulp.LpBinary) for i, u in enumerate(units)}
+    x = {u: _variable(prob, f"x_{i}_{_name(u)}", 0, 1, pulp.LpBinary) for i, u in enumerate(units)}
     recompute = pulp.LpAffineExpression([(x[u], model.units[u].cost_s * _US + _TIE_US) for u in units])
     peak = None
     if budget_bytes is None:
-        # peak: the predicted peak memory of the step, in bytes (minimised; the cheapest plan at that
-        # peak is a second solve, with the peak as the budget: Note [Least peak])
-        peak = prob.add_variable("peak_bytes", 0, None)
+        # peak: the predicted peak memory of the step, in units of scale bytes (minimised; the cheapest
+        # plan at that peak is a second solve, with the peak as the budget: Note [Least peak])
+        peak = _variable(prob, "peak_scaled", 0, None, pulp.LpContinuous)
         prob += peak
     else:
         prob += recompute
-    # mem_<row>: predicted memory at every row within the budget (or below the peak variable)
+    # mem_<row>: predicted memory at every row within the budget (or below the peak variable), in units
+    # of scale bytes rounded soundly (Note [Sound scaling])
     for row in model.rows:
-        terms = [(x[u], c) for u, c in row.coef_bytes.items()]
+        terms = [(x[u], _up(c, scale)) for u, c in row.coef_bytes.items()]
         if peak is None:
             expr = pulp.LpAffineExpression(terms)
-            rhs = budget_bytes - row.const_bytes
+            rhs = budget_bytes // scale - _up(row.const_bytes, scale)
         else:
             expr = pulp.LpAffineExpression(terms + [(peak, -1)])
-            rhs = -row.const_bytes
+            rhs = -_up(row.const_bytes, scale)
         prob += pulp.LpConstraint(expr, pulp.LpConstraintLE, f"mem_{_name(row.name)}", rhs)
     # overlap_<unit>: never two units whose forwards intersect (a unit inside another, overlapping segments)
     for i, group in enumerate(model.cliques()):
@@ -93,35 +136,43 @@ def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | N
     gap = GAP_REL if len(units) > EXACT_UNITS and budget_bytes is not None else None
     prob.solve(_solver(time_limit_s, gap))
     status = pulp.LpStatus[prob.status]
-    if status != "Optimal":
+    if status != "Optimal" or any(x[u].varValue is None for u in units):
         return None, status.lower()
-    chosen = frozenset(u for u in units if (x[u].varValue or 0) > 0.5)
+    chosen = frozenset(u for u in units if x[u].varValue > 0.5)
     sol = getattr(prob, "sol_status", pulp.LpSolutionOptimal)
     if sol != pulp.LpSolutionOptimal:
-        return chosen, "feasible"
+        return chosen, "feasible (time limit reached)"
     return chosen, "optimal" if gap is None else f"optimal within {gap:.0%}"
 
 
 def solve_ilp(
-    model: MemoryModel, budget_bytes: int, *, time_limit_s: float | None = 60.0
+    model: MemoryModel, budget_bytes: int, *, time_limit_s: float | None = 60.0,
+    fallback: frozenset[str] | None = None,
 ) -> tuple[frozenset[str] | None, str, float]:
     """Least-recompute plan within ``budget_bytes``.
 
-    Returns ``(units, status, solve_time_s)``; ``units`` is None when no plan fits
-    (status "infeasible"). Does not mutate ``model``.
+    ``fallback``: a plan known to fit (the least-memory plan, when ``budget_bytes`` is at least its
+    peak): returned, with a status that says so, when the solver finds nothing (Note [Sound
+    scaling]: rounding at the edge of feasibility, or the time limit). Returns ``(units, status,
+    solve_time_s)``; ``units`` is None only when no plan fits and there is no fallback. Does not
+    mutate ``model``.
     """
     t0 = time.perf_counter()
     target = budget_bytes
+    why = "infeasible"
     for _ in range(4):
         chosen, status = _solve(model, target, time_limit_s)
         if chosen is None:
-            return None, "infeasible", time.perf_counter() - t0
+            why = status
+            break
         over = model.peak_bytes(chosen) - budget_bytes
         if over <= 0:
             return chosen, status, time.perf_counter() - t0
         log.debug("ILP solution exceeds the budget by %d bytes after rounding; tightening", over)
         target -= over
-    return None, "infeasible", time.perf_counter() - t0
+    if fallback is not None and model.peak_bytes(fallback) <= budget_bytes:
+        return fallback, f"least-memory plan (ILP: {why})", time.perf_counter() - t0
+    return None, why, time.perf_counter() - t0
 
 
 def min_peak(model: MemoryModel, *, time_limit_s: float | None = 60.0) -> tuple[frozenset[str], int]:
@@ -131,6 +182,9 @@ def min_peak(model: MemoryModel, *, time_limit_s: float | None = 60.0) -> tuple[
     the recompute, is much faster than one objective weighing both: with many near-equal options per
     unit (selective menus) CBC spent 14 s proving a combined optimum on a 24-block GPT (360 units)."""
     chosen, status = _solve(model, None, time_limit_s)
-    if chosen is None:  # cannot happen: the empty plan is always feasible without a budget
-        raise RuntimeError(f"min-peak ILP failed: {status}")
+    if chosen is None:  # the empty plan is feasible: only a time limit too short for any solution
+        raise SolverError(
+            f"the ILP found no plan at all within time_limit_s={time_limit_s} s (CBC status: {status}) over "
+            f"{len(model.units)} candidate units; raise time_limit_s (None: no limit)"
+        )
     return chosen, model.peak_bytes(chosen)
