@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
 import torch
@@ -14,10 +15,10 @@ from torch.utils._pytree import tree_flatten
 
 from remat.capture import capture
 from remat.costs import Profile
-from remat.errors import InfeasibleBudgetError, InvalidInputError, PlanMismatchError, RematError
+from remat.errors import InfeasibleBudgetError, InternalError, InvalidInputError, PlanMismatchError, RematError
 from remat.measure import StorageTracker, outside_autocast, tensor_bytes
 from remat.plan import GiB, Plan, fmt_bytes
-from remat.profile import profile_model
+from remat.profile import checked_loss, profile_model
 from remat.rewrite import check_units, checkpoint_modules, checkpointed_modules, remove_checkpointing
 from remat.solve import Planner
 from remat.state import preserved
@@ -123,17 +124,67 @@ def _make_profile(
 ) -> Profile:
     with preserved(model):
         remove_checkpointing(model)
-        graph = capture(model, args, kwargs)
-        try:
+        with stage("profile", model, args, kwargs, loss_fn):
+            graph = capture(model, args, kwargs)
             return profile_model(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, graph=graph,
                                  device=device)
-        except RematError:
-            raise
-        except Exception as e:
+
+
+@contextlib.contextmanager
+def stage(name: str, model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn) -> Iterator[None]:
+    """Note [Whose failure]: an exception that is not a RematError, raised while remat runs one of its
+    stages, is either the user's (the training step itself fails on these inputs) or remat's. To tell
+    which, the plain step runs once (forward, loss, gradients by autograd.grad: ``.grad`` untouched;
+    model, buffers and RNG restored): if it fails too, the user gets InvalidInputError with their own
+    exception chained; if it runs, remat failed, and says so (InternalError, naming the stage, with
+    the cause chained). The model is restored by the callers either way."""
+    try:
+        yield
+    except RematError:
+        raise
+    except Exception as e:  # noqa: BLE001 - sorted into the user's failure or remat's below
+        user_error = plain_step_error(model, args, kwargs, loss_fn)
+        if user_error is not None:
+            if isinstance(user_error, RematError):
+                raise user_error from None
             raise InvalidInputError(
-                f"the training step failed on example_inputs ({type(e).__name__}: {e}); check that the model "
-                "accepts them (shapes, dtypes, argument names) and that loss_fn fits its output"
-            ) from e
+                f"the training step fails without remat too on example_inputs ({type(user_error).__name__}: "
+                f"{_first_line(user_error)}); check that the model accepts them (shapes, dtypes, argument names) "
+                "and that loss_fn fits its output"
+            ) from user_error
+        raise InternalError(
+            f"remat failed in its {name} stage ({type(e).__name__}: {_first_line(e)}), while your training step "
+            f"runs without remat on the same inputs. This is remat's failure, not your inputs': please report it "
+            f"with the traceback (the cause is chained below) and remat {_version()}, torch {torch.__version__}. "
+            "Your model and training state are as they were.",
+            stage=name,
+        ) from e
+
+
+def plain_step_error(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn) -> BaseException | None:
+    """The exception one plain training step raises on these inputs, or None when it runs (Note [Whose
+    failure]). Leaves the model, its gradients, buffers and the RNG state as they were."""
+    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    try:
+        with preserved(model), torch.random.fork_rng(devices=[]):
+            remove_checkpointing(model)
+            loss = checked_loss(loss_fn, model(*args, **kwargs))
+            with outside_autocast():
+                torch.autograd.grad(loss, params, allow_unused=True)
+    except Exception as e:  # noqa: BLE001 - this is the answer
+        return e
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:300] if lines else ""
+
+
+def _version() -> str:
+    from remat import __version__
+
+    return __version__
 
 
 def optimize_checkpointing(
@@ -178,12 +229,16 @@ def optimize_checkpointing(
         with preserved(model, on_success=False):
             profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device)
             planner = Planner(profile, time_limit_s=time_limit_s, granularity=granularity)
-            plan = plan_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes) if check \
-                else planner.plan_for_budget(budget_bytes)
+            if check:
+                with stage("check", model, args, kwargs, loss_fn):
+                    plan = plan_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes)
+            else:
+                plan = planner.plan_for_budget(budget_bytes)
             plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)
-            remove_checkpointing(model)
-            checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
-                           saved_ops=dict(plan.saved_ops))
+            with stage("rewrite", model, args, kwargs, loss_fn):
+                remove_checkpointing(model)
+                checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
+                                   saved_ops=dict(plan.saved_ops))
     except BaseException:
         undo()
         raise

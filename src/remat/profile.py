@@ -253,7 +253,7 @@ def _record_memory(
                                                  strict=False, tie_weights=True)
             else:
                 out = model(*fargs, **fkwargs)
-            loss = _checked_loss(loss_fn, out)
+            loss = checked_loss(loss_fn, out)
             rec.backward = True
             backward_start = rec.index
             with outside_autocast():
@@ -272,7 +272,7 @@ def _record_memory(
     return rec, backward_start, [u for u in units if u in rec.span]
 
 
-def _checked_loss(loss_fn: LossFn, out: Any) -> torch.Tensor:
+def checked_loss(loss_fn: LossFn, out: Any) -> torch.Tensor:
     loss = loss_fn(out)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__

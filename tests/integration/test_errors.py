@@ -110,7 +110,7 @@ def test_inputs_on_another_device():
 def test_inputs_the_model_rejects():
     model, inputs, loss_fn = resnet()
     before = [b.clone() for b in model.buffers()]
-    with pytest.raises(remat.InvalidInputError, match="training step failed on example_inputs"):
+    with pytest.raises(remat.InvalidInputError, match="training step fails without remat too on example_inputs"):
         remat.optimize_checkpointing(model, 1.0, torch.randn(2, 5, 16, 16), loss_fn=loss_fn)
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
     with pytest.raises(remat.InvalidInputError, match="example_inputs must be"):
@@ -146,3 +146,42 @@ def test_saved_plan_that_does_not_match(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(remat.PlanMismatchError, match="cannot read a remat plan"):
         remat.Plan.load(tmp_path / "bad.json")
+
+
+def test_inputs_the_model_rejects_say_so_with_the_users_exception():
+    model, inputs, loss_fn = resnet()
+    with pytest.raises(remat.InvalidInputError, match="fails without remat too.*RuntimeError") as err:
+        remat.optimize_checkpointing(model, 1.0, torch.randn(2, 5, 16, 16), loss_fn=loss_fn)
+    assert isinstance(err.value.__cause__, RuntimeError)  # the user's own exception, chained
+
+
+@pytest.mark.parametrize("stage, target", [
+    ("profile", "remat.profile._record_memory"),
+    ("profile", "remat.profile._measure_time"),
+    ("check", "remat.api.measure_forward_backward"),
+])
+def test_remats_own_failure_is_an_internal_error_not_the_users(trained_resnet, monkeypatch, stage, target):
+    """A failure inside remat (seen: an AttributeError from torch's FSDP state while profiling) is not
+    blamed on the user's inputs: an InternalError names the stage, chains the cause and says how to
+    report it; the model and training state are restored."""
+    model, inputs, loss_fn, opt = trained_resnet
+    before = state_of(model, opt)
+
+    def broken(*a, **k):
+        raise AttributeError("'FSDPCommContext' object has no attribute 'all_gather_copy_in_stream'")
+
+    module, _, name = target.rpartition(".")
+    monkeypatch.setattr(module + "." + name, broken)
+    with pytest.raises(remat.InternalError, match=f"remat failed in its {stage} stage") as err:
+        remat.optimize_checkpointing(model, c_budget(model, inputs, loss_fn), inputs, loss_fn=loss_fn, optimizer=opt)
+    assert err.value.stage == stage
+    assert isinstance(err.value.__cause__, AttributeError)
+    assert "your training step runs without remat" in str(err.value) and "report" in str(err.value)
+    assert not isinstance(err.value, remat.InvalidInputError)
+    assert_same(before, state_of(model, opt))
+
+
+def c_budget(model, inputs, loss_fn) -> float:
+    """A budget between the least and the no-checkpointing peak of the ResNet zoo model (GiB)."""
+    c = case("resnet")
+    return c.budgets((0.3,))[0] / 2**30
