@@ -21,7 +21,7 @@ from remat.plan import GiB, Plan, fmt_bytes
 from remat.profile import checked_loss, profile_model
 from remat.rewrite import check_units, checkpoint_modules, checkpointed_modules, remove_checkpointing
 from remat.solve import Planner
-from remat.state import preserved
+from remat.state import fresh_grads, preserved
 
 log = logging.getLogger(__name__)
 
@@ -106,28 +106,29 @@ def validate(model: Any, budget_gb: Any, example_inputs: Any) -> tuple[int, tupl
 
 def make_profile(
     model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
-    device: torch.device,
+    device: torch.device, output_alive: bool = True,
 ) -> Profile:
     """Capture and profile (the model is left as it was, remat's own checkpointing included). The step
     is profiled as remat will run it: without a KV cache or the model's own gradient checkpointing
-    (Note [Hugging Face]), which are given back afterwards."""
+    (Note [Hugging Face]), which are given back afterwards. ``output_alive``: Note [Loop style]."""
     _, undo = prepare_hf_for_training(model)
     try:
-        return _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device)
+        return _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
+                             output_alive=output_alive)
     finally:
         undo()
 
 
 def _make_profile(
     model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
-    device: torch.device,
+    device: torch.device, output_alive: bool = True,
 ) -> Profile:
     with preserved(model):
         remove_checkpointing(model)
         with stage("profile", model, args, kwargs, loss_fn):
             graph = capture(model, args, kwargs)
             return profile_model(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, graph=graph,
-                                 device=device)
+                                 device=device, output_alive=output_alive)
 
 
 @contextlib.contextmanager
@@ -197,6 +198,7 @@ def optimize_checkpointing(
     time_limit_s: float | None = 60.0,
     check: bool = True,
     granularity: str = "op",
+    output_alive: bool = True,
 ) -> Plan:
     """Checkpoint ``model``'s submodules in place so a training step fits ``budget_gb``.
 
@@ -205,7 +207,15 @@ def optimize_checkpointing(
     state + activations saved for backward + temporaries. ``example_inputs`` is one tensor, a
     tuple of positional arguments or a dict of keyword arguments shaped like a real batch.
     ``loss_fn(output)`` gives the scalar loss (default: :func:`default_loss`). ``optimizer``'s
-    state, as it is after a step, counts in the budget (None: no optimizer state counted).
+    state, as it is after a step, counts in the budget (None: no optimizer state counted); remat
+    never calls it (Note [Never call the user's optimizer]).
+
+    ``output_alive`` says how the training loop treats the model's output (Note [Loop style] in
+    remat.profile): True (the default) when it stays referenced until the step ends
+    (``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``: nanoGPT, most hand-written
+    loops, Lightning's ``training_step`` when it returns the output), False when only the loss
+    survives the forward (Hugging Face Trainer's ``compute_loss``, torchtitan's ``del pred``). For
+    language models the output (logits) is often the largest single tensor.
 
     With ``check`` (the default) the plan is run once for real before it is returned (Note [Checked
     plans]) and tightened if its measured peak exceeds the budget. ``granularity="op"`` (the default)
@@ -227,7 +237,8 @@ def optimize_checkpointing(
     notes, undo = prepare_hf_for_training(model)
     try:
         with preserved(model, on_success=False):
-            profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device)
+            profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
+                                    output_alive=output_alive)
             planner = Planner(profile, time_limit_s=time_limit_s, granularity=granularity)
             if check:
                 with stage("check", model, args, kwargs, loss_fn):
@@ -247,38 +258,48 @@ def optimize_checkpointing(
     return plan
 
 
-def measure_forward_backward(
-    model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, extra_bytes: int = 0,
+def measure_checked_peak(
+    model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, *,
+    output_alive: bool = True, optimizer_state_bytes: int = 0, optimizer_step_bytes: int = 0,
 ) -> int:
-    """Measured peak memory (bytes) of one real forward + loss + backward of ``model`` as it is
-    (checkpointed or not), counting its parameters, buffers and the batch, plus ``extra_bytes``
-    (e.g. optimizer state that is not allocated yet). Gradients are computed with autograd.grad, so
-    ``.grad`` is untouched; buffers and RNG state are restored."""
+    """The peak memory (bytes) of one training step of ``model`` as it is (checkpointed or not): forward,
+    loss and ``loss.backward()`` run for real, as the loop runs them (Note [Loop style] in remat.profile:
+    gradients start as None, the output is dropped after the loss unless ``output_alive``), measured
+    with the parameters, buffers and the batch; the optimizer, which remat never steps (Note [Never call
+    the user's optimizer]), is added as predicted: its state all step long, its step's temporaries on
+    top of what is alive once backward has returned.
+
+    The model's gradients (``.grad`` objects and values), buffers and the RNG state are as they were."""
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     state = list(model.parameters()) + list(model.buffers()) + inputs
-    targets = params + [t for t in inputs if t.requires_grad and t.is_leaf]
+    leaves = params + [t for t in inputs if t.requires_grad and t.is_leaf]
+    after_backward: list[int] = []
 
-    def run() -> None:
+    def run(live_now: Callable[[], int]) -> None:
         out = model(*args, **kwargs)
         loss = loss_fn(out)
+        if not output_alive:
+            out = None
         with outside_autocast():
-            torch.autograd.grad(loss, targets, allow_unused=True)
+            loss.backward()
+        after_backward.append(live_now())
         del out, loss
 
-    with preserved(model):
+    with preserved(model), fresh_grads(leaves):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             other = torch.cuda.memory_allocated(device) - tensor_bytes(state, device)
             torch.cuda.reset_peak_memory_stats(device)
-            run()
+            run(lambda: torch.cuda.memory_allocated(device) - other)
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) - other
         else:
+            base = tensor_bytes(state, device)
             with StorageTracker(device, ignore=state) as tracker:
-                run()
-            peak = tensor_bytes(state, device) + tracker.peak_bytes
-    return peak + extra_bytes
+                run(lambda: base + tracker.live_bytes)
+            peak = base + tracker.peak_bytes
+    return max(peak, after_backward[0] + optimizer_step_bytes) + optimizer_state_bytes
 
 
 def plan_checked(
@@ -286,44 +307,58 @@ def plan_checked(
     budget_bytes: int,
 ) -> Plan:
     """Note [Checked plans]: the simulator's prediction is close (tests hold it to 5%) but models are
-    many; remat's promise is the measured peak. So the plan runs one real forward + backward; if that
-    step, plus the predicted optimizer state, exceeds the budget, the target shrinks by the excess and
-    the ILP solves again (at most three times). The optimizer step itself stays predicted.
+    many; remat's promise is the measured peak. So a plan runs one real step
+    (``measure_checked_peak``: forward and backward measured, the optimizer added as predicted); if it
+    exceeds the budget, the target shrinks by the excess and the ILP solves again (at most three
+    times).
+
+    Note [Least peak is a promise]: the least peak remat reports (``plan.min_peak_bytes``, and the
+    figure in the infeasible-budget error) is the *checked* peak of the least-memory plan, not its
+    prediction: a budget equal to it always gets a plan (that one, if nothing cheaper measures within
+    the budget). The least-memory plan costs one more real step per call.
 
     Leaves ``model`` without checkpointing; raises InfeasibleBudgetError when no plan fits."""
-    plan = planner.plan_for_budget(budget_bytes)
+    output_alive = planner.profile.output_alive
+    checked: dict[tuple[str, ...], int] = {}
+
+    def check(plan: Plan) -> int:
+        if plan.checkpointed not in checked:
+            remove_checkpointing(model)
+            checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
+                               saved_ops=dict(plan.saved_ops))
+            try:
+                checked[plan.checkpointed] = measure_checked_peak(
+                    model, args, kwargs, loss_fn, device, output_alive=output_alive,
+                    optimizer_state_bytes=planner.profile.optimizer_state_bytes,
+                    optimizer_step_bytes=planner.profile.optimizer_step_bytes)
+            finally:
+                remove_checkpointing(model)
+        return checked[plan.checkpointed]
+
+    def done(plan: Plan, measured: int, why: str) -> Plan:
+        note = f"checked on one real step: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}"
+        return dataclasses.replace(plan, budget_bytes=budget_bytes, checked_peak_bytes=measured,
+                                   min_peak_bytes=promise, notes=plan.notes + (note,))
+
+    least = planner.least_memory()
+    promise = check(least)
+    if budget_bytes < promise:
+        raise planner.infeasible(budget_bytes, least_bytes=promise)
     target = budget_bytes
     for _ in range(3):
-        remove_checkpointing(model)
-        checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
-                           saved_ops=dict(plan.saved_ops))
-        try:
-            measured = measure_forward_backward(model, args, kwargs, loss_fn, device,
-                                                planner.profile.optimizer_state_bytes)
-        finally:
-            remove_checkpointing(model)
+        if target < planner.min_peak_bytes:
+            break
+        plan = planner.plan_for_budget(target)
+        measured = check(plan)
         if measured <= budget_bytes:
-            note = (f"checked on one real step: forward/backward peak {fmt_bytes(measured)} measured "
-                    f"(with the optimizer state predicted), within the budget")
-            return dataclasses.replace(plan, budget_bytes=budget_bytes, checked_peak_bytes=measured,
-                                       notes=plan.notes + (note,))
+            return done(plan, measured, "within the budget")
         excess = measured - budget_bytes
         log.info("plan measured %d bytes over the budget; solving again with a target %d bytes lower",
                  excess, excess)
         target -= excess
-        if target < planner.min_peak_bytes:
-            raise InfeasibleBudgetError(
-                f"budget {fmt_bytes(budget_bytes)} cannot be met: the plan predicted to fit measured "
-                f"{fmt_bytes(measured)} on a real step ({fmt_bytes(excess)} over), and no plan is predicted "
-                f"{fmt_bytes(excess)} lower (least predicted peak {fmt_bytes(planner.min_peak_bytes)}). Raise "
-                f"budget_gb to at least {math.ceil((planner.min_peak_bytes + excess) / GiB * 1000) / 1000:.3f}.",
-                budget_bytes=budget_bytes, min_feasible_bytes=planner.min_peak_bytes + excess,
-            )
-        plan = planner.plan_for_budget(target)
-    raise InfeasibleBudgetError(
-        f"budget {fmt_bytes(budget_bytes)}: three plans predicted to fit measured above it on a real step; "
-        "raise budget_gb", budget_bytes=budget_bytes, min_feasible_bytes=budget_bytes + 1,
-    )
+    return done(dataclasses.replace(least, budget_bytes=budget_bytes), promise,
+                "the least-memory plan: the plans predicted cheaper measured over the budget (Note [Least peak "
+                "is a promise])")
 
 
 def prepare_hf_for_training(model: nn.Module) -> tuple[tuple[str, ...], Callable[[], None]]:
@@ -349,11 +384,16 @@ def prepare_hf_for_training(model: nn.Module) -> tuple[tuple[str, ...], Callable
             f"took over from the model's own gradient checkpointing (gradient_checkpointing_enable() on "
             f"{len(flagged)} modules): turned off, remat's plan replaces it"
         )
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "use_cache", False) is True:
-        config.use_cache = False
-        undo_steps.append(lambda: setattr(config, "use_cache", True))
-        notes.append("set model.config.use_cache = False: a KV cache would be rebuilt by every recomputation "
+    # every distinct config: encoder-decoder models (T5) give their decoder stack its own copy, whose
+    # cache made the cross-attention's recomputation save fewer tensors than its forward
+    configs = list({id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)
+                    is True}.values())
+    if configs:
+        for c in configs:
+            c.use_cache = False
+        undo_steps.append(lambda: [setattr(c, "use_cache", True) for c in configs])
+        notes.append("set model.config.use_cache = False" + (f" (and on {len(configs) - 1} sub-configs)"
+                     if len(configs) > 1 else "") + ": a KV cache would be rebuilt by every recomputation "
                      "and training does not use it")
 
     def undo() -> None:
@@ -409,5 +449,5 @@ __all__ = [
     "default_loss",
     "make_profile",
     "plan_checked",
-    "measure_forward_backward",
+    "measure_checked_peak",
 ]

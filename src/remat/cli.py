@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--d-model", type=int, help="gpt: width (default 128)")
     size.add_argument("--image-size", type=int, help="unet: image side in pixels (default 64)")
     size.add_argument("--depth", type=int, help="unet: down/up levels (default 3)")
+    common.add_argument("--output-dropped", action="store_true",
+                        help="the training loop drops the model's output once the loss is computed (HF Trainer, "
+                             "torchtitan); default: it keeps it until the step ends (nanoGPT, most hand loops)")
     common.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds (default 60)")
     common.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -157,7 +160,8 @@ def _profile(args, model, inputs, loss_fn, device, status):
         finally:
             remove_checkpointing(model)
     status(f"profiling {type(model).__name__} on {device}")
-    return make_profile(model, a, k, loss_fn=loss_fn or default_loss, optimizer=optimizer, device=device), optimizer
+    return make_profile(model, a, k, loss_fn=loss_fn or default_loss, optimizer=optimizer, device=device,
+                        output_alive=not args.output_dropped), optimizer
 
 
 def _header(out, desc: str, device: torch.device, args) -> None:
@@ -226,7 +230,8 @@ def _optimize(args, model, inputs, loss_fn) -> Plan:
     factory = OPTIMIZERS[args.optimizer]
     return optimize_checkpointing(model, args.budget, inputs, loss_fn=loss_fn,
                                   optimizer=factory(model.parameters()) if factory else None,
-                                  time_limit_s=args.time_limit, granularity=getattr(args, "granularity", "op"))
+                                  time_limit_s=args.time_limit, granularity=getattr(args, "granularity", "op"),
+                                  output_alive=not args.output_dropped)
 
 
 def cmd_plan(args, out, err) -> int:
@@ -288,7 +293,8 @@ def cmd_verify(args, out, err) -> int:
             plan = _optimize(args, model, inputs, loss_fn)
     with err.status("running plain and checkpointed steps"):
         report = check_equivalence(model, inputs, loss_fn=loss_fn, rtol=args.rtol, atol=args.atol)
-        measured = measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=factory)
+        measured = measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=factory,
+                                output_alive=not args.output_dropped)
     out.print(str(report), markup=False, highlight=False)
     met = "" if plan.budget_bytes is None else (" (within budget)" if measured.peak_bytes <= plan.budget_bytes
                                                 else " (OVER BUDGET)")

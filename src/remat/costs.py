@@ -140,6 +140,12 @@ class Profile:
     #: what the optimizer accounting covers, e.g. "AdamW" or "none (no optimizer given)"
     optimizer: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: bytes allocated during the step still alive once backward has returned (gradients, the output
+    #: when the loop keeps it): what the optimizer step starts from; None: ``live_bytes[-1]``
+    after_backward_bytes: int | None = None
+    #: the training loop keeps the model's output referenced until the step ends (Note [Loop style] in
+    #: remat.profile); False: it is dropped once the loss is computed
+    output_alive: bool = True
 
     @property
     def fixed_bytes(self) -> int:

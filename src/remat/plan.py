@@ -67,6 +67,9 @@ class Plan:
     #: per selective unit (``h.3@ops2``), the operators whose outputs its policy keeps (Note [Selective
     #: checkpointing] in remat.rewrite)
     saved_ops: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: the training loop it was planned for keeps the model's output until the step ends (False: drops
+    #: it after the loss; Note [Loop style] in remat.profile)
+    output_alive: bool = True
     #: parameter names and shapes of the model the plan was made for (checked by apply_plan)
     model_signature: tuple[tuple[str, tuple[int, ...]], ...] = field(default_factory=tuple)
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -95,6 +98,7 @@ class Plan:
             f"  predicted step time:  {self.predicted_step_time_s * 1e3:.1f} ms"
             f"  (measured without checkpointing: {self.baseline_step_time_s * 1e3:.1f} ms, "
             f"{self.predicted_overhead:+.1%})",
+            f"  training loop:        {'output kept until the step ends' if self.output_alive else 'output dropped after the loss'}",
             f"  peak breakdown (predicted, at {b.get('phase', '?')}):",
         ]
         for key, label in [

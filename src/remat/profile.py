@@ -20,6 +20,19 @@ memory stays near the least-memory plan's): each unit's forward is timed by modu
 on its first call, its recomputation on the second call that checkpointing makes in
 backward. The plain backward time is the measured one less the recomputations.
 
+Note [Loop style]
+~~~~~~~~~~~~~~~~~
+The training loop decides part of the peak, so remat records the loop the user runs:
+``loss.backward()`` (not ``torch.autograd.grad``: a real backward lays gradients out as
+``.grad`` does, e.g. channels-last copies for convolution weights) into gradients that start as
+None (``zero_grad(set_to_none=True)``), backward outside autocast (Note [Autocast] in
+remat.measure), and the model's output either kept until the step ends (``output_alive=True``:
+``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``) or dropped once the loss
+is computed (``output_alive=False``: Hugging Face Trainer's ``compute_loss``, torchtitan's
+``del pred``). The optimizer step starts from what is alive once backward has returned
+(``Profile.after_backward_bytes``): the last backward operator's incoming gradient is gone by
+then. The user's own ``.grad`` objects are set aside and given back (``remat.state.fresh_grads``).
+
 Note [Segments]
 ~~~~~~~~~~~~~~~
 Besides submodules, a unit can be a run of consecutive children of an ``nn.Sequential``
@@ -55,7 +68,7 @@ from remat.optimizer import optimizer_costs
 from remat.measure import StorageRecord, StorageTracker, outside_autocast, storage_key, tensor_bytes
 from remat.rewrite import KeepOps, checkpoint_modules, draws_random, segment_name
 from remat.solve import chen_segments
-from remat.state import preserved
+from remat.state import fresh_grads, preserved
 
 log = logging.getLogger(__name__)
 
@@ -213,10 +226,13 @@ def _grad_targets(params: list[torch.Tensor], inputs: Any) -> list[torch.Tensor]
 
 def _record_memory(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
-    units: list[str], fake: bool, extra: list[str] = (),
-) -> tuple[_Recorder, int, list[str]]:
-    """Run forward + loss + backward once under the recorder. Returns it, the backward start index
-    and the names of the units that ran."""
+    units: list[str], fake: bool, extra: list[str] = (), output_alive: bool = True,
+) -> tuple[_Recorder, int, list[str], int]:
+    """Run forward + loss + backward once under the recorder, as the training loop does (Note [Loop
+    style]): ``loss.backward()`` into gradients that start as None, the output dropped after the loss
+    unless ``output_alive``. Returns the recorder, the backward start index, the names of the units
+    that ran and the bytes still alive once backward has returned (what the optimizer step starts
+    from)."""
     rec = _Recorder(device)
     named_params = dict(model.named_parameters(remove_duplicate=False))
     named_buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -246,30 +262,34 @@ def _record_memory(
 
     handles = _hook_units(model, list(dict.fromkeys([*units, *extra])), lambda n, a: rec.enter(n, a),
                           lambda n, o: rec.leave(n))
+    targets = _grad_targets(trainable, (fargs, fkwargs))
     try:
-        with ctx, torch.enable_grad(), rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
+        with ctx, torch.enable_grad(), fresh_grads(targets), rec, \
+                torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
             if fake:
                 out = torch.func.functional_call(model, {**params, **buffers}, fargs, fkwargs,
                                                  strict=False, tie_weights=True)
             else:
                 out = model(*fargs, **fkwargs)
             loss = checked_loss(loss_fn, out)
+            if not output_alive:
+                out = None
             rec.backward = True
             backward_start = rec.index
             with outside_autocast():
-                grads = torch.autograd.grad(loss, _grad_targets(trainable, (fargs, fkwargs)), allow_unused=True)
-            for g in grads:
-                if g is not None:
-                    r = rec.by_key.get(storage_key(g))
-                    if r is not None:
-                        r.is_grad = True  # type: ignore[attr-defined]
+                loss.backward()
+            after_backward = rec.live_bytes
+            for t in targets:
+                r = rec.by_key.get(storage_key(t.grad)) if t.grad is not None else None
+                if r is not None:
+                    r.is_grad = True  # type: ignore[attr-defined]
             end = rec.index
-        rec.timeline = rec.timeline[:end]
-        del out, loss, grads  # alive until the end of backward, as in a training loop
+            rec.timeline = rec.timeline[:end]
+            del out, loss  # alive until the end of backward, as in a training loop
     finally:
         for h in handles:
             h.remove()
-    return rec, backward_start, [u for u in units if u in rec.span]
+    return rec, backward_start, [u for u in units if u in rec.span], after_backward
 
 
 def checked_loss(loss_fn: LossFn, out: Any) -> torch.Tensor:
@@ -819,6 +839,7 @@ def profile_model(
     graph: ModelGraph,
     device: torch.device,
     timing_steps: int = 4,
+    output_alive: bool = True,
 ) -> Profile:
     """Measure ``model``'s training step on the example inputs. Leaves the model, its gradients and
     buffers, the optimizer and the RNG state as they were."""
@@ -839,8 +860,8 @@ def profile_model(
         else:
             try:
                 with quiet_loggers("torch._subclasses.fake_tensor"):  # a failure here is expected and handled
-                    rec, bstart, ran = _record_memory(model, args, kwargs, loss_fn, device, units, fake=True,
-                                                      extra=extra)
+                    rec, bstart, ran, after_bwd = _record_memory(model, args, kwargs, loss_fn, device, units,
+                                                                 fake=True, extra=extra, output_alive=output_alive)
                 recorded = "fake"
             except InvalidInputError:
                 raise
@@ -849,7 +870,8 @@ def profile_model(
                 reason = f"fake tensors failed: {type(e).__name__}"
         if reason is not None:
             notes.append(f"memory recorded on a real step ({reason}); profiling needed the plain step's peak")
-            rec, bstart, ran = _record_memory(model, args, kwargs, loss_fn, device, units, fake=False, extra=extra)
+            rec, bstart, ran, after_bwd = _record_memory(model, args, kwargs, loss_fn, device, units, fake=False,
+                                                         extra=extra, output_alive=output_alive)
             recorded = "real"
     # forward order: the order of the first operator of each unit
     ran.sort(key=lambda u: (rec.span[u][0], -rec.span[u][1]))
@@ -937,6 +959,8 @@ def profile_model(
     return Profile(
         units=tuple(units_out),
         live_bytes=live,
+        after_backward_bytes=after_bwd,
+        output_alive=output_alive,
         grad_bytes=grad_tl,
         saved_bytes=saved_tl,
         backward_start=bstart,

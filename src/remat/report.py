@@ -164,7 +164,7 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
         apply_plan(model, dataclasses.replace(plan, model_signature=model_signature(model)))
         try:
             measured[key] = measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
-                                         warmup=1, repeats=0)
+                                         warmup=1, repeats=0, output_alive=profile.output_alive)
         finally:
             remove_checkpointing(model)
     interleave = model_device(model).type == "cpu" if interleave is None else interleave
@@ -174,14 +174,16 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
         # the plans one after another compares drifts, not plans. Round-robin one step of every plan
         # per round (each plan on its own copy of the model) and take the median per plan.
         times = time_interleaved(model, inputs, [p for _, p in order], loss_fn=loss_fn,
-                                 optimizer_factory=optimizer_factory, warmup=warmup, rounds=2 * repeats)
+                                 optimizer_factory=optimizer_factory, warmup=warmup, rounds=2 * repeats,
+                                 output_alive=profile.output_alive)
     else:
         times = []
         for key, plan in order:
             apply_plan(model, dataclasses.replace(plan, model_signature=model_signature(model)))
             try:
                 times.append(measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
-                                          warmup=warmup, repeats=repeats, measure_memory=False).step_times_s)
+                                          warmup=warmup, repeats=repeats, measure_memory=False,
+                                          output_alive=profile.output_alive).step_times_s)
             finally:
                 remove_checkpointing(model)
     for (key, _), ts in zip(order, times):

@@ -142,7 +142,8 @@ class MemoryModel:
             coefs[name] = coefs.get(name, 0) + u.recompute_peak_bytes
             rows.append(Row(f"recompute_{name}", "recompute", i, fixed + live[i], coefs, unit=name))
         kept = {u: self.kept_bytes(u, n - 1) for u in self.units}
-        rows.append(Row("optimizer_step", "optimizer", n - 1, fixed + live[n - 1] + p.optimizer_step_bytes,
+        after = live[n - 1] if p.after_backward_bytes is None else p.after_backward_bytes
+        rows.append(Row("optimizer_step", "optimizer", n - 1, fixed + after + p.optimizer_step_bytes,
                         {u: b for u, b in kept.items() if b}))
         return rows
 

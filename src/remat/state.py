@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, Iterator, ParamSpec, TypeVar
+from typing import Callable, Iterable, Iterator, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -77,3 +77,19 @@ def preserved(model: nn.Module, *, on_success: bool = True) -> Iterator[Snapshot
         raise
     if on_success:
         restore(snap)
+
+
+@contextlib.contextmanager
+def fresh_grads(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Run a real ``backward()`` without touching the ``.grad`` of ``tensors``: they start as None (as
+    after ``zero_grad(set_to_none=True)``, so nothing accumulates in place into the user's gradients)
+    and get their previous gradient objects back afterwards."""
+    tensors = list(dict.fromkeys(tensors))
+    saved = [t.grad for t in tensors]
+    for t in tensors:
+        t.grad = None
+    try:
+        yield
+    finally:
+        for t, g in zip(tensors, saved):
+            t.grad = g

@@ -165,13 +165,15 @@ def assert_equivalent(model: nn.Module, example_inputs: Any, **kwargs: Any) -> E
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, args: tuple, kwargs: dict,
-               loss_fn: LossFn) -> None:
+               loss_fn: LossFn, output_alive: bool = True) -> None:
     """One training step as a loop runs it: forward and loss (under the caller's autocast state),
-    backward outside autocast (Note [Autocast]), optimizer step, gradients set to None. The output
-    stays referenced until the step ends, as in ``out = model(x); loss = crit(out, y); ...`` (and as
-    the profile records it)."""
+    backward outside autocast (Note [Autocast]), optimizer step, gradients set to None. With
+    ``output_alive`` the output stays referenced until the step ends, as in ``out = model(x); loss =
+    crit(out, y); ...``; without, it is dropped once the loss is computed (Note [Loop style])."""
     out = model(*args, **kwargs)
     loss = loss_fn(out)
+    if not output_alive:
+        out = None
     with outside_autocast():
         loss.backward()
     if optimizer is not None:
@@ -191,8 +193,10 @@ def measure_step(
     warmup: int = 1,
     repeats: int = 3,
     measure_memory: bool = True,
+    output_alive: bool = True,
 ) -> StepMeasurement:
     """Measured peak memory (whole step) and median step time of real training steps of ``model``.
+    ``output_alive``: whether the loop keeps the output until the step ends (Note [Loop style]).
 
     Trains a deep copy (``model`` is not modified) with ``optimizer_factory(params)`` (None: no
     optimizer step). Steps zero the gradients with ``set_to_none=True`` after the optimizer step,
@@ -206,7 +210,7 @@ def measure_step(
     device = model_device(m)
 
     def step():
-        train_step(m, opt, args, kwargs, loss_fn)
+        train_step(m, opt, args, kwargs, loss_fn, output_alive)
 
     def state():
         yield from m.parameters()
@@ -262,6 +266,7 @@ def time_interleaved(
     warmup: int = 2,
     rounds: int = 10,
     seed: int = 0,
+    output_alive: bool = True,
 ) -> list[list[float]]:
     """Step times (seconds) of ``model`` under each plan, timed round-robin: every round runs one
     training step of every plan, in a shuffled order, each plan on its own deep copy with its own
@@ -285,7 +290,7 @@ def time_interleaved(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        train_step(m, opt, args, kwargs, loss_fn)
+        train_step(m, opt, args, kwargs, loss_fn, output_alive)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0

@@ -141,12 +141,22 @@ def test_frozen_parameters_lora_style():
         f"grad:{n}" for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_no_selective_options_for_t5_without_a_graph():
-    """torch.export fails on T5 here, so it is captured with hooks: no selective options, said why."""
+def test_t5_decoder_cache_is_turned_off_too():
+    """T5 gives its decoder stack its own config copy with use_cache=True: its cross-attention cached keys
+    and values on the first call, so a checkpointed EncDecAttention saved fewer tensors when recomputed
+    (CheckpointError) and torch.export failed. remat turns off use_cache on every config, notes it and
+    gives it back; T5 is now captured as a graph."""
     profile, _ = profiled("t5")
-    assert profile.capture_path == "hooks"
-    assert not [u.name for u in profile.units if "@ops" in u.name]
-    assert any("no selective" in n for n in profile.notes)
+    assert profile.capture_path == "export"
+    model, inputs, loss_fn = REAL["t5"]()
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    assert model.decoder.config is not model.config and model.decoder.config.use_cache and model.config.use_cache
+    unit = "decoder.block.0.layer.1.EncDecAttention"
+    plan = remat.optimize_checkpointing(model, 1e3, inputs, loss_fn=loss_fn, check=False)
+    assert not any(c.use_cache for c in configs.values())
+    assert any("sub-configs" in n for n in plan.notes)
+    remat.rewrite.checkpoint_modules(model, [unit])
+    assert remat.check_equivalence(model, inputs, loss_fn=loss_fn).equal
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral", "bert"])

@@ -107,27 +107,33 @@ class Planner:
             capture_path=p.capture_path,
             device=p.device,
             optimizer=p.optimizer,
+            output_alive=p.output_alive,
             notes=notes + p.notes,
             mutated_buffers={u: p.unit(u).mutated_buffers for u in chosen if p.unit(u).mutated_buffers},
             saved_ops={u: p.unit(u).saved_ops for u in chosen if p.unit(u).saved_ops},
         )
 
-    def infeasible(self, budget_bytes: int) -> InfeasibleBudgetError:
-        """The error for a budget below the least achievable peak, with that peak and its breakdown."""
+    def infeasible(self, budget_bytes: int, *, least_bytes: int | None = None) -> InfeasibleBudgetError:
+        """The error for a budget below the least achievable peak, with that peak and its breakdown.
+        ``least_bytes``: the least-memory plan's checked (measured) peak, when known (Note [Least peak
+        is a promise] in remat.api); else its prediction."""
         least = self.make_plan(self._min_units, "least-memory")
         b = least.breakdown
         fixed = self.profile.fixed_bytes
+        how = "predicted" if least_bytes is None else \
+            f"measured on one real step; predicted {fmt_bytes(self.min_peak_bytes)}"
+        least_bytes = self.min_peak_bytes if least_bytes is None else least_bytes
         return InfeasibleBudgetError(
             f"budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes) is below the least peak any "
-            f"checkpointing plan reaches: {fmt_bytes(self.min_peak_bytes)} ({self.min_peak_bytes} bytes, "
-            f"predicted, at {b['phase']}). Of that, {fmt_bytes(fixed)} is memory no plan removes "
+            f"checkpointing plan reaches: {fmt_bytes(least_bytes)} ({least_bytes} bytes, "
+            f"{how}, at {b['phase']}). Of the prediction, {fmt_bytes(fixed)} is memory no plan removes "
             f"(parameters {fmt_bytes(b['params_bytes'])}, optimizer state {fmt_bytes(b['optimizer_state_bytes'])}, "
             f"buffers {fmt_bytes(b['buffers_bytes'])}, inputs {fmt_bytes(b['inputs_bytes'])}), plus gradients "
             f"{fmt_bytes(b['grads_bytes'])}, saved activations {fmt_bytes(b['saved_activations_bytes'])} and "
             f"temporaries {fmt_bytes(b['temporaries_bytes'])}. Raise budget_gb to at least "
-            f"{math.ceil(self.min_peak_bytes / 2**30 * 1000) / 1000:.3f}, or shrink the batch.",
+            f"{math.ceil(least_bytes / 2**30 * 1000) / 1000:.3f}, or shrink the batch.",
             budget_bytes=budget_bytes,
-            min_feasible_bytes=self.min_peak_bytes,
+            min_feasible_bytes=least_bytes,
         )
 
     # -- remat's strategy ----------------------------------------------------------------------
