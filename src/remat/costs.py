@@ -31,6 +31,22 @@ class Drop:
     nbytes: int
     #: first timeline index at which the storage is no longer alive if its unit is checkpointed
     free_from: int
+    #: first timeline index at which it is alive again (its call's recomputation); None: the unit's
+    #: ``recompute_at`` (units called once)
+    until_index: int | None = None
+
+
+@dataclass(frozen=True)
+class CallSpan:
+    """A second or later forward call of a unit that runs more than once per step (Note [Reused
+    modules] in remat.profile): each call is checkpointed, and recomputed, on its own."""
+
+    forward_start: int
+    forward_end: int
+    #: timeline index of the backward operator that first reads a tensor this call saved; None if none
+    recompute_at: int | None
+    #: peak growth of live memory during this call's forward (bytes)
+    recompute_peak_bytes: int
 
 
 @dataclass(frozen=True)
@@ -90,6 +106,26 @@ class UnitCost:
     #: for a selective unit (``h.3@ops2``), the operators whose outputs its policy keeps, as the rewrite
     #: names them (``aten.addmm.default#1``; Note [Selective checkpointing] in remat.rewrite)
     saved_ops: tuple[str, ...] = ()
+    #: the second and later forward calls of a module called more than once per step (its first call is
+    #: described by the fields above; ``drops`` and ``keeps`` cover every call)
+    later_calls: tuple[CallSpan, ...] = ()
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """Forward span (first, last timeline index) of every call."""
+        return ((self.forward_start, self.forward_end),
+                *((c.forward_start, c.forward_end) for c in self.later_calls))
+
+    @property
+    def recomputations(self) -> tuple[tuple[int, int], ...]:
+        """(timeline index, peak growth in bytes) of every recomputation checkpointing this unit causes."""
+        firsts = ((self.recompute_at, self.recompute_peak_bytes),) + tuple(
+            (c.recompute_at, c.recompute_peak_bytes) for c in self.later_calls)
+        return tuple((at, b) for at, b in firsts if at is not None)
+
+    def drop_until(self, drop: Drop) -> int | None:
+        """First timeline index at which ``drop``'s storage is alive again (None: never dropped)."""
+        return self.recompute_at if drop.until_index is None else drop.until_index
 
     @property
     def cost_s(self) -> float:
@@ -178,7 +214,8 @@ class Profile:
                         "mutated_buffers": tuple(u.get("mutated_buffers", ())),
                         "members": tuple(u.get("members", ())),
                         "keeps": tuple(Keep(**k) for k in u.get("keeps", ())),
-                        "saved_ops": tuple(u.get("saved_ops", ()))}) for u in d["units"]
+                        "saved_ops": tuple(u.get("saved_ops", ())),
+                        "later_calls": tuple(CallSpan(**c) for c in u.get("later_calls", ()))}) for u in d["units"]
         )
         for k in ("live_bytes", "grad_bytes", "saved_bytes", "notes"):
             d[k] = tuple(d[k])

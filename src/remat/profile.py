@@ -62,7 +62,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from remat.capture import ModelGraph, quiet_loggers, unit_parent
-from remat.costs import SELECTIVE, Drop, Keep, Profile, UnitCost
+from remat.costs import SELECTIVE, CallSpan, Drop, Keep, Profile, UnitCost
 from remat.errors import InvalidInputError
 from remat.optimizer import optimizer_costs
 from remat.measure import StorageRecord, StorageTracker, outside_autocast, storage_key, tensor_bytes
@@ -84,6 +84,8 @@ class _Pack:
     #: operators run when it was saved (the saving operator is the one before)
     at: int = 0
     unpacked_at: int | None = None
+    #: per entry of ``stack``, which call of that unit was running (1 = the first)
+    calls: tuple[int, ...] = ()
 
 
 class _Recorder(StorageTracker):
@@ -95,7 +97,12 @@ class _Recorder(StorageTracker):
         self.stack: list[str] = []
         self.backward = False
         self.calls: dict[str, int] = defaultdict(int)
+        #: first-call forward span [first, last operator] of each unit (= ``spans[u][0]``)
         self.span: dict[str, list[int]] = {}
+        #: forward span of every call of each unit, in call order (Note [Reused modules])
+        self.spans: dict[str, list[list[int]]] = defaultdict(list)
+        #: call number of each entry of ``stack``
+        self.stack_calls: list[int] = []
         self.last_use: dict[int, int] = {}  # id(record) -> index of last forward operator reading it
         self.packs: list[_Pack] = []
         #: storages that existed before recording: storage key -> (kind, qualified name)
@@ -103,8 +110,8 @@ class _Recorder(StorageTracker):
         #: (unit stack, storage key, record or None, op name) of every in-place write during forward
         self.writes: list[tuple[tuple[str, ...], int, StorageRecord | None, str]] = []
         self.flops: dict[str, int] = defaultdict(int)
-        #: per hooked module, the records of the tracked storages its first call took as inputs
-        self.inputs: dict[str, list[StorageRecord]] = {}
+        #: per hooked module and forward call, the records of the tracked storages it took as inputs
+        self.inputs: dict[str, list[list[StorageRecord]]] = defaultdict(list)
         #: (operator, records of the storages it created) of every forward operator
         self.forward_ops: list[tuple[str, list[StorageRecord | None]]] = []
         #: forward operator index -> measured seconds on the real forward (set after timing)
@@ -115,21 +122,24 @@ class _Recorder(StorageTracker):
     # module hooks
     def enter(self, name: str, args: Any = ()) -> None:
         self.calls[name] += 1
-        if self.calls[name] == 1:
-            self.span[name] = [self.index, self.index - 1]
-            self.inputs[name] = [r for t in _tensors(args) if (r := self.by_key.get(storage_key(t))) is not None]
+        if not self.backward:
+            self.spans[name].append([self.index, self.index - 1])
+            self.span.setdefault(name, self.spans[name][0])
+            self.inputs[name].append([r for t in _tensors(args) if (r := self.by_key.get(storage_key(t))) is not None])
         self.stack.append(name)
+        self.stack_calls.append(self.calls[name])
 
     def leave(self, name: str) -> None:
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
-        if self.calls[name] == 1 and not self.backward:
-            self.span[name][1] = self.index - 1
+            self.stack_calls.pop()
+        if not self.backward and self.spans[name]:
+            self.spans[name][-1][1] = self.index - 1
 
     # saved-tensor hooks
     def pack(self, t: torch.Tensor):
         rec = self.by_key.get(storage_key(t)) if t.device.type == self.device_type else None
-        ev = _Pack(rec, tuple(self.stack), self.index)
+        ev = _Pack(rec, tuple(self.stack), self.index, calls=tuple(self.stack_calls))
         self.packs.append(ev)
         return ev, t
 
@@ -337,8 +347,11 @@ class _Timing:
 def _measure_time(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
     units: list[str], checkpointed: list[str], mutated: dict[str, tuple[str, ...]], steps: int,
+    forward_calls: dict[str, int] | None = None,
 ) -> _Timing:
-    """Real forward + backward with ``checkpointed`` units checkpointed; per-unit times from hooks."""
+    """Real forward + backward with ``checkpointed`` units checkpointed; per-unit times from hooks (a unit's
+    forward time is the sum over its ``forward_calls`` calls, default 1)."""
+    forward_calls = forward_calls or {}
     cuda = device.type == "cuda"
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
 
@@ -393,6 +406,8 @@ def _measure_time(
         def leave(name, o):
             k = calls[name]
             dt = now() - starts.get((name, k), time.perf_counter())
+            if 1 < k <= forward_calls.get(name, 1):  # later calls of a reused module (Note [Reused modules])
+                fwd[name] += dt
             if k == 1:
                 fwd[name] = dt
                 now_bufs = dict(mods[name].named_buffers())
@@ -402,7 +417,7 @@ def _measure_time(
                     for t in _tensors(o):
                         if t.requires_grad:
                             t.register_hook(on_grad((name, "out")))
-            elif k == 2:
+            elif k == forward_calls.get(name, 1) + 1:
                 rec[name] = dt
 
         handles = _hook_units(model, units, enter, leave)
@@ -516,7 +531,13 @@ def _specs(rec: "_Recorder", ran: list[str], sequentials: dict[str, list[str]]) 
 
 def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]:
     """Per unit: its forward span, where its recomputation would run, what checkpointing it frees,
-    and whether it may be checkpointed at all (see Note [Memory model] in remat.simulate)."""
+    and whether it may be checkpointed at all (see Note [Memory model] in remat.simulate).
+
+    Note [Reused modules]: a module called more than once per forward (a shared MLP, ALBERT's one
+    layer) is checkpointed call by call (each call is its own checkpoint, recomputed when backward
+    first reads a tensor saved by that call, with its own RNG state). Its cost is the sum of its
+    calls': each call frees its own saved tensors until its own recomputation (``Drop.until_index``),
+    keeps its own inputs, and adds its own recomputation row (``UnitCost.later_calls``)."""
     n = len(rec.timeline)
     live = _timeline(rec.records, n, lambda r: True)
     packs_of: dict[int, list[_Pack]] = defaultdict(list)
@@ -530,55 +551,30 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
         u, members = spec.name, spec.members
         inside = (lambda stack, m=members[0]: m in stack) if len(members) == 1 else \
             (lambda stack, ms=frozenset(members): not ms.isdisjoint(stack))
-        start, end = rec.span[members[0]][0], rec.span[members[-1]][1]
-        packs = [ev for ev in rec.packs if inside(ev.stack)]
-        unpacks = [ev.unpacked_at for ev in packs if ev.unpacked_at is not None]
-        r_at = min(unpacks) if unpacks else None
-        saved = {id(ev.rec): ev.rec for ev in packs if ev.rec is not None}
-        drops = []
-        for r in saved.values():
-            if getattr(r, "is_grad", False) or not (start <= r.alloc_index <= end) or r_at is None:
-                continue
-            # Note [Held storages]: a storage the plain step never frees is held by something besides
-            # autograd (the output, the autocast cache's casts of the weights, a module attribute):
-            # checkpointing does not free it either.
-            if r.free_index is None or r.free_index >= n:
-                continue
-            # Note [Shared saved storages]: a storage that operators outside the unit also save
-            # dies, once the unit is checkpointed, when the last of those releases it (just after
-            # its backward operator first reads it); one that is never read back stays.
-            outside = [ev.unpacked_at for ev in packs_of[id(r)] if not inside(ev.stack)]
-            if any(t is None for t in outside):
-                continue
-            free_from = max(end + 1, rec.last_use.get(id(r), -1) + 1, max(outside, default=-1) + 1)
-            if free_from >= r_at or (r.free_index is not None and r.free_index <= r_at):
-                continue
-            if spec.keep is not None and made_by.get(id(r)) in spec.keep:
-                continue  # a selective checkpoint keeps it
-            drops.append(Drop(r.nbytes, free_from))
-        # Note [Checkpoint holds its inputs]: non-reentrant checkpoint keeps the unit's inputs in its
-        # recompute closure, alive while any tensor saved inside the unit waits to be read back: until
-        # the unit's backward is done, or, when some saved tensor is never read (a node that no
-        # gradient reaches), until the graph is released at the end of the step. Inputs the plain
-        # step frees earlier are kept that long.
-        release = max(unpacks) + 1 if unpacks and all(ev.unpacked_at is not None for ev in packs) else n
-        keeps = tuple(
-            Keep(r.nbytes, r.free_index, release)
-            for r in {id(r): r for r in rec.inputs.get(members[0], [])}.values()
-            if r_at is not None and r.free_index is not None and r.free_index < release
-        )
-        if spec.keep is not None and r_at is not None:
-            # the selective checkpoint caches every output of a kept operator until the recomputation
-            # reads it back, also those the plain step frees early (Note [Selective checkpointing])
-            keeps += tuple(
-                Keep(r.nbytes, r.free_index, r_at) for r in rec.records
-                if made_by.get(id(r)) in spec.keep and r.free_index is not None and r.free_index < r_at
-            )
+        calls = max(rec.calls[m] for m in members)
+        forward_calls = len(rec.spans[members[0]])
+        if len(members) == 1:
+            spans = [tuple(sp) for sp in rec.spans[members[0]]]
+        else:
+            spans = [(rec.span[members[0]][0], rec.span[members[-1]][1])]
+
+        def in_call(ev: _Pack, c: int, m: str = members[0]) -> bool:
+            if not inside(ev.stack):
+                return False
+            return len(spans) == 1 or ev.calls[ev.stack.index(m)] == c + 1
+
+        effects = [_call_effects(rec, spec, lambda ev, c=c: in_call(ev, c), start, end,
+                                 rec.inputs[members[0]][c] if c < len(rec.inputs[members[0]]) else [],
+                                 n, live, packs_of, made_by, until=len(spans) > 1)
+                   for c, (start, end) in enumerate(spans)]
+        first = effects[0]
+        start, end = spans[0]
         excluded = None
         mutated: set[str] = set()
-        calls = max(rec.calls[m] for m in members)
-        if calls > 1:
-            excluded = f"called {calls} times per step"
+        if calls != forward_calls:
+            excluded = f"called {calls} times per step, {forward_calls} in forward"
+        elif forward_calls > 1 and spec.selective:
+            excluded = "selective policies are per call sequence: not offered for a module called more than once"
         for stack, key, r, op in rec.writes:
             if not inside(stack):
                 continue
@@ -589,29 +585,88 @@ def _unit_costs(rec: _Recorder, specs: list[_Spec]) -> dict[str, dict[str, Any]]
                 excluded = excluded or f"modifies a tensor from outside the unit in place ({kind[0]} {kind[1]}, {op})"
             elif r is not None and r.alloc_index < start:
                 excluded = excluded or f"modifies its input in place ({op})"
-        base = live[start - 1] if start > 0 else 0
-        # Note [Early stop]: non-reentrant checkpoint stops recomputing once the last tensor saved
-        # inside the unit exists again, so what the unit allocates after that is not recomputed.
-        end_rec = min(end, max((ev.at - 1 for ev in packs if ev.at - 1 >= start), default=end))
-        if spec.keep is not None:
-            # a selective recomputation reuses the cached outputs of kept operators: they add nothing
-            cached = [r for r in rec.records if made_by.get(id(r)) in spec.keep]
-            peak_inc = max((live[t] - sum(r.nbytes for r in cached if r.alloc_index <= t and
-                                          (r.free_index is None or t < r.free_index))
-                            for t in range(start, end_rec + 1)), default=base) - base
-        else:
-            peak_inc = max(live[start:end_rec + 1], default=base) - base
+        saved = {id(r): r for e in effects for r in e["saved"]}
         unit_costs[u] = dict(
-            name=u, parent=spec.parent, calls=calls, flops=sum(rec.flops.get(m, 0) for m in members),
-            forward_start=start, forward_end=end, recompute_at=r_at, drops=tuple(drops),
-            recompute_peak_bytes=max(peak_inc, 0), saved_bytes=sum(r.nbytes for r in saved.values()),
+            name=u, parent=spec.parent, calls=forward_calls, flops=sum(rec.flops.get(m, 0) for m in members),
+            forward_start=start, forward_end=end, recompute_at=first["r_at"],
+            drops=tuple(d for e in effects for d in e["drops"]),
+            recompute_peak_bytes=first["peak_inc"], saved_bytes=sum(r.nbytes for r in saved.values()),
             excluded=excluded, mutated_buffers=tuple(sorted(mutated)),
-            members=members if members != (u,) and not spec.selective else (), keeps=keeps, release=release,
-            saved_count=len(packs), op_count=end - start + 1, recompute_end=end_rec, saved_ops=spec.saved_ops,
+            members=members if members != (u,) and not spec.selective else (),
+            keeps=tuple(k for e in effects for k in e["keeps"]), release=first["release"],
+            saved_count=sum(e["packs"] for e in effects), op_count=end - start + 1, recompute_end=first["end_rec"],
+            saved_ops=spec.saved_ops,
+            later_calls=tuple(CallSpan(sp[0], sp[1], e["r_at"], e["peak_inc"]) for sp, e in zip(spans[1:], effects[1:])),
         )
         if excluded and members == (u,):
             log.info("unit %s cannot be checkpointed: %s", u, excluded)
     return unit_costs
+
+
+def _call_effects(rec: _Recorder, spec: _Spec, in_call, start: int, end: int, inputs: list[StorageRecord], n: int,
+                  live: tuple[int, ...], packs_of: dict[int, list[_Pack]], made_by: dict[int, int],
+                  until: bool) -> dict[str, Any]:
+    """What checkpointing one forward call ``start..end`` of a unit does to memory (Note [Memory model]
+    in remat.simulate); ``in_call(pack)`` says whether a saved tensor was saved by that call. ``until``:
+    the unit runs more than once, so each drop says when its own call is recomputed (Note [Reused
+    modules])."""
+    packs = [ev for ev in rec.packs if in_call(ev)]
+    unpacks = [ev.unpacked_at for ev in packs if ev.unpacked_at is not None]
+    r_at = min(unpacks) if unpacks else None
+    saved = {id(ev.rec): ev.rec for ev in packs if ev.rec is not None}
+    drops = []
+    for r in saved.values():
+        if getattr(r, "is_grad", False) or not (start <= r.alloc_index <= end) or r_at is None:
+            continue
+        # Note [Held storages]: a storage the plain step never frees is held by something besides
+        # autograd (the output, the autocast cache's casts of the weights, a module attribute):
+        # checkpointing does not free it either.
+        if r.free_index is None or r.free_index >= n:
+            continue
+        # Note [Shared saved storages]: a storage that operators outside the unit also save
+        # dies, once the unit is checkpointed, when the last of those releases it (just after
+        # its backward operator first reads it); one that is never read back stays.
+        outside = [ev.unpacked_at for ev in packs_of[id(r)] if not in_call(ev)]
+        if any(t is None for t in outside):
+            continue
+        free_from = max(end + 1, rec.last_use.get(id(r), -1) + 1, max(outside, default=-1) + 1)
+        if free_from >= r_at or (r.free_index is not None and r.free_index <= r_at):
+            continue
+        if spec.keep is not None and made_by.get(id(r)) in spec.keep:
+            continue  # a selective checkpoint keeps it
+        drops.append(Drop(r.nbytes, free_from, r_at if until else None))
+    # Note [Checkpoint holds its inputs]: non-reentrant checkpoint keeps the unit's inputs in its
+    # recompute closure, alive while any tensor saved inside the unit waits to be read back: until
+    # the unit's backward is done, or, when some saved tensor is never read (a node that no
+    # gradient reaches), until the graph is released at the end of the step. Inputs the plain
+    # step frees earlier are kept that long.
+    release = max(unpacks) + 1 if unpacks and all(ev.unpacked_at is not None for ev in packs) else n
+    keeps = tuple(
+        Keep(r.nbytes, r.free_index, release)
+        for r in {id(r): r for r in inputs}.values()
+        if r_at is not None and r.free_index is not None and r.free_index < release
+    )
+    if spec.keep is not None and r_at is not None:
+        # the selective checkpoint caches every output of a kept operator until the recomputation
+        # reads it back, also those the plain step frees early (Note [Selective checkpointing])
+        keeps += tuple(
+            Keep(r.nbytes, r.free_index, r_at) for r in rec.records
+            if made_by.get(id(r)) in spec.keep and r.free_index is not None and r.free_index < r_at
+        )
+    base = live[start - 1] if start > 0 else 0
+    # Note [Early stop]: non-reentrant checkpoint stops recomputing once the last tensor saved
+    # inside the unit exists again, so what the unit allocates after that is not recomputed.
+    end_rec = min(end, max((ev.at - 1 for ev in packs if ev.at - 1 >= start), default=end))
+    if spec.keep is not None:
+        # a selective recomputation reuses the cached outputs of kept operators: they add nothing
+        cached = [r for r in rec.records if made_by.get(id(r)) in spec.keep]
+        peak_inc = max((live[t] - sum(r.nbytes for r in cached if r.alloc_index <= t and
+                                      (r.free_index is None or t < r.free_index))
+                        for t in range(start, end_rec + 1)), default=base) - base
+    else:
+        peak_inc = max(live[start:end_rec + 1], default=base) - base
+    return dict(r_at=r_at, drops=drops, keeps=keeps, release=release, end_rec=end_rec, peak_inc=max(peak_inc, 0),
+                saved=list(saved.values()), packs=len(packs))
 
 
 def _align_forward(rec: _Recorder, real: list[tuple[str, list[int | None], float]]) -> dict[int, int]:
@@ -770,7 +825,7 @@ def _selective_specs(rec: _Recorder, ran: list[str], costs: dict[str, dict[str, 
     specs = []
     for u in ran:
         c = costs[u]
-        if c["excluded"] is not None or not c["drops"] or c["mutated_buffers"]:
+        if c["excluded"] is not None or not c["drops"] or c["mutated_buffers"] or c["calls"] > 1:
             continue
         for k, keep in enumerate(_policy_menu(rec, c["forward_start"], c["recompute_end"]), start=1):
             specs.append(_Spec(f"{u}{SELECTIVE}{k}", (u,), c["parent"], u + ".", keep=keep,
@@ -879,13 +934,14 @@ def profile_model(
     costs = _unit_costs(rec, specs)
 
     # time, measured for real with the top-level candidate modules checkpointed
-    cand = [u for u in ran if costs[u]["excluded"] is None and costs[u]["drops"]]
+    # (a module called more than once is not checkpointed while timing: its recomputation is its forwards)
+    cand = [u for u in ran if costs[u]["excluded"] is None and costs[u]["drops"] and costs[u]["calls"] == 1]
     top = [u for u in cand if unit_parent(u, cand) is None]
     timed = list(dict.fromkeys([*ran, *(c for c in extra if c in rec.span)]))
     with preserved(model):
         timing = _measure_time(
             model, args, kwargs, loss_fn, device, timed, top,
-            {u: costs[u]["mutated_buffers"] for u in top}, timing_steps,
+            {u: costs[u]["mutated_buffers"] for u in top}, timing_steps, {u: len(rec.spans[u]) for u in timed},
         )
     match = _align_forward(rec, timing.forward_sizes)
     rec.op_seconds = {i: timing.forward_sizes[j][2] for i, j in match.items()}
@@ -944,7 +1000,7 @@ def profile_model(
             c["keeps"] = c["keeps"] + (Keep(held, c["forward_start"], c.pop("release")),)
         else:
             c.pop("release")
-        overhead = call_s + per_tensor_s * c.pop("saved_count")
+        overhead = call_s * c["calls"] + per_tensor_s * c.pop("saved_count")
         ops = c.pop("op_count")
         c.pop("recompute_end")
         if spec.selective:

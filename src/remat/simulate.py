@@ -18,6 +18,10 @@ Checkpointing a unit ``u`` changes that timeline in exactly two ways:
   ``u.recompute_peak_bytes`` (measured during the original forward) on top of
   what is alive then.
 
+A module called more than once per step is checkpointed call by call: each call's drops last
+until its own recomputation (``Drop.until_index``) and each call adds its own recompute row
+(Note [Reused modules] in remat.profile).
+
 Units chosen together never nest, so their effects add up: the predicted memory
 at every timeline index is a *linear* function of the 0/1 choices. This module
 turns that function into a list of :class:`Row` (constant + coefficients); the
@@ -79,25 +83,29 @@ class MemoryModel:
         self.profile = profile
         names = [u.name for u in profile.candidates()] if candidates is None else list(candidates)
         self.units: dict[str, UnitCost] = {n: profile.unit(n) for n in names}
-        self._free_from: dict[str, list[int]] = {}
-        self._prefix: dict[str, list[int]] = {}
+        #: per unit, per recomputation index (``until``): sorted ``free_from`` and prefix sums of bytes
+        self._drops: dict[str, list[tuple[int, list[int], list[int]]]] = {}
         for name, u in self.units.items():
-            drops = sorted(u.drops, key=lambda d: d.free_from)
-            self._free_from[name] = [d.free_from for d in drops]
-            acc = [0]
-            for d in drops:
-                acc.append(acc[-1] + d.nbytes)
-            self._prefix[name] = acc
+            by_until: dict[int, list] = {}
+            for d in u.drops:
+                until = u.drop_until(d)
+                if until is not None:
+                    by_until.setdefault(until, []).append(d)
+            groups = []
+            for until, drops in sorted(by_until.items()):
+                drops.sort(key=lambda d: d.free_from)
+                acc = [0]
+                for d in drops:
+                    acc.append(acc[-1] + d.nbytes)
+                groups.append((until, [d.free_from for d in drops], acc))
+            self._drops[name] = groups
         self.rows: tuple[Row, ...] = tuple(self._build_rows())
 
     # -- per unit ---------------------------------------------------------------------------
     def dropped_bytes(self, unit: str, index: int) -> int:
         """Bytes that checkpointing ``unit`` removes from memory at timeline ``index``."""
-        u = self.units[unit]
-        if u.recompute_at is None or index >= u.recompute_at:
-            return 0
-        k = bisect.bisect_right(self._free_from[unit], index)
-        return self._prefix[unit][k]
+        return sum(prefix[bisect.bisect_right(free_from, index)]
+                   for until, free_from, prefix in self._drops[unit] if index < until)
 
     def kept_bytes(self, unit: str, index: int) -> int:
         """Bytes that checkpointing ``unit`` keeps alive at timeline ``index`` beyond the plain step."""
@@ -122,9 +130,8 @@ class MemoryModel:
             return [Row("start", "forward", 0, fixed, {})]
         cuts = {0, n, p.backward_start}
         for u in self.units.values():
-            if u.recompute_at is not None:
-                cuts.add(u.recompute_at)
-                cuts.update(d.free_from for d in u.drops if d.free_from < n)
+            cuts.update(at for at, _ in u.recomputations)
+            cuts.update(d.free_from for d in u.drops if d.free_from < n and u.drop_until(d) is not None)
             for k in u.keeps:
                 cuts.update((k.from_index, k.until_index))
         bounds = sorted(c for c in cuts if 0 <= c <= n)
@@ -135,12 +142,12 @@ class MemoryModel:
             phase = "forward" if i < p.backward_start else "backward"
             rows.append(Row(f"{phase}_t{i}", phase, i, fixed + live[i], self._coefs(i)))
         for name, u in self.units.items():
-            if u.recompute_at is None:
-                continue
-            i = max(u.recompute_at - 1, 0)
-            coefs = self._coefs(i)
-            coefs[name] = coefs.get(name, 0) + u.recompute_peak_bytes
-            rows.append(Row(f"recompute_{name}", "recompute", i, fixed + live[i], coefs, unit=name))
+            for k, (at, peak) in enumerate(u.recomputations):
+                i = max(at - 1, 0)
+                coefs = self._coefs(i)
+                coefs[name] = coefs.get(name, 0) + peak
+                suffix = f"_call{k + 1}" if u.later_calls else ""
+                rows.append(Row(f"recompute_{name}{suffix}", "recompute", i, fixed + live[i], coefs, unit=name))
         kept = {u: self.kept_bytes(u, n - 1) for u in self.units}
         after = live[n - 1] if p.after_backward_bytes is None else p.after_backward_bytes
         rows.append(Row("optimizer_step", "optimizer", n - 1, fixed + after + p.optimizer_step_bytes,
@@ -197,7 +204,7 @@ class MemoryModel:
         """Whether units ``a`` and ``b`` cannot be checkpointed together: one contains the other or
         they overlap (segments), i.e. their forward spans intersect."""
         ua, ub = self.units[a], self.units[b]
-        return a == b or (ua.forward_start <= ub.forward_end and ub.forward_start <= ua.forward_end)
+        return a == b or any(s1 <= e2 and s2 <= e1 for s1, e1 in ua.spans for s2, e2 in ub.spans)
 
     def ancestors(self, name: str) -> list[str]:
         """Candidate units whose forward contains ``name``'s (on equal spans, the one with the shorter name)."""
@@ -215,11 +222,11 @@ class MemoryModel:
         operator. Every pair of intersecting spans shares one (the later start lies in both)."""
         seen, out = set(), []
         for u in self.units.values():
-            group = frozenset(v.name for v in self.units.values()
-                              if v.forward_start <= u.forward_start <= v.forward_end)
-            if len(group) > 1 and group not in seen:
-                seen.add(group)
-                out.append(sorted(group))
+            for start, _ in u.spans:  # every call of a reused module (Note [Reused modules])
+                group = frozenset(v.name for v in self.units.values() if any(s <= start <= e for s, e in v.spans))
+                if len(group) > 1 and group not in seen:
+                    seen.add(group)
+                    out.append(sorted(group))
         return out
 
     def _check(self, plan: frozenset[str]) -> None:
