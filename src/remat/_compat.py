@@ -46,3 +46,14 @@ def global_optimizer_hooks_paused() -> Iterator[None]:
             if t is not None:
                 t.clear()
                 t.update(s)
+
+
+@contextlib.contextmanager
+def outside_dispatch_modes() -> Iterator[None]:
+    """Run a few operators unseen by the active ``TorchDispatchMode``s, e.g. selective checkpointing's
+    caching mode during a recomputation, which refuses operators the forward did not run.
+    ``torch.utils._python_dispatch._disable_current_modes`` (checked on 2.11, 2.13)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 from remat.capture import capture
 from remat.costs import Profile
 from remat.errors import InfeasibleBudgetError, InternalError, InvalidInputError, PlanMismatchError, RematError
-from remat.measure import StorageTracker, outside_autocast, tensor_bytes
+from remat.measure import StorageTracker, new_step, outside_autocast, tensor_bytes
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.profile import checked_loss, profile_model
 from remat.rewrite import check_units, checkpoint_modules, checkpointed_modules, remove_checkpointing
@@ -169,6 +169,7 @@ def plain_step_error(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossF
     try:
         with preserved(model), torch.random.fork_rng(devices=[]):
             remove_checkpointing(model)
+            new_step()
             loss = checked_loss(loss_fn, model(*args, **kwargs))
             with outside_autocast():
                 torch.autograd.grad(loss, params, allow_unused=True)
@@ -277,6 +278,7 @@ def measure_checked_peak(
     after_backward: list[int] = []
 
     def run(live_now: Callable[[], int]) -> None:
+        new_step()
         out = model(*args, **kwargs)
         loss = loss_fn(out)
         if not output_alive:

@@ -152,12 +152,31 @@ class StorageTracker(TorchDispatchMode):
 @contextlib.contextmanager
 def outside_autocast():
     """Note [Autocast]: remat runs forward and loss under the caller's autocast state and backward
-    outside it, as PyTorch's AMP recipe does (checkpoint recomputes under the forward's state). A
-    backward inside autocast would keep the autocast cache's casts of the weights alive through it."""
+    outside it, as PyTorch's AMP recipe does (checkpoint recomputes under the forward's state). The
+    recipe's backward comes after the ``with torch.autocast(...)`` block has exited, which clears the
+    autocast cache of low-precision weight copies; remat is called inside that block, so it clears the
+    cache itself before backward (only the cache: later casts are made again, with the same values).
+    A backward with the cache alive measured ~5% more than the AMP loop on a bf16 Llama config."""
+    if torch.is_autocast_cache_enabled() and _autocast_on():
+        torch.clear_autocast_cache()
     with torch.autocast("cpu", enabled=False), (
         torch.autocast("cuda", enabled=False) if torch.cuda.is_available() else contextlib.nullcontext()
     ):
         yield
+
+
+def new_step() -> None:
+    """Start a training step as the AMP loop does: its ``with torch.autocast(...)`` block is entered
+    afresh each step, so the autocast cache starts empty. remat runs several steps (and forward-only
+    passes) inside the caller's one block; without this, a step's forward would reuse weight casts
+    made by an earlier pass while its recomputation makes them again, and a selective checkpoint,
+    which names operators by position, would see a different operator sequence (Note [Autocast])."""
+    if torch.is_autocast_cache_enabled() and _autocast_on():
+        torch.clear_autocast_cache()
+
+
+def _autocast_on() -> bool:
+    return torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda"))
 
 
 def _sync(device: torch.device) -> None:

@@ -65,7 +65,7 @@ from remat.capture import ModelGraph, quiet_loggers, unit_parent
 from remat.costs import SELECTIVE, CallSpan, Drop, Keep, Profile, UnitCost
 from remat.errors import InvalidInputError
 from remat.optimizer import optimizer_costs
-from remat.measure import StorageRecord, StorageTracker, outside_autocast, storage_key, tensor_bytes
+from remat.measure import StorageRecord, StorageTracker, new_step, outside_autocast, storage_key, tensor_bytes
 from remat.rewrite import KeepOps, checkpoint_modules, draws_random, segment_name
 from remat.solve import chen_segments
 from remat.state import fresh_grads, preserved
@@ -276,6 +276,7 @@ def _record_memory(
     try:
         with ctx, torch.enable_grad(), fresh_grads(targets), rec, \
                 torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
+            new_step()
             if fake:
                 out = torch.func.functional_call(model, {**params, **buffers}, fargs, fkwargs,
                                                  strict=False, tie_weights=True)
@@ -423,6 +424,7 @@ def _measure_time(
         handles = _hook_units(model, units, enter, leave)
         try:
             size_log = _SizeLog(device, pre) if step == 0 else contextlib.nullcontext()
+            new_step()
             t0 = now()
             with size_log:
                 out = model(*args, **kwargs)
@@ -448,6 +450,7 @@ def _measure_time(
     assert result is not None
     # the step's own forward and backward, timed without hooks (their cost is not the model's)
     for _ in range(2):
+        new_step()
         t0 = now()
         out = model(*args, **kwargs)
         loss = loss_fn(out)
@@ -459,7 +462,9 @@ def _measure_time(
         result.step_forward_s = min(result.step_forward_s, t1 - t0)
         result.step_backward_s = min(result.step_backward_s, t2 - t1)
     # each operator's time again, warm (step 0's were the first calls): keep the lesser of the two
+    new_step()
     warm = _logged_ops(lambda: loss_fn(model(*args, **kwargs)), device, pre)
+    new_step()
     if [o[0] for o in warm] == [o[0] for o in result.forward_sizes]:
         result.forward_sizes = [(f, sz, min(t, t2)) for (f, sz, t), (_, _, t2) in zip(result.forward_sizes, warm)]
     for name in checkpointed:
@@ -825,7 +830,7 @@ def _selective_specs(rec: _Recorder, ran: list[str], costs: dict[str, dict[str, 
     specs = []
     for u in ran:
         c = costs[u]
-        if c["excluded"] is not None or not c["drops"] or c["mutated_buffers"] or c["calls"] > 1:
+        if c["excluded"] is not None or not c["drops"] or c["calls"] > 1:
             continue
         for k, keep in enumerate(_policy_menu(rec, c["forward_start"], c["recompute_end"]), start=1):
             specs.append(_Spec(f"{u}{SELECTIVE}{k}", (u,), c["parent"], u + ".", keep=keep,
@@ -981,7 +986,7 @@ def profile_model(
     for spec in specs:
         c = unit_costs[spec.name]
         members = spec.members
-        segment = members != (spec.name,)
+        segment = members != (spec.name,) and not spec.selective  # a selective unit is its module
         c["mutated_buffers"] = tuple(sorted(set(c["mutated_buffers"]) | {
             f"{m[len(spec.scope):]}.{b}" if segment else b
             for m in members for b in timing.mutated_buffers.get(m, ())}))

@@ -43,11 +43,16 @@ recompute with the already-updated values. The wrapper snapshots the buffers the
 mutates before the first forward; during recomputation it sets them back to that snapshot
 and, afterwards, to the values the first forward left. Plain and checkpointed steps then
 end with identical buffers. Which buffers a unit mutates is measured while profiling
-(``Plan.mutated_buffers``); when unknown, every buffer of the unit is snapshotted.
+(``Plan.mutated_buffers``, an entry per checkpointed unit: a unit that mutates none replays none);
+when unknown (a unit checkpointed by hand), every buffer of the unit is snapshotted. In a selective
+unit the replay's clones and copies run outside the dispatch modes (selective checkpointing's cache
+refuses, during the recomputation, operators the forward did not run: the crash of a selective unit
+on a module that merely owned a read-only buffer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections import defaultdict
@@ -57,6 +62,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from remat._compat import outside_dispatch_modes
 from remat.costs import SELECTIVE, is_selective
 
 log = logging.getLogger(__name__)
@@ -120,18 +126,21 @@ def _checkpointed_call(fn: Callable, args: tuple, kwargs: dict, buffers: list[to
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint, replaying ``buffers`` (Note [Buffers replay])."""
     before = [b.detach().clone() for b in buffers]
     calls = 0
+    # a selective recomputation runs under its cache's dispatch mode, which refuses operators the forward
+    # did not run: the replay's clones and copies must not reach it (Note [Buffers replay])
+    unseen = outside_dispatch_modes if saved_ops is not None else contextlib.nullcontext
 
     def replay(*a, **kw):
         if not buffers:
             return fn(*a, **kw)
-        with torch.no_grad():
+        with torch.no_grad(), unseen():
             after = [b.detach().clone() for b in buffers]
             for b, v in zip(buffers, before):
                 b.copy_(v)
         try:
             return fn(*a, **kw)
         finally:
-            with torch.no_grad():
+            with torch.no_grad(), unseen():
                 for b, v in zip(buffers, after):
                     b.copy_(v)
 

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from remat.api import default_loss, model_device, split_inputs
 from remat.errors import EquivalenceError
-from remat.measure import StepMeasurement, measure_training_step, outside_autocast
+from remat.measure import StepMeasurement, measure_training_step, new_step, outside_autocast
 from remat.rewrite import checkpointed_modules, remove_checkpointing
 from remat.state import keeps_rng
 
@@ -68,6 +68,7 @@ def _run(model: nn.Module, args, kwargs, loss_fn: LossFn, seed: int, device: tor
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         a, k = _prepare_inputs(args, kwargs)
+        new_step()
         out = model(*a, **k)
         loss = loss_fn(out)
         with outside_autocast():
@@ -170,6 +171,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, args: 
     backward outside autocast (Note [Autocast]), optimizer step, gradients set to None. With
     ``output_alive`` the output stays referenced until the step ends, as in ``out = model(x); loss =
     crit(out, y); ...``; without, it is dropped once the loss is computed (Note [Loop style])."""
+    new_step()
     out = model(*args, **kwargs)
     loss = loss_fn(out)
     if not output_alive:

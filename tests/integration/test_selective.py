@@ -161,9 +161,14 @@ def test_outputs_modified_in_place_are_not_kept():
         remat.remove_checkpointing(m)
 
 
-def test_units_that_update_buffers_have_no_selective_options():
+def test_units_that_update_buffers_get_selective_options_that_replay_them():
+    """BatchNorm blocks get selective options now (their exactness: tests/integration/test_buffers.py);
+    each replays the running statistics its forward updates, named relative to its module."""
     p = case("resnet").profile
-    assert not [u.name for u in p.units if "@ops" in u.name and "blocks" in u.name]
+    options = [u for u in p.units if "@ops" in u.name and u.name.startswith("blocks.")]
+    assert options
+    for u in options:
+        assert {"bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var"} <= set(u.mutated_buffers)
 
 
 @pytest.mark.parametrize("name", ["gpt", "resnet", "unet"])

@@ -109,7 +109,8 @@ class Planner:
             optimizer=p.optimizer,
             output_alive=p.output_alive,
             notes=notes + p.notes,
-            mutated_buffers={u: p.unit(u).mutated_buffers for u in chosen if p.unit(u).mutated_buffers},
+            # every unit: one that mutates no buffer replays none (Note [Buffers replay] in remat.rewrite)
+            mutated_buffers={u: p.unit(u).mutated_buffers for u in chosen},
             saved_ops={u: p.unit(u).saved_ops for u in chosen if p.unit(u).saved_ops},
         )
 
