@@ -680,6 +680,44 @@ def _align_forward(rec: _Recorder, real: list[tuple[str, list[int | None], float
     return {block.a + k: block.b + k for block in matcher.get_matching_blocks() for k in range(block.size)}
 
 
+def _plain_forward_ops(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn,
+                       device: torch.device) -> list[tuple[str, list[int | None], float]]:
+    """The operators of one real plain forward and loss (no hooks, no checkpointing: checkpointed
+    forwards run plainly without grad), as ``_SizeLog`` logs them; model, buffers and RNG restored."""
+    pre = list(model.parameters()) + list(model.buffers()) + _tensors((args, kwargs))
+    with preserved(model), torch.no_grad():
+        new_step()
+        return _logged_ops(lambda: loss_fn(model(*args, **kwargs)), device, pre)
+
+
+def _plain_step_fits(model: nn.Module, args: tuple, kwargs: dict, rec: _Recorder, device: torch.device) -> bool:
+    """Whether a real plain step fits the device, by the fake recording's peak plus 10% (always on CPU)."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return 1.1 * max(rec.timeline, default=0) <= free
+
+
+def _ops_summary(ops: list[str]) -> str:
+    counts: dict[str, int] = defaultdict(int)
+    for op in ops:
+        counts[op.split(".")[1] if op.count(".") >= 2 else op] += 1
+    return ", ".join(f"{n} x{c}" for n, c in sorted(counts.items(), key=lambda kv: -kv[1])[:4])
+
+
+def _diverged(rec: _Recorder, real: list[tuple[str, list[int | None], float]]) -> list[str]:
+    """Note [Fake paths]: the allocating operators of the real forward that the fake recording does not
+    have, or the other way round (a data-dependent branch taken differently), by name; empty when the
+    two forwards allocate through the same operators in the same order."""
+    fake_ops = [f for f, recs in rec.forward_ops if any(r is not None for r in recs)]
+    real_ops = [f for f, sizes, _ in real if any(b is not None for b in sizes)]
+    if fake_ops == real_ops:
+        return []
+    sm = difflib.SequenceMatcher(None, fake_ops, real_ops, autojunk=False)
+    return [op for tag, i1, i2, j1, j2 in sm.get_opcodes() if tag != "equal"
+            for op in fake_ops[i1:i2] + real_ops[j1:j2]]
+
+
 def _calibrate_sizes(rec: _Recorder, real: list[tuple[str, list[int | None], float]], match: dict[int, int]) -> int:
     """Note [Fake sizes]: a few kernels allocate differently from their fake implementation (CPU
     ``mse_loss`` returns a 0-d view of an input-sized buffer). Take the real storage sizes of the
@@ -948,6 +986,25 @@ def profile_model(
             model, args, kwargs, loss_fn, device, timed, top,
             {u: costs[u]["mutated_buffers"] for u in top}, timing_steps, {u: len(rec.spans[u]) for u in timed},
         )
+    diverged = _diverged(rec, _plain_forward_ops(model, args, kwargs, loss_fn, device)) if recorded == "fake" else []
+    if diverged and not _plain_step_fits(model, args, kwargs, rec, device):
+        notes.append(f"the step took another path on fake tensors than on real ones ({_ops_summary(diverged)}), but "
+                     "the plain step may not fit the device to record it for real: memory recorded on fake tensors")
+    elif diverged:
+        # Note [Fake paths]: code that branches on data takes another path on fake tensors, where the
+        # value is unknown: Hugging Face builds an explicit attention mask when it cannot see that the
+        # mask is all ones, and then repeats grouped keys/values instead of SDPA's enable_gqa (Qwen3:
+        # 61 more operators, +3% memory). The real forward is the truth: record a real step instead, when
+        # the plain step fits the device (on CPU, always; on CUDA, by the fake recording's peak).
+        notes.append(f"the step took another path on fake tensors than on real ones ({_ops_summary(diverged)}): "
+                     "memory recorded on a real step; profiling needed the plain step's peak")
+        with preserved(model):
+            rec, bstart, ran, after_bwd = _record_memory(model, args, kwargs, loss_fn, device, units, fake=False,
+                                                         extra=extra, output_alive=output_alive)
+        recorded = "real"
+        ran.sort(key=lambda u: (rec.span[u][0], -rec.span[u][1]))
+        specs = _specs(rec, ran, sequentials)
+        costs = _unit_costs(rec, specs)
     match = _align_forward(rec, timing.forward_sizes)
     rec.op_seconds = {i: timing.forward_sizes[j][2] for i, j in match.items()}
     if recorded == "fake":

@@ -1,0 +1,189 @@
+"""Models people train that remat did not grow up with: Hugging Face architectures built offline from
+tiny configs (random weights), and the module structures of the vision libraries written here
+(torchvision's wheel does not load beside the CPU torch used here, and timm imports it): ConvNeXt's
+channels-last depthwise blocks, MobileNetV3/EfficientNet's squeeze-excitation inverted residuals,
+Swin's window attention with a relative-position-index buffer.
+
+Each factory returns (model, example_inputs, loss_fn); the HF ones need transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    import transformers as T
+except ImportError:  # the tests that need it are skipped
+    T = None
+
+VOCAB = 256
+
+
+def _seeded(build):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return build()
+
+
+def _ids(batch: int = 4, seq: int = 32) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _lm(config_cls, model_cls, **cfg):
+    model = _seeded(lambda: getattr(T, model_cls)(getattr(T, config_cls)(vocab_size=VOCAB, **cfg)).train())
+    ids = _ids()
+    return model, {"input_ids": ids, "labels": ids}, None
+
+
+DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def qwen3():
+    return _lm("Qwen3Config", "Qwen3ForCausalLM", head_dim=16, **DECODER)
+
+
+def gemma2():
+    return _lm("Gemma2Config", "Gemma2ForCausalLM", head_dim=16, sliding_window=16, **DECODER)
+
+
+def phi3():
+    return _lm("Phi3Config", "Phi3ForCausalLM", **DECODER)
+
+
+def gpt_neox():
+    return _lm("GPTNeoXConfig", "GPTNeoXForCausalLM", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+
+
+def distilbert():
+    model = _seeded(lambda: T.DistilBertForMaskedLM(T.DistilBertConfig(
+        vocab_size=VOCAB, dim=64, hidden_dim=128, n_layers=2, n_heads=4, max_position_embeddings=64)).train())
+    ids = _ids()
+    return model, {"input_ids": ids, "labels": ids}, None
+
+
+# -- structures of the vision libraries ------------------------------------------------------------------
+
+
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt: 7x7 depthwise conv, LayerNorm over channels (channels-last), MLP, layer scale."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.pwconv1 = nn.Linear(c, 4 * c)
+        self.pwconv2 = nn.Linear(4 * c, c)
+        self.gamma = nn.Parameter(torch.full((c,), 1e-1))
+
+    def forward(self, x):
+        y = self.dwconv(x).permute(0, 2, 3, 1)
+        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y)))) * self.gamma
+        return x + y.permute(0, 3, 1, 2)
+
+
+class ConvNeXt(nn.Module):
+    def __init__(self, c: int = 16, depth: int = 3, classes: int = 5) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 4, stride=4)
+        self.stages = nn.Sequential(*[ConvNeXtBlock(c) for _ in range(depth)])
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x):
+        return self.head(self.stages(self.stem(x)).mean((2, 3)))
+
+
+def convnext_channels_last():
+    """Channels-last weights and activations: a real backward copies convolution weight gradients to
+    the weights' layout (``torch.autograd.grad`` does not)."""
+    model = _seeded(lambda: ConvNeXt().to(memory_format=torch.channels_last).train())
+    x = torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(1)).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 5, (8,), generator=torch.Generator().manual_seed(2))
+    return model, (x,), lambda out: F.cross_entropy(out, y)
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.reduce = nn.Conv2d(c, max(c // 4, 4), 1)
+        self.expand = nn.Conv2d(max(c // 4, 4), c, 1)
+
+    def forward(self, x):
+        return x * F.hardsigmoid(self.expand(F.relu(self.reduce(x.mean((2, 3), keepdim=True)))))
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV3 / EfficientNet: expand 1x1, depthwise 3x3, squeeze-excitation, project 1x1, BatchNorm."""
+
+    def __init__(self, c: int, expand: int = 4) -> None:
+        super().__init__()
+        h = c * expand
+        self.expand = nn.Sequential(nn.Conv2d(c, h, 1, bias=False), nn.BatchNorm2d(h), nn.Hardswish())
+        self.dw = nn.Sequential(nn.Conv2d(h, h, 3, padding=1, groups=h, bias=False), nn.BatchNorm2d(h), nn.Hardswish())
+        self.se = SqueezeExcite(h)
+        self.project = nn.Sequential(nn.Conv2d(h, c, 1, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        return x + self.project(self.se(self.dw(self.expand(x))))
+
+
+def mobilenet_se():
+    model = _seeded(lambda: nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.Hardswish(),
+                                          *[InvertedResidual(8) for _ in range(3)],
+                                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)).train())
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 5, (8,), generator=torch.Generator().manual_seed(2))
+    return model, (x,), lambda out: F.cross_entropy(out, y)
+
+
+class WindowAttention(nn.Module):
+    """Swin: attention inside windows with a learned relative-position bias indexed by a buffer."""
+
+    def __init__(self, d: int, window: int = 4, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.window = heads, window
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, heads))
+        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + window - 1
+        self.register_buffer("relative_position_index", rel[..., 0] * (2 * window - 1) + rel[..., 1])
+
+    def forward(self, x):  # x: (windows, tokens, d)
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        bias = self.bias_table[self.relative_position_index.flatten()].reshape(n, n, -1).permute(2, 0, 1)
+        att = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5 + bias
+        return self.proj((att.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+class SwinBlock(nn.Module):
+    def __init__(self, d: int = 32, window: int = 4) -> None:
+        super().__init__()
+        self.window = window
+        self.norm1 = nn.LayerNorm(d)
+        self.attn = WindowAttention(d, window)
+        self.norm2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):  # x: (batch, h, w, d)
+        b, h, w, d = x.shape
+        s = self.window
+        win = self.norm1(x).reshape(b, h // s, s, w // s, s, d).permute(0, 1, 3, 2, 4, 5).reshape(-1, s * s, d)
+        att = self.attn(win).reshape(b, h // s, w // s, s, s, d).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, d)
+        x = x + att
+        return x + self.mlp(self.norm2(x))
+
+
+def swin():
+    model = _seeded(lambda: nn.Sequential(*[SwinBlock() for _ in range(3)]).train())
+    x = torch.randn(4, 16, 16, 32, generator=torch.Generator().manual_seed(1))
+    return model, (x,), lambda out: out.square().mean()
+
+
+HF = {"qwen3": qwen3, "gemma2": gemma2, "phi3": phi3, "gpt-neox": gpt_neox, "distilbert": distilbert}
+STRUCTURES = {"convnext-channels-last": convnext_channels_last, "mobilenet-se": mobilenet_se, "swin": swin}
+THIRD_PARTY = {**(HF if T is not None else {}), **STRUCTURES}
