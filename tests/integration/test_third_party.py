@@ -14,14 +14,18 @@ import remat
 from helpers import adam
 from remat.api import make_profile, plan_checked, prepare_hf_for_training, split_inputs
 from remat.solve import Planner
-from third_party import HF, STRUCTURES, THIRD_PARTY
+from third_party import EXTRAS, HF, STRUCTURES, THIRD_PARTY
 
-NAMES = list(HF) + list(STRUCTURES)
+NAMES = list(HF) + list(STRUCTURES) + list(EXTRAS)
+#: the optional library each extra model needs
+NEEDS = {"peft-lora-qwen2": "peft", "diffusers-unet2d": "diffusers"}
 
 
 def _model(name):
-    if name in HF:
+    if name in HF or name in EXTRAS:
         pytest.importorskip("transformers", reason="transformers not installed (pip install 'remat[hf]')")
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name], reason=f"{NEEDS[name]} not installed (pip install {NEEDS[name]})")
     model, inputs, loss_fn = THIRD_PARTY[name]()
     prepare_hf_for_training(model)
     return model, inputs, loss_fn or remat.default_loss

@@ -65,6 +65,60 @@ def distilbert():
     return model, {"input_ids": ids, "labels": ids}, None
 
 
+def whisper():
+    """Encoder-decoder speech model: log-mel features in, token labels out."""
+    cfg = dict(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+               max_source_positions=32, max_target_positions=32, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+               decoder_start_token_id=0)
+    model = _seeded(lambda: T.WhisperForConditionalGeneration(T.WhisperConfig(**cfg)).train())
+    feats = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
+    labels = _ids(4, 16)
+    return model, {"input_features": feats, "labels": labels}, None
+
+
+def clip():
+    """Two towers (text, vision) and a contrastive loss."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=32)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    model = _seeded(lambda: T.CLIPModel(T.CLIPConfig(text_config=text, vision_config=vision,
+                                                     projection_dim=32)).train())
+    pixels = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": _ids(4, 16), "pixel_values": pixels, "return_loss": True}, None
+
+
+def mamba():
+    """State-space model (the pure-torch path)."""
+    return _lm("MambaConfig", "MambaForCausalLM", hidden_size=64, state_size=8, num_hidden_layers=2,
+               bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def lora_qwen2():
+    """A peft LoRA adapter (r=4) on Qwen2's attention projections: only the adapters train."""
+    import peft
+
+    model, inputs, loss_fn = _lm("Qwen2Config", "Qwen2ForCausalLM", **DECODER)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+    return _seeded(lambda: peft.get_peft_model(model, cfg).train()), inputs, loss_fn
+
+
+def unet2d_condition():
+    """diffusers' UNet2DConditionModel (down/up blocks with cross-attention), denoising loss."""
+    import diffusers
+
+    model = _seeded(lambda: diffusers.UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8).train())
+    g = torch.Generator().manual_seed(1)
+    x, text, noise = torch.randn(2, 4, 16, 16, generator=g), torch.randn(2, 8, 32, generator=g), \
+        torch.randn(2, 4, 16, 16, generator=g)
+    return model, {"sample": x, "timestep": torch.tensor([10, 500]), "encoder_hidden_states": text}, \
+        lambda out: F.mse_loss(out.sample, noise)
+
+
 # -- structures of the vision libraries ------------------------------------------------------------------
 
 
@@ -184,6 +238,9 @@ def swin():
     return model, (x,), lambda out: out.square().mean()
 
 
-HF = {"qwen3": qwen3, "gemma2": gemma2, "phi3": phi3, "gpt-neox": gpt_neox, "distilbert": distilbert}
+HF = {"qwen3": qwen3, "gemma2": gemma2, "phi3": phi3, "gpt-neox": gpt_neox, "distilbert": distilbert,
+      "whisper": whisper, "clip": clip, "mamba": mamba}
 STRUCTURES = {"convnext-channels-last": convnext_channels_last, "mobilenet-se": mobilenet_se, "swin": swin}
-THIRD_PARTY = {**(HF if T is not None else {}), **STRUCTURES}
+#: optional libraries: peft, diffusers (tests skip them with a reason when absent)
+EXTRAS = {"peft-lora-qwen2": lora_qwen2, "diffusers-unet2d": unet2d_condition}
+THIRD_PARTY = {**(HF if T is not None else {}), **STRUCTURES, **EXTRAS}
