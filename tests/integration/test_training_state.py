@@ -159,6 +159,9 @@ def test_optimize_checkpointing_with_scheduler_leaves_the_run_bit_identical(opt_
         model = mlp(dropout=0.1)
         torch.manual_seed(5)
         opt, sched = resumed(model, make_opt, make_sched, x)
+        forwards, opt_steps = [], []
+        model[0].register_forward_hook(lambda m, a, o: forwards.append(1))
+        opt.register_step_post_hook(lambda o, a, k: opt_steps.append(1))
         if use_remat:
             before = training_state(model, opt, sched)
             probe = remat.optimize_checkpointing(model, 1.0, x, loss_fn=loss, optimizer=opt, check=False)
@@ -174,11 +177,14 @@ def test_optimize_checkpointing_with_scheduler_leaves_the_run_bit_identical(opt_
             assert remat.check_equivalence(model, x, loss_fn=loss).equal
             remat.measure_step(model, x, loss_fn=loss, optimizer_factory=make_opt)
             assert_same_state(before, training_state(model, opt, sched))
+            assert opt_steps == []  # remat never stepped the user's optimizer (its step hooks never fired)
+        forwards.clear()
         for _ in range(3):  # the run goes on
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             loss(model(x)).backward()
+        assert opt_steps == [1, 1, 1] and forwards == [1, 1, 1]  # the user's hooks fire, once per call
         runs.append((model, opt))
     (plain, opt_p), (ckpt, opt_c) = runs
     for (n, a), b in zip(plain.named_parameters(), ckpt.parameters()):
