@@ -176,6 +176,10 @@ class Profile:
     #: what the optimizer accounting covers, e.g. "AdamW" or "none (no optimizer given)"
     optimizer: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: bytes allocated during the step alive just before each operator runs (after the frees that follow
+    #: the previous one): where a recomputation starts (Note [Between operators] in remat.profile); None:
+    #: ``live_bytes`` of the previous operator
+    before_bytes: tuple[int, ...] | None = None
     #: bytes allocated during the step still alive once backward has returned (gradients, the output
     #: when the loop keeps it): what the optimizer step starts from; None: ``live_bytes[-1]``
     after_backward_bytes: int | None = None
@@ -219,4 +223,6 @@ class Profile:
         )
         for k in ("live_bytes", "grad_bytes", "saved_bytes", "notes"):
             d[k] = tuple(d[k])
+        if d.get("before_bytes") is not None:
+            d["before_bytes"] = tuple(d["before_bytes"])
         return cls(**d)

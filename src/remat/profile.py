@@ -61,6 +61,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from remat._compat import outside_dispatch_modes
 from remat.capture import ModelGraph, quiet_loggers, unit_parent
 from remat.costs import SELECTIVE, CallSpan, Drop, Keep, Profile, UnitCost
 from remat.errors import InvalidInputError
@@ -397,7 +398,8 @@ def _measure_time(
             calls[name] += 1
             if calls[name] == 1:
                 # some kernels (native_batch_norm) update buffers without saying so in their schema
-                buf_before[name] = [(n, b.detach().clone()) for n, b in mods[name].named_buffers() if b is not None]
+                with outside_dispatch_modes():  # profiler bookkeeping: not the step's operators
+                    buf_before[name] = [(n, b.detach().clone()) for n, b in mods[name].named_buffers() if b is not None]
             if calls[name] == 1 and not cuda:
                 for t in _tensors(a):
                     if t.requires_grad:
@@ -412,8 +414,9 @@ def _measure_time(
             if k == 1:
                 fwd[name] = dt
                 now_bufs = dict(mods[name].named_buffers())
-                changed[name] = tuple(n for n, old in buf_before.pop(name, [])
-                                      if not torch.equal(old, now_bufs[n]))
+                with outside_dispatch_modes():
+                    changed[name] = tuple(n for n, old in buf_before.pop(name, [])
+                                          if not torch.equal(old, now_bufs[n]))
                 if not cuda:
                     for t in _tensors(o):
                         if t.requires_grad:
@@ -986,7 +989,8 @@ def profile_model(
             model, args, kwargs, loss_fn, device, timed, top,
             {u: costs[u]["mutated_buffers"] for u in top}, timing_steps, {u: len(rec.spans[u]) for u in timed},
         )
-    diverged = _diverged(rec, _plain_forward_ops(model, args, kwargs, loss_fn, device)) if recorded == "fake" else []
+    plain = _plain_forward_ops(model, args, kwargs, loss_fn, device) if recorded == "fake" else []
+    diverged = _diverged(rec, plain) if recorded == "fake" else []
     if diverged and not _plain_step_fits(model, args, kwargs, rec, device):
         notes.append(f"the step took another path on fake tensors than on real ones ({_ops_summary(diverged)}), but "
                      "the plain step may not fit the device to record it for real: memory recorded on fake tensors")
@@ -1008,7 +1012,11 @@ def profile_model(
     match = _align_forward(rec, timing.forward_sizes)
     rec.op_seconds = {i: timing.forward_sizes[j][2] for i, j in match.items()}
     if recorded == "fake":
-        fixed = _calibrate_sizes(rec, timing.forward_sizes, match)
+        # sizes from the plain forward (the same operators as the recording, one for one, when it took the
+        # same path), not from the timed one, whose checkpoint and buffer-snapshot clones can shift the
+        # alignment: a ResNet-D stem's BatchNorm output once took another BatchNorm's size (+256 KiB)
+        same = [f for f, _ in rec.forward_ops] == [o[0] for o in plain]
+        fixed = _calibrate_sizes(rec, plain, {i: i for i in range(len(plain))} if same else _align_forward(rec, plain))
         if fixed:
             notes.append(f"{fixed} storage size(s) on fake tensors differed from the real kernels' and were "
                          "corrected from the real forward")
@@ -1028,6 +1036,13 @@ def profile_model(
     specs = specs[:len(ran)] + selective + specs[len(ran):]
     n = len(rec.timeline)
     live = _timeline(rec.records, n, lambda r: True)
+    # Note [Between operators]: what is alive just before each operator runs: the live bytes after it,
+    # less what it allocated (frees between two operators are already counted against the earlier one)
+    made = [0] * n
+    for r in rec.records:
+        if r.alloc_index < n:
+            made[r.alloc_index] += r.nbytes
+    before = tuple(max(v - a, 0) for v, a in zip(live, made))
     grad_tl = _timeline(rec.records, n, lambda r: getattr(r, "is_grad", False))
     packed_ids = {id(ev.rec) for ev in rec.packs if ev.rec is not None}
     saved_tl = _timeline(rec.records, n, lambda r: id(r) in packed_ids)
@@ -1077,6 +1092,7 @@ def profile_model(
     return Profile(
         units=tuple(units_out),
         live_bytes=live,
+        before_bytes=before,
         after_backward_bytes=after_bwd,
         output_alive=output_alive,
         grad_bytes=grad_tl,

@@ -147,7 +147,11 @@ class MemoryModel:
                 coefs = self._coefs(i)
                 coefs[name] = coefs.get(name, 0) + peak
                 suffix = f"_call{k + 1}" if u.later_calls else ""
-                rows.append(Row(f"recompute_{name}{suffix}", "recompute", i, fixed + live[i], coefs, unit=name))
+                # the recomputation runs when operator ``at`` reads the unit's saved tensors, before it runs:
+                # after the frees that follow operator ``at - 1`` (its transient gradients, e.g. the two
+                # addends of a residual's gradient: 256 KiB over on a ResNet-D block)
+                base = live[i] if p.before_bytes is None or at >= n else min(live[i], p.before_bytes[at])
+                rows.append(Row(f"recompute_{name}{suffix}", "recompute", i, fixed + base, coefs, unit=name))
         kept = {u: self.kept_bytes(u, n - 1) for u in self.units}
         after = live[n - 1] if p.after_backward_bytes is None else p.after_backward_bytes
         rows.append(Row("optimizer_step", "optimizer", n - 1, fixed + after + p.optimizer_step_bytes,

@@ -238,9 +238,63 @@ def swin():
     return model, (x,), lambda out: out.square().mean()
 
 
+class BottleneckD(nn.Module):
+    """ResNet-D bottleneck: 1x1, 3x3 (stride), 1x1 with BatchNorm; the shortcut downsamples by average
+    pooling then a 1x1 convolution (timm's ``avg_down``)."""
+
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = 4 * width
+        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.AvgPool2d(stride, stride) if stride > 1 else nn.Identity(),
+                                            nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)), inplace=True)
+        y = F.relu(self.bn2(self.conv2(y)), inplace=True)
+        y = self.bn3(self.conv3(y))
+        return F.relu(y + (x if self.downsample is None else self.downsample(x)), inplace=True)
+
+
+class ResNet26D(nn.Module):
+    """timm's resnet26d layout, narrow: a deep stem of three 3x3 convolutions, max pooling, and four
+    stages of two ResNet-D bottlenecks each."""
+
+    def __init__(self, width: int = 8, classes: int = 5) -> None:
+        super().__init__()
+        self.conv1 = nn.Sequential(nn.Conv2d(3, width, 3, 2, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+                                   nn.Conv2d(width, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+                                   nn.Conv2d(width, 2 * width, 3, 1, 1, bias=False))
+        self.bn1 = nn.BatchNorm2d(2 * width)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        cin, layers = 2 * width, []
+        for i, w in enumerate((width, 2 * width, 4 * width, 8 * width)):
+            layers.append(nn.Sequential(BottleneckD(cin, w, 1 if i == 0 else 2), BottleneckD(4 * w, w, 1)))
+            cin = 4 * w
+        self.layer1, self.layer2, self.layer3, self.layer4 = layers
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(x.mean((2, 3)))
+
+
+def resnet26d():
+    model = _seeded(lambda: ResNet26D().train())
+    x = torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 5, (8,), generator=torch.Generator().manual_seed(2))
+    return model, (x,), lambda out: F.cross_entropy(out, y)
+
+
 HF = {"qwen3": qwen3, "gemma2": gemma2, "phi3": phi3, "gpt-neox": gpt_neox, "distilbert": distilbert,
       "whisper": whisper, "clip": clip, "mamba": mamba}
-STRUCTURES = {"convnext-channels-last": convnext_channels_last, "mobilenet-se": mobilenet_se, "swin": swin}
+STRUCTURES = {"convnext-channels-last": convnext_channels_last, "mobilenet-se": mobilenet_se, "swin": swin,
+              "resnet26d": resnet26d}
 #: optional libraries: peft, diffusers (tests skip them with a reason when absent)
 EXTRAS = {"peft-lora-qwen2": lora_qwen2, "diffusers-unet2d": unet2d_condition}
 THIRD_PARTY = {**(HF if T is not None else {}), **STRUCTURES, **EXTRAS}
