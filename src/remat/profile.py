@@ -952,6 +952,15 @@ def profile_model(
         for name, m in mods.items() if isinstance(m, nn.Sequential) and len(m) >= 2
     }
     extra = [c for children in sequentials.values() for c in children] + [c for c in sequentials if c]
+    def record_real():
+        return _record_memory(model, args, kwargs, loss_fn, device, units, fake=False, extra=extra,
+                              output_alive=output_alive)
+
+    def units_of(rec: _Recorder, ran: list[str]):
+        ran.sort(key=lambda u: (rec.span[u][0], -rec.span[u][1]))  # forward order: each unit's first operator
+        specs = _specs(rec, ran, sequentials)
+        return specs, _unit_costs(rec, specs)
+
     with preserved(model):
         reason = None
         if _autocast_enabled(device):
@@ -971,13 +980,9 @@ def profile_model(
                 reason = f"fake tensors failed: {type(e).__name__}"
         if reason is not None:
             notes.append(f"memory recorded on a real step ({reason}); profiling needed the plain step's peak")
-            rec, bstart, ran, after_bwd = _record_memory(model, args, kwargs, loss_fn, device, units, fake=False,
-                                                         extra=extra, output_alive=output_alive)
+            rec, bstart, ran, after_bwd = record_real()
             recorded = "real"
-    # forward order: the order of the first operator of each unit
-    ran.sort(key=lambda u: (rec.span[u][0], -rec.span[u][1]))
-    specs = _specs(rec, ran, sequentials)
-    costs = _unit_costs(rec, specs)
+    specs, costs = units_of(rec, ran)
 
     # time, measured for real with the top-level candidate modules checkpointed
     # (a module called more than once is not checkpointed while timing: its recomputation is its forwards)
@@ -1003,12 +1008,9 @@ def profile_model(
         notes.append(f"the step took another path on fake tensors than on real ones ({_ops_summary(diverged)}): "
                      "memory recorded on a real step; profiling needed the plain step's peak")
         with preserved(model):
-            rec, bstart, ran, after_bwd = _record_memory(model, args, kwargs, loss_fn, device, units, fake=False,
-                                                         extra=extra, output_alive=output_alive)
+            rec, bstart, ran, after_bwd = record_real()
         recorded = "real"
-        ran.sort(key=lambda u: (rec.span[u][0], -rec.span[u][1]))
-        specs = _specs(rec, ran, sequentials)
-        costs = _unit_costs(rec, specs)
+        specs, costs = units_of(rec, ran)
     match = _align_forward(rec, timing.forward_sizes)
     rec.op_seconds = {i: timing.forward_sizes[j][2] for i, j in match.items()}
     if recorded == "fake":
