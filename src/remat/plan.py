@@ -59,7 +59,8 @@ class Plan:
     capture_path: str = ""
     device: str = ""
     optimizer: str = ""
-    #: measured peak of one real forward + backward with this plan, plus the predicted optimizer state
+    #: peak of one real step with this plan: forward and ``loss.backward()`` measured, the optimizer's state
+    #: and step temporaries added as predicted
     #: (bytes); None when the plan was not checked (see Note [Checked plans] in remat.api)
     checked_peak_bytes: int | None = None
     #: per checkpointed unit, the buffers its forward mutates (replayed on recompute)
@@ -93,8 +94,8 @@ class Plan:
             f"  budget:               {fmt_bytes(self.budget_bytes)}",
             f"  predicted peak:       {fmt_bytes(self.predicted_peak_bytes)}"
             f"  (no checkpointing: {fmt_bytes(self.baseline_peak_bytes)}, least possible: {fmt_bytes(self.min_peak_bytes)})",
-            *([f"  checked peak:         {fmt_bytes(self.checked_peak_bytes)}  (one real forward/backward, "
-               f"measured; optimizer state predicted)"] if self.checked_peak_bytes is not None else []),
+            *([f"  checked peak:         {fmt_bytes(self.checked_peak_bytes)}  (one real step: forward and "
+               f"backward measured, optimizer predicted)"] if self.checked_peak_bytes is not None else []),
             f"  predicted step time:  {self.predicted_step_time_s * 1e3:.1f} ms"
             f"  (measured without checkpointing: {self.baseline_step_time_s * 1e3:.1f} ms, "
             f"{self.predicted_overhead:+.1%})",

@@ -137,3 +137,13 @@ def test_plan_passes_granularity_through(capsys, monkeypatch, flag, expected):
     code, out, err = run(capsys, "plan", *TINY_GPT, "--budget", "1", *flag)
     assert code == 0, err
     assert seen["granularity"] == expected
+
+
+def test_output_dropped_reaches_the_plan(capsys, tmp_path):
+    """--output-dropped plans for a loop that drops the model's output after the loss (HF Trainer,
+    torchtitan): the saved plan says so, and so does its printout."""
+    code, out, err = run(capsys, "plan", *TINY_UNET, "--budget", "0.0054", "--output-dropped",
+                         "--out", str(tmp_path / "p.json"))
+    assert code == 0, err
+    assert Plan.load(tmp_path / "p.json").output_alive is False
+    assert "output dropped after the loss" in out
