@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 
 import remat  # noqa: E402
 from optimizers import OPTIMIZERS, SCHEDULERS  # noqa: E402
-from test_training_state import (assert_same_state, batch, loss, mlp, real_state_bytes, resumed,  # noqa: E402
+from test_training_state import (assert_same_state, batch, loss, mlp, real_state_bytes, start_run,  # noqa: E402
                                  training_state)
 
 
@@ -41,11 +41,7 @@ def main() -> None:
             parts, ok = [], True
             for start in ("fresh", "resumed"):
                 model = mlp()
-                if start == "resumed":
-                    opt, sched = resumed(model, make_opt, make_sched, x)
-                else:
-                    opt = make_opt(model.parameters())
-                    sched = make_sched(opt) if make_sched else None
+                opt, sched = start_run(model, make_opt, make_sched, x, start)
                 before = training_state(model, opt, sched)
                 profile = remat.api.make_profile(model, (x,), {}, loss_fn=loss, optimizer=opt,
                                                  device=torch.device("cpu"))

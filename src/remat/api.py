@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from remat.capture import capture
 from remat.costs import Profile
-from remat.errors import InfeasibleBudgetError, InternalError, InvalidInputError, PlanMismatchError, RematError
+from remat.errors import InternalError, InvalidInputError, PlanMismatchError, RematError
 from remat.measure import StorageTracker, new_step, outside_autocast, tensor_bytes
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.profile import checked_loss, profile_model

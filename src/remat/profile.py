@@ -65,8 +65,8 @@ from remat._compat import outside_dispatch_modes
 from remat.capture import ModelGraph, quiet_loggers, unit_parent
 from remat.costs import SELECTIVE, CallSpan, Drop, Keep, Profile, UnitCost
 from remat.errors import InvalidInputError
-from remat.optimizer import optimizer_costs
 from remat.measure import StorageRecord, StorageTracker, new_step, outside_autocast, storage_key, tensor_bytes
+from remat.optimizer import optimizer_costs
 from remat.rewrite import KeepOps, checkpoint_modules, draws_random, segment_name
 from remat.solve import chen_segments
 from remat.state import fresh_grads, preserved

@@ -6,16 +6,14 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import remat
 from helpers import adam
 from remat.api import make_profile, split_inputs
+from remat.examples import make_gpt
 from remat.solve import Planner
 from zoo import ZOO
-
-import torch.nn.functional as F
-
-from remat.examples import make_gpt
 
 
 def gpt_logits():

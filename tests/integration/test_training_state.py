@@ -99,6 +99,14 @@ def real_state_bytes(make_opt, model: nn.Module, x: torch.Tensor, make_sched=Non
                         torch.device("cpu"))
 
 
+def start_run(model, make_opt, make_sched, x, start: str):
+    """The optimizer and scheduler of a ``"fresh"`` run, or of a ``"resumed"`` one (see ``resumed``)."""
+    if start == "resumed":
+        return resumed(model, make_opt, make_sched, x)
+    opt = make_opt(model.parameters())
+    return opt, make_sched(opt) if make_sched else None
+
+
 def resumed(model, make_opt, make_sched, x):
     """A run that has trained a step (scheduler stepped), with gradients of the next step in place."""
     opt = make_opt(model.parameters())
@@ -121,11 +129,7 @@ def test_optimizer_accounting_touches_nothing_and_predicts_real_state(opt_name, 
     state two real steps create."""
     model, x = mlp(), batch()
     make_opt, make_sched = OPTIMIZERS[opt_name], SCHEDULERS[sched_name]
-    if start == "resumed":
-        opt, sched = resumed(model, make_opt, make_sched, x)
-    else:
-        opt = make_opt(model.parameters())
-        sched = make_sched(opt) if make_sched else None
+    opt, sched = start_run(model, make_opt, make_sched, x, start)
     before = training_state(model, opt, sched)
     cost = optimizer_costs(opt, torch.device("cpu"))
     assert_same_state(before, training_state(model, opt, sched))
@@ -134,7 +138,7 @@ def test_optimizer_accounting_touches_nothing_and_predicts_real_state(opt_name, 
 
 
 def test_global_optimizer_hooks_do_not_fire():
-    model, x = mlp(), batch()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters())
     calls = []
     handle = register_optimizer_step_pre_hook(lambda o, a, k: calls.append(o))
