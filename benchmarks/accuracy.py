@@ -66,8 +66,7 @@ def main() -> None:
             model, inputs, loss_fn = MODELS[name]()
             loss_fn = loss_fn or remat.default_loss
             a, k = split_inputs(inputs)
-            profile = make_profile(model, a, k, loss_fn=loss_fn, optimizer=opt(model.parameters()),
-                                   device=torch.device("cpu"), output_alive=alive)
+            profile = make_profile(model, inputs, loss_fn=loss_fn, optimizer=opt(model.parameters()), output_alive=alive)
             planner = Planner(profile)
             lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
             for f in fractions:

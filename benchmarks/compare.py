@@ -302,7 +302,7 @@ def main() -> None:
         a, k = split_inputs(inputs)
         remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adamw, warmup=5, repeats=0,
                            measure_memory=False)  # warm the process up before profiling
-        profile = make_profile(model, a, k, loss_fn=loss_fn, optimizer=adamw(model.parameters()), device=device)
+        profile = make_profile(model, inputs, loss_fn=loss_fn, optimizer=adamw(model.parameters()))
         planner = Planner(profile)
         rules = [planner.no_checkpointing(), planner.every_nth_block(1), planner.every_nth_block(2),
                  planner.every_nth_block(3)]

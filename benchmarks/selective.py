@@ -84,7 +84,7 @@ def run(name: str, desc: str, factory, device: torch.device, points: int, repeat
     loss_fn = loss_fn or remat.default_loss
     args, kwargs = split_inputs(inputs)
     t0 = time.perf_counter()
-    profile = make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=adamw(model.parameters()), device=device)
+    profile = make_profile(model, inputs, loss_fn=loss_fn, optimizer=adamw(model.parameters()))
     profile_s = time.perf_counter() - t0
     block, op = Planner(profile), Planner(profile, granularity="op")
     every, none = block.every_nth_block(1), block.no_checkpointing()

@@ -59,8 +59,8 @@ def gpt_solves(layers: int) -> None:
 
     model, inputs, _ = make_gpt(layers=layers)
     a, k = split_inputs(inputs)
-    profile = make_profile(model, a, k, loss_fn=remat.default_loss,
-                           optimizer=torch.optim.AdamW(model.parameters()), device=torch.device("cpu"))
+    profile = make_profile(model, inputs, loss_fn=remat.default_loss,
+                           optimizer=torch.optim.AdamW(model.parameters()))
     planner = Planner(profile)
     lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
     print(f"# built-in GPT, {layers} blocks: {len(planner.model.units)} units, {len(planner.model.rows)} rows")

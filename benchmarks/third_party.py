@@ -63,8 +63,7 @@ def main() -> None:
         model, inputs, loss_fn = THIRD_PARTY[name]()
         loss_fn = loss_fn or remat.default_loss
         a, k = split_inputs(inputs)
-        profile = make_profile(model, a, k, loss_fn=loss_fn, optimizer=adam(model.parameters()),
-                               device=torch.device("cpu"))
+        profile = make_profile(model, inputs, loss_fn=loss_fn, optimizer=adam(model.parameters()))
         planner = Planner(profile, granularity="op")
         offered = sum(is_selective(u) for u in planner.model.units)
         every, _ = measured_peak(name, planner.every_nth_block(1))

@@ -43,8 +43,7 @@ def main() -> None:
                 model = mlp()
                 opt, sched = start_run(model, make_opt, make_sched, x, start)
                 before = training_state(model, opt, sched)
-                profile = remat.api.make_profile(model, (x,), {}, loss_fn=loss, optimizer=opt,
-                                                 device=torch.device("cpu"))
+                profile = remat.make_profile(model, x, loss_fn=loss, optimizer=opt)
                 try:
                     assert_same_state(before, training_state(model, opt, sched))
                 except AssertionError:

@@ -1,11 +1,25 @@
 """remat: choose which activations to keep and which to recompute so a PyTorch training step
 fits a memory budget at the least extra time.
 
-Pipeline (one module per stage): ``capture`` -> ``profile`` -> ``solve`` (with ``simulate``)
--> ``rewrite`` -> ``verify``. The entry point is :func:`optimize_checkpointing`.
+The pipeline, one module (or package) per stage, each handing a frozen dataclass to the next::
+
+    capture    nn.Module + batch        -> ModelGraph   candidate units, capture path (fx/export/hooks)
+    profile/   one recorded step        -> Recording    storages, saved tensors, unit spans (remat.recording)
+               + timed real steps, optimizer accounting on shadows
+    effects    Recording + times        -> UnitCost     what checkpointing each unit frees/holds/recomputes
+    costs                                  Profile      every UnitCost + the step's fixed memory and times
+    simulate   Profile + plan           -> predicted peak (the one definition), rows for the ILP
+    solve/     Profile + budget         -> Plan         ILP (PuLP/CBC) and the hand rules
+    rewrite    Plan                     -> the model, checkpointed in place (reversible)
+    measure    one training step, one clock, one peak meter, used by every stage that runs the model
+    verify     plain vs checkpointed    -> EquivalenceReport
+
+Entry points: :func:`optimize_checkpointing` (all of it, in place), :func:`make_profile` with
+:class:`Planner` (profile once, plan many budgets and hand rules), :func:`apply_plan` (a saved plan),
+:func:`check_equivalence` and :func:`measure_step` (prove it). Every error is a :class:`RematError`.
 """
 
-from remat.api import apply_plan, default_loss, optimize_checkpointing
+from remat.api import apply_plan, make_profile, optimize_checkpointing
 from remat.costs import Profile, UnitCost
 from remat.errors import (
     EquivalenceError,
@@ -17,14 +31,19 @@ from remat.errors import (
     SolverError,
     UnsupportedError,
 )
+from remat.measure import StepMeasurement, default_loss, measure_step
 from remat.plan import Plan
 from remat.rewrite import checkpointed_modules, remove_checkpointing
-from remat.verify import EquivalenceReport, assert_equivalent, check_equivalence, measure_step
+from remat.simulate import PeakBreakdown
+from remat.solve import Planner
+from remat.verify import EquivalenceReport, assert_equivalent, check_equivalence
 
 __version__ = "0.1.0"
 
 __all__ = [
     "optimize_checkpointing",
+    "make_profile",
+    "Planner",
     "apply_plan",
     "remove_checkpointing",
     "checkpointed_modules",
@@ -35,6 +54,8 @@ __all__ = [
     "Plan",
     "Profile",
     "UnitCost",
+    "PeakBreakdown",
+    "StepMeasurement",
     "EquivalenceReport",
     "RematError",
     "InvalidInputError",

@@ -10,6 +10,9 @@ import contextlib
 from typing import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # checked on 2.11, 2.13
+from torch.utils._python_dispatch import TorchDispatchMode  # checked on 2.11, 2.13
+from torch.utils._pytree import tree_flatten, tree_map  # checked on 2.11, 2.13
 
 #: torch versions the entries below were run on
 CHECKED_ON = ("2.11", "2.13")
@@ -57,3 +60,64 @@ def outside_dispatch_modes() -> Iterator[None]:
 
     with _disable_current_modes():
         yield
+
+
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity for the storage behind ``t``, equal for views and aliases and stable while it lives:
+    ``UntypedStorage._cdata`` (checked on 2.11, 2.13)."""
+    return t.untyped_storage()._cdata
+
+
+def fake_mode() -> FakeTensorMode:
+    """A FakeTensorMode that lets real tensors (constants a model creates) mix with fake ones
+    (``torch._subclasses.fake_tensor``, checked on 2.11, 2.13)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def flop_count(func, args: tuple, kwargs: dict, out) -> int:
+    """Floating-point operations of one operator call by ``torch.utils.flop_counter``'s formulas; 0 for
+    operators without one (``flop_registry`` keyed by ``OpOverload._overloadpacket``, checked on 2.11,
+    2.13)."""
+    from torch.utils.flop_counter import flop_registry
+
+    count = flop_registry.get(func._overloadpacket)
+    if count is None:
+        return 0
+    try:
+        return int(count(*args, **kwargs, out_val=out))
+    except Exception:  # noqa: BLE001 - a FLOP formula that does not fit these arguments
+        return 0
+
+
+def written_arguments(func, args: tuple, kwargs: dict) -> list:
+    """The arguments operator ``func`` writes to in place, by its schema (``OpOverload._schema``'s
+    ``alias_info.is_write``, checked on 2.11, 2.13)."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            out.append(args[i] if i < len(args) else kwargs.get(a.name))
+    return out
+
+
+def argument(func, args: tuple, kwargs: dict, name: str, missing=None):
+    """The value of operator ``func``'s argument ``name`` in this call (its default when not passed),
+    or ``missing`` when it has no such argument (``OpOverload._schema``, checked on 2.11, 2.13)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return kwargs.get(name, args[i] if i < len(args) else a.default_value)
+    return missing
+
+
+def module_stack(node: torch.fx.Node) -> list[str]:
+    """Qualified names of the modules an fx/export graph node ran inside, outermost first: the
+    ``nn_module_stack`` node metadata that fx tracing and torch.export write (checked on 2.11, 2.13)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    names = [v[0] if isinstance(v, tuple) else str(v) for v in stack.values()]
+    if node.op == "call_module":
+        names.append(str(node.target))
+    return names

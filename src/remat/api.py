@@ -6,68 +6,24 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from remat.capture import capture
 from remat.costs import Profile
 from remat.errors import InternalError, InvalidInputError, PlanMismatchError, RematError
-from remat.measure import StorageTracker, new_step, outside_autocast, tensor_bytes
+from remat.measure import LossFn, default_loss, input_tensors, measure_peak, model_device, run_step, split_inputs, \
+    trainable_parameters
 from remat.plan import GiB, Plan, fmt_bytes
-from remat.profile import checked_loss, profile_model
-from remat.rewrite import check_units, checkpoint_modules, checkpointed_modules, remove_checkpointing
+from remat.profile import profile_model
+from remat.rewrite import check_units, checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
 from remat.state import fresh_grads, preserved
 
 log = logging.getLogger(__name__)
-
-LossFn = Callable[[Any], torch.Tensor]
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The loss remat uses when none is given: the output itself if it is a scalar tensor;
-    ``output.loss`` or ``output["loss"]`` if present; else the sum of all floating-point tensors
-    in the output (a stand-in whose gradients exercise every output)."""
-    if isinstance(output, torch.Tensor) and output.numel() == 1:
-        return output.reshape(())
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    if isinstance(loss, torch.Tensor):
-        return loss
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not tensors:
-        raise InvalidInputError(
-            f"cannot derive a loss from the model's output ({type(output).__name__}: no floating-point "
-            "tensor in it); pass loss_fn=lambda out: ..."
-        )
-    return sum(t.sum() for t in tensors)  # type: ignore[return-value]
-
-
-def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
-    """One tensor, a tuple/list of positional arguments, or a dict of keyword arguments."""
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, Mapping):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    raise InvalidInputError(
-        f"example_inputs must be a tensor, a tuple of positional arguments or a dict of keyword "
-        f"arguments, got {type(example_inputs).__name__}"
-    )
-
-
-def model_device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    for b in model.buffers():
-        return b.device
-    return torch.device("cpu")
 
 
 def model_signature(model: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -95,8 +51,8 @@ def validate(model: Any, budget_gb: Any, example_inputs: Any) -> tuple[int, tupl
             "recomputation; pass use_cache=False (training does not use the cache)"
         )
     device = model_device(model)
-    for t in tree_flatten((args, kwargs))[0]:
-        if isinstance(t, torch.Tensor) and t.device != device:
+    for t in input_tensors(args, kwargs):
+        if t.device != device:
             raise InvalidInputError(
                 f"example input on {t.device} but the model is on {device}: move the batch with "
                 f".to({str(device)!r}) first"
@@ -105,12 +61,19 @@ def validate(model: Any, budget_gb: Any, example_inputs: Any) -> tuple[int, tupl
 
 
 def make_profile(
-    model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
-    device: torch.device, output_alive: bool = True,
+    model: nn.Module, example_inputs: Any, *, loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None, output_alive: bool = True,
 ) -> Profile:
-    """Capture and profile (the model is left as it was, remat's own checkpointing included). The step
-    is profiled as remat will run it: without a KV cache or the model's own gradient checkpointing
-    (Note [Hugging Face]), which are given back afterwards. ``output_alive``: Note [Loop style]."""
+    """Capture and profile one training step of ``model`` on ``example_inputs`` (a tensor, a tuple of
+    positional arguments or a dict of keyword arguments), for :class:`remat.Planner`: the measured
+    costs every plan is predicted from. Arguments as in :func:`optimize_checkpointing`.
+
+    The model is left as it was, remat's own checkpointing included, and so are its gradients, buffers,
+    ``optimizer`` (never called) and the RNG state. The step is profiled as remat will run it: without a
+    KV cache or the model's own gradient checkpointing (Note [Hugging Face]), which are given back
+    afterwards."""
+    _, args, kwargs, device = validate(model, 1.0, example_inputs)
+    loss_fn = loss_fn or default_loss
     _, undo = prepare_hf_for_training(model)
     try:
         return _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
@@ -165,14 +128,10 @@ def stage(name: str, model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossF
 def plain_step_error(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn) -> BaseException | None:
     """The exception one plain training step raises on these inputs, or None when it runs (Note [Whose
     failure]). Leaves the model, its gradients, buffers and the RNG state as they were."""
-    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     try:
         with preserved(model), torch.random.fork_rng(devices=[]):
             remove_checkpointing(model)
-            new_step()
-            loss = checked_loss(loss_fn, model(*args, **kwargs))
-            with outside_autocast():
-                torch.autograd.grad(loss, params, allow_unused=True)
+            run_step(model, args, kwargs, loss_fn, grad_of=trainable_parameters(model))
     except Exception as e:  # noqa: BLE001 - this is the answer
         return e
     return None
@@ -249,8 +208,7 @@ def optimize_checkpointing(
             plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)
             with stage("rewrite", model, args, kwargs, loss_fn):
                 remove_checkpointing(model)
-                checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
-                                   saved_ops=dict(plan.saved_ops))
+                checkpoint_plan(model, plan)
     except BaseException:
         undo()
         raise
@@ -271,36 +229,17 @@ def measure_checked_peak(
     top of what is alive once backward has returned.
 
     The model's gradients (``.grad`` objects and values), buffers and the RNG state are as they were."""
-    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    state = list(model.parameters()) + list(model.buffers()) + inputs
-    leaves = params + [t for t in inputs if t.requires_grad and t.is_leaf]
+    inputs = input_tensors(args, kwargs)
+    state = [*model.parameters(), *model.buffers(), *inputs]
+    leaves = trainable_parameters(model) + [t for t in inputs if t.requires_grad and t.is_leaf]
     after_backward: list[int] = []
 
-    def run(live_now: Callable[[], int]) -> None:
-        new_step()
-        out = model(*args, **kwargs)
-        loss = loss_fn(out)
-        if not output_alive:
-            out = None
-        with outside_autocast():
-            loss.backward()
-        after_backward.append(live_now())
-        del out, loss
+    def work(live_now: Callable[[], int]) -> None:
+        run_step(model, args, kwargs, loss_fn, output_alive=output_alive,
+                 on=lambda event: after_backward.append(live_now()) if event == "backward" else None)
 
     with preserved(model), fresh_grads(leaves):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            other = torch.cuda.memory_allocated(device) - tensor_bytes(state, device)
-            torch.cuda.reset_peak_memory_stats(device)
-            run(lambda: torch.cuda.memory_allocated(device) - other)
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device) - other
-        else:
-            base = tensor_bytes(state, device)
-            with StorageTracker(device, ignore=state) as tracker:
-                run(lambda: base + tracker.live_bytes)
-            peak = base + tracker.peak_bytes
+        peak = measure_peak(work, device, state)
     return max(peak, after_backward[0] + optimizer_step_bytes) + optimizer_state_bytes
 
 
@@ -327,8 +266,7 @@ def plan_checked(
     def check(plan: Plan) -> int:
         if plan.checkpointed not in checked:
             remove_checkpointing(model)
-            checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
-                               saved_ops=dict(plan.saved_ops))
+            checkpoint_plan(model, plan)
             try:
                 checked[plan.checkpointed] = measure_checked_peak(
                     model, args, kwargs, loss_fn, device, output_alive=output_alive,
@@ -445,17 +383,5 @@ def apply_plan(model: nn.Module, plan: Plan) -> None:
         for note in prepare_hf_for_training(model)[0]:
             log.warning("remat.apply_plan: %s", note)
     remove_checkpointing(model)
-    checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
-                           saved_ops=dict(plan.saved_ops))
+    checkpoint_plan(model, plan)
 
-
-__all__ = [
-    "optimize_checkpointing",
-    "apply_plan",
-    "remove_checkpointing",
-    "checkpointed_modules",
-    "default_loss",
-    "make_profile",
-    "plan_checked",
-    "measure_checked_peak",
-]

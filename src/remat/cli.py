@@ -21,17 +21,26 @@ from typing import Any, Sequence
 
 import torch
 
-from remat import __version__
-from remat.api import apply_plan, default_loss, make_profile, optimize_checkpointing, split_inputs, validate
+from remat import (
+    Plan,
+    Planner,
+    RematError,
+    __version__,
+    apply_plan,
+    check_equivalence,
+    make_profile,
+    measure_step,
+    optimize_checkpointing,
+    remove_checkpointing,
+)
+from remat.api import validate
 from remat.capture import composite_modules
 from remat.costs import is_selective
-from remat.errors import RematError
-from remat.plan import GiB, Plan, fmt_bytes, policy_summary
+from remat.measure import warm_up
+from remat.plan import GiB, fmt_bytes, policy_summary
 from remat.report import plot_rows, rows_to_json, tradeoff
-from remat.solve import Planner
+from remat.rewrite import checkpoint_modules
 from remat.targets import resolve_target
-from remat.rewrite import checkpoint_modules, remove_checkpointing
-from remat.verify import check_equivalence, measure_step, warm_up
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
@@ -145,8 +154,7 @@ def _target(args) -> tuple[Any, Any, Any, str, torch.device]:
 def _profile(args, model, inputs, loss_fn, device, status):
     factory = OPTIMIZERS[args.optimizer]
     optimizer = factory(model.parameters()) if factory else None
-    validate(model, 1.0, inputs)
-    a, k = split_inputs(inputs)
+    validate(model, 1.0, inputs)  # the user's mistakes before the warm-up runs the model
     warmup_s = getattr(args, "warmup", 0.0)
     if warmup_s > 0:
         # Note [Warm-up] in remat.report: a fresh process runs its first steps slow, and profiling
@@ -160,7 +168,7 @@ def _profile(args, model, inputs, loss_fn, device, status):
         finally:
             remove_checkpointing(model)
     status(f"profiling {type(model).__name__} on {device}")
-    return make_profile(model, a, k, loss_fn=loss_fn or default_loss, optimizer=optimizer, device=device,
+    return make_profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer,
                         output_alive=not args.output_dropped), optimizer
 
 

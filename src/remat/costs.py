@@ -19,6 +19,12 @@ from typing import Any
 SELECTIVE = "@ops"
 
 
+def op_key(op: str, k: int) -> str:
+    """The name of the ``k``-th call (from 0) of overload ``op`` within a unit's forward, as a selective
+    policy names the operators it keeps: ``op_key("aten.addmm.default", 1) == "aten.addmm.default#1"``."""
+    return f"{op}#{k}"
+
+
 def is_selective(name: str) -> bool:
     """Whether unit ``name`` is a selective (op-level) unit, e.g. ``h.3@ops2``."""
     return SELECTIVE in name
@@ -39,7 +45,7 @@ class Drop:
 @dataclass(frozen=True)
 class CallSpan:
     """A second or later forward call of a unit that runs more than once per step (Note [Reused
-    modules] in remat.profile): each call is checkpointed, and recomputed, on its own."""
+    modules] in remat.effects): each call is checkpointed, and recomputed, on its own."""
 
     forward_start: int
     forward_end: int
@@ -68,8 +74,6 @@ class UnitCost:
     name: str
     #: qualified name of the closest enclosing unit, or None for a top-level unit
     parent: str | None
-    #: how many times the module's forward ran in one step
-    calls: int
     #: measured wall time of the unit's forward (seconds)
     forward_s: float
     #: measured wall time of the unit's recomputation in backward, or the forward time when
@@ -101,7 +105,7 @@ class UnitCost:
     #: inputs that checkpointing the unit keeps alive longer than the plain step
     keeps: tuple[Keep, ...] = ()
     #: checkpoint's own bookkeeping for this unit, beyond the recompute (seconds; Note [Checkpoint
-    #: overhead] in remat.profile)
+    #: overhead] in remat.profile.timing)
     overhead_s: float = 0.0
     #: for a selective unit (``h.3@ops2``), the operators whose outputs its policy keeps, as the rewrite
     #: names them (``aten.addmm.default#1``; Note [Selective checkpointing] in remat.rewrite)
@@ -109,6 +113,14 @@ class UnitCost:
     #: the second and later forward calls of a module called more than once per step (its first call is
     #: described by the fields above; ``drops`` and ``keeps`` cover every call)
     later_calls: tuple[CallSpan, ...] = ()
+    #: timeline index of the last forward operator a recomputation runs (Note [Early stop] in
+    #: remat.effects); None: ``forward_end``
+    recompute_end: int | None = None
+
+    @property
+    def calls(self) -> int:
+        """How many times the unit's forward runs in one step."""
+        return 1 + len(self.later_calls)
 
     @property
     def spans(self) -> tuple[tuple[int, int], ...]:
@@ -177,7 +189,7 @@ class Profile:
     optimizer: str
     notes: tuple[str, ...] = field(default_factory=tuple)
     #: bytes allocated during the step alive just before each operator runs (after the frees that follow
-    #: the previous one): where a recomputation starts (Note [Between operators] in remat.profile); None:
+    #: the previous one): where a recomputation starts (Note [Between operators] in remat.recording); None:
     #: ``live_bytes`` of the previous operator
     before_bytes: tuple[int, ...] | None = None
     #: bytes allocated during the step still alive once backward has returned (gradients, the output
@@ -201,7 +213,10 @@ class Profile:
         for u in self.units:
             if u.name == name:
                 return u
-        raise KeyError(name)
+        from remat.errors import InvalidInputError
+
+        raise InvalidInputError(f"no unit named {name!r} in this profile; its units: "
+                                f"{[u.name for u in self.units][:8]}{' ...' if len(self.units) > 8 else ''}")
 
     def candidates(self) -> tuple[UnitCost, ...]:
         """Units that may be checkpointed and would free something."""
@@ -214,7 +229,7 @@ class Profile:
     def from_dict(cls, d: dict[str, Any]) -> "Profile":
         d = dict(d)
         d["units"] = tuple(
-            UnitCost(**{**u, "drops": tuple(Drop(**x) for x in u["drops"]),
+            UnitCost(**{**{k: v for k, v in u.items() if k != "calls"}, "drops": tuple(Drop(**x) for x in u["drops"]),
                         "mutated_buffers": tuple(u.get("mutated_buffers", ())),
                         "members": tuple(u.get("members", ())),
                         "keeps": tuple(Keep(**k) for k in u.get("keeps", ())),

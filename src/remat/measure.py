@@ -1,8 +1,14 @@
-"""Measuring memory and time on the model's device.
+"""The one measurement layer: one training step, one clock, one peak meter; every stage that runs
+the model for real uses them.
 
-On CUDA the allocator's statistics see every byte. On CPU there is no such counter
-(``torch.cuda.max_memory_allocated()`` is 0), so :class:`StorageTracker` follows every
-tensor storage created by a dispatched operator and frees it when the storage dies.
+* :func:`run_step` is a training step as the loop runs it (Note [Loop style] in ``remat.profile``):
+  forward and loss under the caller's autocast, backward outside it (Note [Autocast]), optionally
+  the optimizer step.
+* :class:`Clock` times on the model's device: CUDA events on a GPU, ``perf_counter`` on CPU.
+* :func:`measure_peak` is the peak memory of a piece of work. On CUDA the allocator's statistics
+  see every byte. On CPU there is no such counter (``torch.cuda.max_memory_allocated()`` is 0), so
+  :class:`StorageTracker` follows every tensor storage created by a dispatched operator and frees
+  it when the storage dies.
 
 Note [Dispatch-level accounting]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -17,16 +23,24 @@ inputs) is counted separately by :func:`tensor_bytes`.
 from __future__ import annotations
 
 import contextlib
+import copy
+import random
 import statistics
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch import nn
+
+from remat._compat import FakeTensor, TorchDispatchMode, storage_key, tree_flatten
+from remat.errors import InvalidInputError
+from remat.state import keeps_rng
+
+LossFn = Callable[[Any], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 #: Note [CUDA block size]: the CUDA caching allocator hands out blocks in multiples of 512 bytes, and
@@ -41,18 +55,13 @@ def allocated_bytes(nbytes: int, device: torch.device) -> int:
     return nbytes
 
 
-def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 def tensor_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None = None) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views and tied tensors count once)."""
     seen: dict[int, int] = {}
     for t in tensors:
         if not isinstance(t, torch.Tensor) or (device is not None and t.device.type != device.type):
             continue
-        st = t.untyped_storage()
-        seen[st._cdata] = allocated_bytes(st.nbytes(), t.device)
+        seen[storage_key(t)] = allocated_bytes(t.untyped_storage().nbytes(), t.device)
     return sum(seen.values())
 
 
@@ -93,8 +102,10 @@ class StorageTracker(TorchDispatchMode):
         #: live bytes after each operator (only kept when ``keep_timeline``)
         self.timeline: list[int] = []
         self.keep_timeline = False
-        #: synchronise CUDA around each operator so that ``last_op_s`` is its kernel time, not its launch
-        self.sync_cuda = False
+        #: time each operator on this clock (``op_marks``); None: do not time
+        self.clock: Clock | None = None
+        #: (start, end) clock marks of each operator, when timed
+        self.op_marks: list[tuple[Any, Any]] = []
 
     def _freed(self, rec: StorageRecord) -> None:
         rec.free_index = self.index
@@ -110,7 +121,7 @@ class StorageTracker(TorchDispatchMode):
         if not self.count_fake and isinstance(t, FakeTensor):
             return None
         st = t.untyped_storage()
-        key = st._cdata
+        key = storage_key(t)
         if key in self.ignored:
             return None
         rec = self.by_key.get(key)
@@ -128,14 +139,12 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.sync_cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = func(*args, **kwargs)
-        if self.sync_cuda:
-            torch.cuda.synchronize()
-        #: wall time of the operator itself, without the tracker's bookkeeping (seconds)
-        self.last_op_s = time.perf_counter() - t0
+        if self.clock is not None:
+            t0 = self.clock.mark()
+            out = func(*args, **kwargs)
+            self.op_marks.append((t0, self.clock.mark()))  # the operator itself, not the bookkeeping
+        else:
+            out = func(*args, **kwargs)
         if func.namespace == "prim":  # metadata queries (prim.device) under FakeTensorMode
             return out
         for t in tree_flatten(out)[0]:
@@ -178,11 +187,172 @@ def _autocast_on() -> bool:
     return torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda"))
 
 
-def _sync(device: torch.device) -> None:
+# -- time ------------------------------------------------------------------------------------------
+class Clock:
+    """The one timer. On CUDA a mark is an event recorded on the current stream, so an interval is the
+    device's time between two points of the work, without a host synchronisation per mark; on CPU a
+    mark is ``time.perf_counter()``."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds from mark ``start`` to mark ``end`` (waits for ``end`` on CUDA)."""
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        """Seconds that ``fn()`` takes on the device."""
+        start = self.mark()
+        fn()
+        return self.seconds(start, self.mark())
+
+
+def median_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """Median of ``reps`` timings of ``fn()`` (seconds)."""
+    clock = Clock(device)
+    return statistics.median(clock.time(fn) for _ in range(reps))
+
+
+# -- one training step ------------------------------------------------------------------------------
+def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    """One tensor, a tuple/list of positional arguments, or a dict of keyword arguments."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise InvalidInputError(
+        f"example_inputs must be a tensor, a tuple of positional arguments or a dict of keyword "
+        f"arguments, got {type(example_inputs).__name__}"
+    )
+
+
+def input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The distinct parameters that require gradients."""
+    return [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss remat uses when none is given: the output itself if it is a scalar tensor;
+    ``output.loss`` or ``output["loss"]`` if present; else the sum of all floating-point tensors
+    in the output (a stand-in whose gradients exercise every output)."""
+    if isinstance(output, torch.Tensor) and output.numel() == 1:
+        return output.reshape(())
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise InvalidInputError(
+            f"cannot derive a loss from the model's output ({type(output).__name__}: no floating-point "
+            "tensor in it); pass loss_fn=lambda out: ..."
+        )
+    return sum(t.sum() for t in tensors)  # type: ignore[return-value]
+
+
+def checked_loss(loss_fn: LossFn, out: Any) -> torch.Tensor:
+    """``loss_fn(out)``, refused unless it is a scalar tensor with a gradient."""
+    loss = loss_fn(out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InvalidInputError(
+            f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean()) or pass loss_fn="
+        )
+    if not loss.requires_grad:
+        raise InvalidInputError(
+            "the loss has no gradient (requires_grad=False): check that the model has trainable "
+            "parameters that the loss depends on and that autograd is not disabled"
+        )
+    return loss
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: torch.Tensor
+    #: the model's output (None when the loop drops it after the loss)
+    output: Any
+
+
+def run_step(
+    model: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, loss_fn: LossFn, *,
+    output_alive: bool = True, grad_of: Sequence[torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None, forward_context: Any = None,
+    on: Callable[[str], None] | None = None,
+) -> StepResult:
+    """One training step as the loop runs it (Note [Loop style] in remat.profile): forward and loss under
+    the caller's autocast state (inside ``forward_context`` when given), backward outside autocast (Note
+    [Autocast]), then ``optimizer.step()`` and ``zero_grad(set_to_none=True)`` when an optimizer is given.
+    With ``output_alive`` the output stays referenced until the step ends; without, it is dropped once
+    the loss is computed. ``grad_of``: differentiate these tensors with ``torch.autograd.grad`` (their
+    ``.grad`` untouched) instead of ``loss.backward()``. ``on("loss")`` and ``on("backward")`` are called
+    once the loss exists and once backward has returned."""
+    new_step()
+    with forward_context if forward_context is not None else contextlib.nullcontext():
+        out = model(*args, **kwargs)
+        loss = checked_loss(loss_fn, out)
+    if not output_alive:
+        out = None
+    if on is not None:
+        on("loss")
+    with outside_autocast():
+        if grad_of is None:
+            loss.backward()
+        else:
+            torch.autograd.grad(loss, list(grad_of), allow_unused=True)
+    if on is not None:
+        on("backward")
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss.detach(), out)
+
+
+# -- peak memory ------------------------------------------------------------------------------------
+def measure_peak(work: Callable[[Callable[[], int]], Any], device: torch.device,
+                 state: Sequence[torch.Tensor]) -> int:
+    """Peak bytes on ``device`` while ``work(live_now)`` runs: the storages in ``state`` (parameters,
+    buffers, optimizer state, inputs: alive before the work starts) plus everything the work allocates.
+    ``live_now()`` gives the bytes alive at the moment it is called, on the same count. On CUDA memory
+    on the device that is not in ``state`` and exists before the work is left out."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        other = torch.cuda.memory_allocated(device) - tensor_bytes(state, device)
+        torch.cuda.reset_peak_memory_stats(device)
+        work(lambda: torch.cuda.memory_allocated(device) - other)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - other
+    base = tensor_bytes(state, device)
+    with StorageTracker(device, ignore=state) as tracker:
+        work(lambda: base + tracker.live_bytes)
+    return base + tracker.peak_bytes
 
 
+# -- real training steps of a copy ------------------------------------------------------------------
 @dataclass(frozen=True)
 class StepMeasurement:
     """Measured peak memory and step time of real training steps."""
@@ -196,49 +366,108 @@ class StepMeasurement:
     method: str
 
 
-def measure_training_step(
-    model: torch.nn.Module,
-    run_step: Callable[[], Any],
-    *,
-    device: torch.device,
-    state_tensors: Callable[[], Iterable[torch.Tensor]],
-    warmup: int = 1,
-    repeats: int = 3,
-    measure_memory: bool = True,
-) -> StepMeasurement:
-    """Measure real training steps: ``run_step()`` does forward, backward and optimizer step.
+def _trainee(model: nn.Module, optimizer_factory: OptimizerFactory | None, plan: Any = None):
+    """A deep copy of ``model`` (checkpointed as ``plan`` says, when given) without gradients, and its optimizer."""
+    m = copy.deepcopy(model)
+    if plan is not None:
+        from remat.rewrite import checkpoint_plan, remove_checkpointing
 
-    ``state_tensors()`` lists what is alive before a step (parameters, buffers, optimizer state,
-    inputs): on CPU their bytes are added to the tracked peak. Runs ``warmup`` untimed steps
-    (which create optimizer state), ``repeats`` timed steps, then one step under memory tracking
-    (CPU) or with the allocator's peak reset (CUDA; memory allocated on the device that is not in
-    ``state_tensors()`` is left out). The model and optimizer are trained by these steps: pass copies.
-    """
+        remove_checkpointing(m)
+        checkpoint_plan(m, plan)
+    m.zero_grad(set_to_none=True)
+    return m, optimizer_factory(m.parameters()) if optimizer_factory else None
+
+
+@keeps_rng
+def measure_step(
+    model: nn.Module, example_inputs: Any, *, loss_fn: LossFn | None = None,
+    optimizer_factory: OptimizerFactory | None = None, warmup: int = 1, repeats: int = 3,
+    measure_memory: bool = True, output_alive: bool = True,
+) -> StepMeasurement:
+    """Measured peak memory (whole step) and median step time of real training steps of ``model``.
+    ``output_alive``: whether the loop keeps the output until the step ends (Note [Loop style]).
+
+    Trains a deep copy (``model`` is not modified) with ``optimizer_factory(params)`` (None: no optimizer
+    step; gradients are set to None after each step). Runs ``warmup`` untimed steps (which create the
+    optimizer state), ``repeats`` timed steps, then one step under :func:`measure_peak`."""
+    loss_fn = loss_fn or default_loss
+    m, opt = _trainee(model, optimizer_factory)
+    args, kwargs = split_inputs(example_inputs)
+    device = model_device(m)
+    clock = Clock(device)
+
+    def step() -> None:
+        run_step(m, args, kwargs, loss_fn, output_alive=output_alive, optimizer=opt)
+        if opt is None:
+            m.zero_grad(set_to_none=True)
+
     for _ in range(warmup):
-        run_step()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        run_step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+        step()
+    times = [clock.time(step) for _ in range(repeats)]
+    median = statistics.median(times) if times else 0.0
     if not measure_memory:
-        return StepMeasurement(0, statistics.median(times) if times else 0.0, tuple(times), "not measured")
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        # whatever else lives on the device (the original model, other tensors) is not this step's
-        other = torch.cuda.memory_allocated(device) - tensor_bytes(state_tensors(), device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run_step()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - other
-        method = "cuda allocator"
-    else:
-        state = list(state_tensors())
-        before = tensor_bytes(state, device)
-        with StorageTracker(device, ignore=state) as tracker:
-            run_step()
-        peak = before + tracker.peak_bytes
-        method = "live tensor storages (CPU)"
-    return StepMeasurement(peak, statistics.median(times) if times else 0.0, tuple(times), method)
+        return StepMeasurement(0, median, tuple(times), "not measured")
+    state = [*m.parameters(), *m.buffers(), *input_tensors(args, kwargs)]
+    if opt is not None:
+        state += [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    peak = measure_peak(lambda live_now: step(), device, state)
+    return StepMeasurement(peak, median, tuple(times),
+                           "cuda allocator" if device.type == "cuda" else "live tensor storages (CPU)")
+
+
+@keeps_rng
+def warm_up(
+    model: nn.Module, example_inputs: Any, *, loss_fn: LossFn | None = None,
+    optimizer_factory: OptimizerFactory | None = None, seconds: float = 3.0, max_steps: int = 50,
+) -> int:
+    """Run training steps on a deep copy of ``model`` until three consecutive step times agree within
+    5%, ``seconds`` pass or ``max_steps`` run (see Note [Warm-up] in remat.report). Returns the steps run."""
+    loss_fn = loss_fn or default_loss
+    m, opt = _trainee(model, optimizer_factory)
+    args, kwargs = split_inputs(example_inputs)
+    clock = Clock(model_device(m))
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_steps and time.perf_counter() - start < seconds:
+        times.append(clock.time(lambda: run_step(m, args, kwargs, loss_fn, optimizer=opt)))
+        if opt is None:
+            m.zero_grad(set_to_none=True)
+        last = times[-3:]
+        if len(times) >= 5 and max(last) <= 1.05 * min(last):
+            break
+    return len(times)
+
+
+@keeps_rng
+def time_interleaved(
+    model: nn.Module, example_inputs: Any, plans: list, *, loss_fn: LossFn | None = None,
+    optimizer_factory: OptimizerFactory | None = None, warmup: int = 2, rounds: int = 10, seed: int = 0,
+    output_alive: bool = True,
+) -> list[list[float]]:
+    """Step times (seconds) of ``model`` under each plan, timed round-robin: every round runs one
+    training step of every plan, in a shuffled order, each plan on its own deep copy with its own
+    optimizer. ``model`` itself is not modified. Returns one list of ``rounds`` times per plan."""
+    loss_fn = loss_fn or default_loss
+    args, kwargs = split_inputs(example_inputs)
+    clock = Clock(model_device(model))
+    copies = [_trainee(model, optimizer_factory, plan) for plan in plans]
+
+    def step(m: nn.Module, opt: torch.optim.Optimizer | None) -> float:
+        seconds = clock.time(lambda: run_step(m, args, kwargs, loss_fn, output_alive=output_alive, optimizer=opt))
+        if opt is None:
+            m.zero_grad(set_to_none=True)
+        return seconds
+
+    for _ in range(warmup):
+        for m, opt in copies:
+            step(m, opt)
+    times: list[list[float]] = [[] for _ in copies]
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        order = list(range(len(copies)))
+        rng.shuffle(order)
+        for i in order:
+            times[i].append(step(*copies[i]))
+    return times
+
+

@@ -3,7 +3,7 @@
 ``tradeoff`` profiles once, makes remat's plan at every budget plus the usual hand rules,
 applies each distinct plan to the model, measures real training steps (peak memory and median
 step time) and returns one :class:`TradeoffRow` per (strategy, budget). Predicted figures come
-from the simulator; measured ones from :func:`remat.verify.measure_step`.
+from the simulator; measured ones from :func:`remat.measure.measure_step`.
 """
 
 from __future__ import annotations
@@ -18,23 +18,14 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from remat.api import (
-    prepare_hf_for_training,
-    apply_plan,
-    default_loss,
-    model_device,
-    model_signature,
-    plan_checked,
-    split_inputs,
-)
+from remat.api import plan_checked, prepare_hf_for_training
 from remat.costs import Profile
 from remat.errors import InfeasibleBudgetError
+from remat.measure import OptimizerFactory, default_loss, measure_step, model_device, split_inputs, \
+    time_interleaved, warm_up
 from remat.plan import GiB, Plan, fmt_bytes
-from remat.rewrite import remove_checkpointing
+from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
-from remat.verify import measure_step, time_interleaved, warm_up
-
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -153,7 +144,7 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
     # the least-memory plan so that warming up fits wherever the plans do.
     say("warming up")
     least = min(distinct.values(), key=lambda p: p.predicted_peak_bytes)
-    apply_plan(model, dataclasses.replace(least, model_signature=model_signature(model)))
+    checkpoint_plan(model, least)
     try:
         warm_up(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory, seconds=warmup_s)
     finally:
@@ -161,7 +152,7 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
     measured: dict[frozenset[str], Any] = {}
     for i, (key, plan) in enumerate(order):
         say(f"measuring the peak of {plan.strategy} ({len(plan.checkpointed)} units) [{i + 1}/{len(order)}]")
-        apply_plan(model, dataclasses.replace(plan, model_signature=model_signature(model)))
+        checkpoint_plan(model, plan)
         try:
             measured[key] = measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
                                          warmup=1, repeats=0, output_alive=profile.output_alive)
@@ -179,7 +170,7 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
     else:
         times = []
         for key, plan in order:
-            apply_plan(model, dataclasses.replace(plan, model_signature=model_signature(model)))
+            checkpoint_plan(model, plan)
             try:
                 times.append(measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
                                           warmup=warmup, repeats=repeats, measure_memory=False,

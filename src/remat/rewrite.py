@@ -62,8 +62,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from remat._compat import outside_dispatch_modes
-from remat.costs import SELECTIVE, is_selective
+from remat._compat import argument, outside_dispatch_modes
+from remat.costs import SELECTIVE, is_selective, op_key
+from remat.errors import InvalidInputError, PlanMismatchError
+from remat.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +76,9 @@ def draws_random(func, args: tuple, kwargs: dict) -> bool:
     ``nondeterministic_seeded`` and is not an attention kernel called with ``dropout_p=0``."""
     if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
         return False
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "dropout_p":
-            p = kwargs.get("dropout_p", args[i] if i < len(args) else a.default_value)
-            return p is None or float(p) != 0.0
-    return True
+    missing = object()
+    p = argument(func, args, kwargs, "dropout_p", missing)
+    return p is missing or p is None or float(p) != 0.0
 
 
 class KeepOps:
@@ -100,7 +100,7 @@ class KeepOps:
             key = (bool(getattr(ctx, "is_recompute", False)), func)
             k = counts[key]
             counts[key] = k + 1
-            if f"{func}#{k}" in keep and not draws_random(func, args, kwargs):
+            if op_key(str(func), k) in keep and not draws_random(func, args, kwargs):
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -325,12 +325,13 @@ def checkpoint_modules(
     names = list(names)
     bad = check_units(model, names)
     if bad:
-        raise KeyError(f"no unit named {bad} in {type(model).__name__}")
+        raise PlanMismatchError(f"{type(model).__name__} has no unit named {bad}: name submodules by their "
+                                "qualified names (model.named_modules()) or segments as 'container[i:j]'")
     policies = saved_ops or {}
     missing = [n for n in names if is_selective(n) and n not in policies]
     if missing:
-        raise KeyError(f"selective units {missing} need their policy: pass saved_ops={{unit: operators to keep}} "
-                       "(a Plan carries it in plan.saved_ops)")
+        raise InvalidInputError(f"selective units {missing} need their policy: pass saved_ops={{unit: operators "
+                                "to keep}} (a Plan carries it in plan.saved_ops)")
     mods = dict(model.named_modules())
     mutated = mutated_buffers or {}
     segments: dict[str, list[tuple[int, int]]] = {}
@@ -348,10 +349,18 @@ def checkpoint_modules(
     for container, segs in segments.items():
         m = mods[container]
         if is_checkpointed(m):
-            raise ValueError(f"{container!r} is already checkpointed; cannot also checkpoint segments of it")
+            raise InvalidInputError(f"{container!r} is already checkpointed as a whole; cannot also checkpoint "
+                                    f"segments of it ({segs}): choose one, or call remove_checkpointing first")
         bufs = {s: (tuple(mutated[segment_name(container, *s)]) if segment_name(container, *s) in mutated
                     else None) for s in segs}
         m.forward = SegmentedForward(m, segs, preserve_rng_state=preserve_rng_state, buffers=bufs)
+
+
+def checkpoint_plan(model: nn.Module, plan: Plan) -> None:
+    """Checkpoint ``model`` in place as ``plan`` says: its units, with the buffers each replays and the
+    policy of each selective unit (mutates ``model``; no compatibility check: see ``remat.apply_plan``)."""
+    checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
+                       saved_ops=dict(plan.saved_ops))
 
 
 def remove_checkpointing(model: nn.Module) -> list[str]:

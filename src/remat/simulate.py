@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from remat.costs import Profile, UnitCost
+from remat.errors import InvalidInputError
 
 
 @dataclass(frozen=True)
@@ -236,9 +237,11 @@ class MemoryModel:
     def _check(self, plan: frozenset[str]) -> None:
         unknown = sorted(plan - self.units.keys())
         if unknown:
-            raise KeyError(f"not candidate units of this profile: {unknown}")
+            raise InvalidInputError(f"not candidate units of this profile: {unknown}; the candidates are "
+                                    "Planner(profile).model.units (units that may be checkpointed and free something)")
         chosen = sorted(plan)
         for i, a in enumerate(chosen):
             for b in chosen[i + 1:]:
                 if self.conflicts(a, b):
-                    raise ValueError(f"plan checkpoints {a!r} and {b!r}, which overlap; units must not nest")
+                    raise InvalidInputError(f"plan checkpoints {a!r} and {b!r}, which overlap; units must not nest: "
+                                            "keep one of them")

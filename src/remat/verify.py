@@ -1,24 +1,20 @@
-"""Prove it: the equivalence check, and measured peak memory and step time of real steps."""
+"""Prove it: the equivalence check (one plain and one checkpointed training step, compared exactly).
+
+Measuring real steps (peak memory, step time) is ``remat.measure``'s."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
-from remat.api import default_loss, model_device, split_inputs
+from remat._compat import tree_flatten, tree_map
 from remat.errors import EquivalenceError
-from remat.measure import StepMeasurement, measure_training_step, new_step, outside_autocast
+from remat.measure import LossFn, default_loss, input_tensors, model_device, run_step, split_inputs
 from remat.rewrite import checkpointed_modules, remove_checkpointing
-from remat.state import keeps_rng
-
-LossFn = Callable[[Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -68,13 +64,8 @@ def _run(model: nn.Module, args, kwargs, loss_fn: LossFn, seed: int, device: tor
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         a, k = _prepare_inputs(args, kwargs)
-        new_step()
-        out = model(*a, **k)
-        loss = loss_fn(out)
-        with outside_autocast():
-            loss.backward()
-    ins = [t for t in tree_flatten((a, k))[0] if isinstance(t, torch.Tensor)]
-    return loss.detach(), out, ins
+        step = run_step(model, a, k, loss_fn)
+    return step.loss, step.output, input_tensors(a, k)
 
 
 def _diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -163,148 +154,3 @@ def assert_equivalent(model: nn.Module, example_inputs: Any, **kwargs: Any) -> E
             "report.max_abs_diff per tensor for detail."
         )
     return report
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, args: tuple, kwargs: dict,
-               loss_fn: LossFn, output_alive: bool = True) -> None:
-    """One training step as a loop runs it: forward and loss (under the caller's autocast state),
-    backward outside autocast (Note [Autocast]), optimizer step, gradients set to None. With
-    ``output_alive`` the output stays referenced until the step ends, as in ``out = model(x); loss =
-    crit(out, y); ...``; without, it is dropped once the loss is computed (Note [Loop style])."""
-    new_step()
-    out = model(*args, **kwargs)
-    loss = loss_fn(out)
-    if not output_alive:
-        out = None
-    with outside_autocast():
-        loss.backward()
-    if optimizer is not None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        model.zero_grad(set_to_none=True)
-
-
-@keeps_rng
-def measure_step(
-    model: nn.Module,
-    example_inputs: Any,
-    *,
-    loss_fn: LossFn | None = None,
-    optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
-    warmup: int = 1,
-    repeats: int = 3,
-    measure_memory: bool = True,
-    output_alive: bool = True,
-) -> StepMeasurement:
-    """Measured peak memory (whole step) and median step time of real training steps of ``model``.
-    ``output_alive``: whether the loop keeps the output until the step ends (Note [Loop style]).
-
-    Trains a deep copy (``model`` is not modified) with ``optimizer_factory(params)`` (None: no
-    optimizer step). Steps zero the gradients with ``set_to_none=True`` after the optimizer step,
-    as a training loop does, so every measured step starts without gradients.
-    """
-    loss_fn = loss_fn or default_loss
-    m = copy.deepcopy(model)
-    m.zero_grad(set_to_none=True)
-    opt = optimizer_factory(m.parameters()) if optimizer_factory else None
-    args, kwargs = split_inputs(example_inputs)
-    device = model_device(m)
-
-    def step():
-        train_step(m, opt, args, kwargs, loss_fn, output_alive)
-
-    def state():
-        yield from m.parameters()
-        yield from m.buffers()
-        if opt is not None:
-            for st in opt.state.values():
-                yield from (t for t in st.values() if isinstance(t, torch.Tensor))
-        yield from (t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
-
-    return measure_training_step(m, step, device=device, state_tensors=state, warmup=warmup, repeats=repeats,
-                                 measure_memory=measure_memory)
-
-
-@keeps_rng
-def warm_up(
-    model: nn.Module,
-    example_inputs: Any,
-    *,
-    loss_fn: LossFn | None = None,
-    optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
-    seconds: float = 3.0,
-    max_steps: int = 50,
-) -> int:
-    """Run training steps on a deep copy of ``model`` until three consecutive step times agree within
-    5%, ``seconds`` pass or ``max_steps`` run (see Note [Warm-up] in remat.report). Returns the steps run."""
-    loss_fn = loss_fn or default_loss
-    m = copy.deepcopy(model)
-    opt = optimizer_factory(m.parameters()) if optimizer_factory else None
-    args, kwargs = split_inputs(example_inputs)
-    device = model_device(m)
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < max_steps and time.perf_counter() - start < seconds:
-        t0 = time.perf_counter()
-        train_step(m, opt, args, kwargs, loss_fn)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        last = times[-3:]
-        if len(times) >= 5 and max(last) <= 1.05 * min(last):
-            break
-    return len(times)
-
-
-@keeps_rng
-def time_interleaved(
-    model: nn.Module,
-    example_inputs: Any,
-    plans: list,
-    *,
-    loss_fn: LossFn | None = None,
-    optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
-    warmup: int = 2,
-    rounds: int = 10,
-    seed: int = 0,
-    output_alive: bool = True,
-) -> list[list[float]]:
-    """Step times (seconds) of ``model`` under each plan, timed round-robin: every round runs one
-    training step of every plan, in a shuffled order, each plan on its own deep copy with its own
-    optimizer. ``model`` itself is not modified. Returns one list of ``rounds`` times per plan."""
-    import random
-
-    from remat.api import apply_plan, model_signature
-
-    loss_fn = loss_fn or default_loss
-    args, kwargs = split_inputs(example_inputs)
-    device = model_device(model)
-    copies = []
-    for plan in plans:
-        m = copy.deepcopy(model)
-        remove_checkpointing(m)
-        apply_plan(m, dataclasses.replace(plan, model_signature=model_signature(m)))
-        m.zero_grad(set_to_none=True)
-        copies.append((m, optimizer_factory(m.parameters()) if optimizer_factory else None))
-
-    def step(m, opt) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        train_step(m, opt, args, kwargs, loss_fn, output_alive)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
-
-    for _ in range(warmup):
-        for m, opt in copies:
-            step(m, opt)
-    times: list[list[float]] = [[] for _ in copies]
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        order = list(range(len(copies)))
-        rng.shuffle(order)
-        for i in order:
-            times[i].append(step(*copies[i]))
-    return times

@@ -42,8 +42,8 @@ def case(name: str) -> Case:
     factory = ZOO[name]
     model, inputs, loss_fn = factory()
     args, kwargs = split_inputs(inputs)
-    profile = make_profile(model, args, kwargs, loss_fn=loss_fn or remat.default_loss,
-                           optimizer=adam(model.parameters()), device=torch.device("cpu"))
+    profile = make_profile(model, inputs, loss_fn=loss_fn or remat.default_loss,
+                           optimizer=adam(model.parameters()))
     return Case(name, factory, profile, Planner(profile))
 
 

@@ -70,8 +70,7 @@ def test_every_selective_option_on_modules_with_buffers_is_exact(make):
     blocks, which now get selective options too: every option runs, is exact (gradients and running
     statistics) and is predicted within 5%."""
     model, x = make()
-    profile = make_profile(model, (x,), {}, loss_fn=remat.default_loss, optimizer=adam(model.parameters()),
-                           device=torch.device("cpu"))
+    profile = make_profile(model, x, loss_fn=remat.default_loss, optimizer=adam(model.parameters()))
     planner = Planner(profile, granularity="op")
     options = [u for u in planner.model.units if "@ops" in u]
     assert options, "modules with buffers get selective options"
@@ -104,8 +103,7 @@ def test_optimize_checkpointing_on_a_read_only_buffer_model():
                    "peak on the last block of a 2-block model; in the 4-block model that row is not the peak")
 def test_selective_batchnorm_recompute_row_of_the_last_block():
     model, x = bn_model(2)
-    profile = make_profile(model, (x,), {}, loss_fn=remat.default_loss, optimizer=adam(model.parameters()),
-                           device=torch.device("cpu"))
+    profile = make_profile(model, x, loss_fn=remat.default_loss, optimizer=adam(model.parameters()))
     planner = Planner(profile, granularity="op")
     # the option that keeps every keepable operator of the last block (the menu's 100% share, always on it):
     # its kept set, and so its memory, does not depend on measured times

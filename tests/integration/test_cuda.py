@@ -17,9 +17,8 @@ def test_cuda_budget_met_and_gradients_equal(make):
     loss_fn = loss_fn or remat.default_loss
     opt = torch.optim.AdamW(model.parameters())
     args, kwargs = remat.api.split_inputs(inputs)
-    profile = remat.api.make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=opt,
-                                     device=torch.device("cuda"))
-    planner = remat.solve.Planner(profile)
+    profile = remat.make_profile(model, inputs, loss_fn=loss_fn, optimizer=opt)
+    planner = remat.Planner(profile)
     budget = (planner.min_peak_bytes + planner.baseline_peak_bytes) // 2
     plan = remat.optimize_checkpointing(model, budget / 2**30, inputs, loss_fn=loss_fn, optimizer=opt)
     measured = remat.measure_step(model, inputs, loss_fn=loss_fn,
@@ -35,9 +34,9 @@ def test_cuda_every_selective_option_predicted_and_equivalent():
     """Each policy on the menu of one GPT block, on CUDA: peak within 5% of the allocator's, gradients exact."""
     model, inputs, _ = make_gpt(device="cuda")
     args, kwargs = remat.api.split_inputs(inputs)
-    profile = remat.api.make_profile(model, args, kwargs, loss_fn=remat.default_loss,
-                                     optimizer=torch.optim.AdamW(model.parameters()), device=torch.device("cuda"))
-    planner = remat.solve.Planner(profile, granularity="op")
+    profile = remat.make_profile(model, inputs, loss_fn=remat.default_loss,
+                                     optimizer=torch.optim.AdamW(model.parameters()))
+    planner = remat.Planner(profile, granularity="op")
     names = [u.name for u in profile.candidates() if u.name.startswith("h.1@ops")]
     assert names
     for name in names:

@@ -30,8 +30,8 @@ MODELS = {**ZOO, "gpt-logits": gpt_logits}
 def planner_for(name: str, output_alive: bool) -> Planner:
     model, inputs, loss_fn = MODELS[name]()
     args, kwargs = split_inputs(inputs)
-    profile = make_profile(model, args, kwargs, loss_fn=loss_fn or remat.default_loss,
-                           optimizer=adam(model.parameters()), device=torch.device("cpu"), output_alive=output_alive)
+    profile = make_profile(model, inputs, loss_fn=loss_fn or remat.default_loss,
+                           optimizer=adam(model.parameters()), output_alive=output_alive)
     assert profile.output_alive is output_alive
     return Planner(profile)
 

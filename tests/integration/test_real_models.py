@@ -27,8 +27,8 @@ LAYER_WORDS = ("layers.", ".h.", "layer.", "block.", "layer1", "layer2", "layer3
 def profiled(name: str):
     model, inputs, loss_fn = REAL[name]()
     args, kwargs = split_inputs(inputs)
-    profile = make_profile(model, args, kwargs, loss_fn=loss_fn or remat.default_loss,
-                           optimizer=adam(model.parameters()), device=torch.device("cpu"))
+    profile = make_profile(model, inputs, loss_fn=loss_fn or remat.default_loss,
+                           optimizer=adam(model.parameters()))
     return profile, Planner(profile)
 
 
@@ -99,8 +99,7 @@ def test_autocast_bf16_profiled_and_checkpointed_under_the_same_state():
     model, inputs, _ = REAL["llama"]()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         args, kwargs = split_inputs(inputs)
-        profile = make_profile(model, args, kwargs, loss_fn=remat.default_loss, optimizer=adam(model.parameters()),
-                               device=torch.device("cpu"))
+        profile = make_profile(model, inputs, loss_fn=remat.default_loss, optimizer=adam(model.parameters()))
         assert "autocast is on" in " ".join(profile.notes)
         planner = Planner(profile)
         budget = planner.min_peak_bytes + (planner.baseline_peak_bytes - planner.min_peak_bytes) // 3
@@ -123,8 +122,8 @@ def test_frozen_parameters_lora_style():
     trainable = [p for p in model.parameters() if p.requires_grad]
     trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
     args, kwargs = split_inputs(inputs)
-    profile = make_profile(model, args, kwargs, loss_fn=remat.default_loss,
-                           optimizer=adam(trainable), device=torch.device("cpu"))
+    profile = make_profile(model, inputs, loss_fn=remat.default_loss,
+                           optimizer=adam(trainable))
     assert profile.grads_bytes == trainable_bytes
     # Adam: two moments per trainable element (plus a 4-byte step counter per tensor on CPU)
     assert 2 * trainable_bytes <= profile.optimizer_state_bytes <= 2 * trainable_bytes + 8 * len(trainable)
@@ -208,8 +207,7 @@ def test_autocast_predicted_for_the_amp_loop():
     model, inputs, _ = REAL["llama"]()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         args, kwargs = split_inputs(inputs)
-        profile = make_profile(model, args, kwargs, loss_fn=remat.default_loss, optimizer=adam(model.parameters()),
-                               device=torch.device("cpu"))
+        profile = make_profile(model, inputs, loss_fn=remat.default_loss, optimizer=adam(model.parameters()))
     planner = Planner(profile)
     for plan in (planner.no_checkpointing(), planner.least_memory()):
         fresh, inputs, _ = REAL["llama"]()

@@ -87,12 +87,11 @@ def test_reused_module_is_checkpointed_and_reaches_the_hand_rule(cls, hand_rule)
     assert report.equal, str(report)
     # the least-memory plan checkpoints the reused module, and every call of it is recomputed
     least, _, _ = make(cls)
-    remat.apply_plan(least, remat.solve.Planner(_profile(least, x, loss_fn)).least_memory())
+    remat.apply_plan(least, remat.Planner(_profile(least, x, loss_fn)).least_memory())
     assert reused in remat.checkpointed_modules(least)
     calls = descendant_calls(least, [reused], step_runner(least, x, loss_fn))
     assert calls[reused] == 2 * (4 if cls is Albert else 2)
 
 
 def _profile(model, x, loss_fn):
-    return remat.api.make_profile(model, (x,), {}, loss_fn=loss_fn, optimizer=adam(model.parameters()),
-                                  device=torch.device("cpu"))
+    return remat.make_profile(model, x, loss_fn=loss_fn, optimizer=adam(model.parameters()))

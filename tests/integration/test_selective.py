@@ -149,7 +149,7 @@ def test_outputs_modified_in_place_are_not_kept():
     model = nn.Sequential(nn.Linear(16, 16), InPlace(), InPlace(), nn.Linear(16, 1))
     x = torch.randn(256, 16)
     loss = lambda out: out.pow(2).mean()  # noqa: E731
-    profile = make_profile(model, (x,), {}, loss_fn=loss, optimizer=None, device=torch.device("cpu"))
+    profile = make_profile(model, x, loss_fn=loss, optimizer=None)
     names = options(profile, "1")
     assert names
     for name in names:
@@ -191,7 +191,7 @@ def test_optimize_checkpointing_with_op_granularity():
     assert plan.strategy == "ilp-op" and plan.checkpointed
     assert remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam,
                               repeats=1).peak_bytes <= budget
-    with pytest.raises(ValueError, match="granularity must be"):
+    with pytest.raises(remat.InvalidInputError, match="granularity must be"):
         remat.optimize_checkpointing(model, 1.0, inputs, granularity="ops")
 
 

@@ -35,8 +35,7 @@ def _model(name):
 def _planner(name: str) -> Planner:
     model, inputs, loss_fn = _model(name)
     a, k = split_inputs(inputs)
-    return Planner(make_profile(model, a, k, loss_fn=loss_fn, optimizer=adam(model.parameters()),
-                                device=torch.device("cpu")), granularity="op")
+    return Planner(make_profile(model, inputs, loss_fn=loss_fn, optimizer=adam(model.parameters())), granularity="op")
 
 
 def _measured(name, plan) -> tuple[int, bool]:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import remat
-from remat.optimizer import optimizer_costs
+from remat.profile.optimizer import optimizer_costs
 from remat.measure import tensor_bytes
 from optimizers import OPTIMIZERS, SCHEDULERS
 

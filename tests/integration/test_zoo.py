@@ -161,8 +161,7 @@ def test_profiling_peak_stays_near_the_least_memory_plan():
     args, kwargs = remat.api.split_inputs(inputs)
     state = list(model.parameters()) + list(model.buffers()) + list(args)
     with StorageTracker("cpu", ignore=state) as tracker:
-        remat.api.make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=adam(model.parameters()),
-                               device=torch.device("cpu"))
+        remat.make_profile(model, inputs, loss_fn=loss_fn, optimizer=adam(model.parameters()))
     profiling_peak = tensor_bytes(state) + tracker.peak_bytes
     assert profiling_peak <= 1.05 * least_measured, (profiling_peak, least_measured)
 
@@ -205,13 +204,12 @@ def test_unit_starting_with_inplace_op_is_excluded(caplog):
     x = torch.randn(256, 32)
     args, kwargs = remat.api.split_inputs(x)
     with caplog.at_level("INFO", logger="remat"):
-        profile = remat.api.make_profile(model, args, kwargs, loss_fn=remat.default_loss, optimizer=None,
-                                         device=torch.device("cpu"))
+        profile = remat.make_profile(model, x, loss_fn=remat.default_loss, optimizer=None)
     unit = profile.unit("1")
     assert unit.excluded is not None and "in place" in unit.excluded
     assert "1" not in [u.name for u in profile.candidates()]
     assert any("cannot be checkpointed" in r.getMessage() for r in caplog.records)
-    planner = remat.solve.Planner(profile)
+    planner = remat.Planner(profile)
     plan = planner.least_memory()
     assert "1" not in plan.checkpointed and plan.checkpointed
     remat.apply_plan(model, plan)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import remat.costs as remat_costs
 from remat.costs import Profile
-from remat.errors import InfeasibleBudgetError
+from remat.errors import InfeasibleBudgetError, InvalidInputError
 from remat.plan import Plan
 from remat.simulate import MemoryModel
 from remat.solve import Planner, block_units
@@ -109,7 +109,7 @@ def test_units_never_nest():
         plan = planner.plan_for_budget(budget)
         for u in plan.checkpointed:
             assert u.split(".")[0] == u or u.split(".")[0] not in plan.checkpointed
-    with pytest.raises(ValueError, match="must not nest"):
+    with pytest.raises(InvalidInputError, match="must not nest"):
         planner.model.peak_bytes(("u0", "u0.sub"))
 
 

@@ -13,9 +13,10 @@ import time
 from typing import Iterable
 
 from remat.costs import Profile, is_selective
-from remat.errors import InfeasibleBudgetError
+from remat.errors import InfeasibleBudgetError, InvalidInputError, UnsupportedError
 from remat.plan import Plan, fmt_bytes
 from remat.simulate import MemoryModel
+from remat.solve.ilp import min_peak, solve_ilp
 
 #: Note [Selective margin]: a selective unit's recompute time is derived (its operators' share of the
 #: unit's measured time, plus a per-operator policy cost measured on tiny operators), not measured
@@ -24,12 +25,6 @@ from remat.simulate import MemoryModel
 #: budget; otherwise the block-level plan is returned (and said so in the plan's notes). Issue 6 asks
 #: that op-level plans never measure slower than block-level ones.
 SELECTIVE_MARGIN = 0.05
-from remat.solve.ilp import min_peak, solve_ilp
-
-__all__ = [
-    "Planner",
-    "block_units",
-]
 
 
 def block_units(model: MemoryModel) -> list[str]:
@@ -60,7 +55,7 @@ class Planner:
         selectively (``name@ops<k>``: option k of the unit's menu of policies, which keep some
         operators' outputs and recompute the rest)."""
         if granularity not in ("block", "op"):
-            raise ValueError(f"granularity must be 'block' or 'op', got {granularity!r}")
+            raise InvalidInputError(f"granularity must be 'block' or 'op', got {granularity!r}")
         self.profile = profile
         self.granularity = granularity
         names = [u.name for u in profile.candidates() if granularity == "op" or not is_selective(u.name)]
@@ -203,7 +198,8 @@ class Planner:
         """Exhaustive search over every non-nested set of candidates (a test oracle; small models only)."""
         units = list(self.model.units)
         if len(units) > max_units:
-            raise ValueError(f"brute force over {len(units)} units is too slow (max {max_units})")
+            raise UnsupportedError(f"brute force over {len(units)} units is too slow (max {max_units}): use "
+                                   "plan_for_budget (the ILP) or raise max_units")
         t0 = time.perf_counter()
         best: tuple[float, int, tuple[str, ...]] | None = None
         for k in range(len(units) + 1):

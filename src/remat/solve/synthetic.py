@@ -43,14 +43,14 @@ def chain_profile(
     units = []
     for i in range(n):
         units.append(UnitCost(
-            name=f"u{i}", parent=None, calls=1, forward_s=recompute_s[i], recompute_s=recompute_s[i],
+            name=f"u{i}", parent=None, forward_s=recompute_s[i], recompute_s=recompute_s[i],
             backward_s=None, flops=0, forward_start=2 * i, forward_end=2 * i + 1, recompute_at=r[i],
             drops=(Drop(saved[i], 2 * i + 2),), recompute_peak_bytes=saved[i] + out[i], saved_bytes=saved[i],
         ))
         if nested_fraction is not None:
             part = int(saved[i] * nested_fraction)
             units.append(UnitCost(
-                name=f"u{i}.sub", parent=f"u{i}", calls=1, forward_s=recompute_s[i] * nested_fraction,
+                name=f"u{i}.sub", parent=f"u{i}", forward_s=recompute_s[i] * nested_fraction,
                 recompute_s=recompute_s[i] * nested_fraction, backward_s=None, flops=0,
                 forward_start=2 * i, forward_end=2 * i, recompute_at=r[i], drops=(Drop(part, 2 * i + 1),),
                 recompute_peak_bytes=part, saved_bytes=part,

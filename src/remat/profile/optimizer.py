@@ -1,4 +1,4 @@
-"""Optimizer accounting (part of the profile stage): what the user's optimizer adds to a step.
+"""Optimizer accounting: what the user's optimizer adds to a step.
 
 Note [Never call the user's optimizer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -19,7 +19,6 @@ hyperparameters, same shape, dtype and device.
 from __future__ import annotations
 
 import inspect
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 
 from remat._compat import default_foreach, global_optimizer_hooks_paused
 from remat.errors import UnsupportedError
-from remat.measure import StorageTracker, tensor_bytes
+from remat.measure import Clock, StorageTracker, tensor_bytes
 
 #: optimizers whose step is not a function of (parameters, gradients, state): they cannot be stepped on
 #: shadows, and remat does not predict them (class name -> why)
@@ -120,6 +119,7 @@ def optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.devic
     multi = False
     first_hp: dict[str, Any] | None = None
     first_param: torch.Tensor | None = None
+    clock = Clock(device)
     with global_optimizer_hooks_paused(), torch.no_grad():
         for group in optimizer.param_groups:
             hp = hyperparameters(group)
@@ -147,14 +147,9 @@ def optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.devic
                         "pass optimizer=None to leave its state out of the budget"
                     ) from e
                 state_bytes += tensor_bytes(_state_tensors(opt), device)
-                _sync(device)
                 with StorageTracker(device, ignore=[shadow, shadow.grad, *_state_tensors(opt)]) as tr:
                     _step(opt)
-                _sync(device)
-                t0 = time.perf_counter()
-                _step(opt)
-                _sync(device)
-                total_s += time.perf_counter() - t0
+                total_s += clock.time(lambda: _step(opt))
                 temps.append(tr.peak_bytes)
                 del opt, shadow
         temp = sum(temps) if multi else max(temps, default=0)
@@ -172,15 +167,5 @@ def _call_overhead_s(optimizer: torch.optim.Optimizer, hp: dict[str, Any], like:
     tiny.grad = torch.zeros_like(tiny)
     opt = independent_copy(optimizer, hp, [tiny])
     _step(opt)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        _step(opt)
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    clock = Clock(device)
+    return min(clock.time(lambda: _step(opt)) for _ in range(5))

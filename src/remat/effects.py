@@ -1,0 +1,249 @@
+"""What checkpointing each unit does to memory and time, derived from a Recording (no torch).
+
+``unit_costs(recording, specs, ...)`` is the one place where a unit's memory effects are decided:
+which saved storages it frees and until when (``Drop``), which inputs it holds longer (``Keep``),
+where its recomputation runs and how much it adds (Note [Memory model] in ``remat.simulate``).
+The profiler only records; the simulator only adds up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from remat.costs import CallSpan, Drop, Keep, UnitCost
+from remat.recording import CheckpointOverhead, Recording, SavedTensor, UnitTimes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """A unit to cost: a module (members = itself) or a segment of a Sequential (members = its children),
+    optionally selective (a policy that keeps some operators' outputs)."""
+
+    name: str
+    members: tuple[str, ...]
+    #: the closest enclosing unit, or None
+    parent: str | None
+    #: prefix of buffer names relative to the unit's module (the Sequential's for a segment)
+    scope: str
+    #: for a selective unit (``h.3@ops2``), the forward operators (timeline indices) whose outputs its
+    #: policy keeps (Note [Selective checkpointing] in remat.rewrite); None for a whole unit
+    keep: frozenset[int] | None = None
+    #: the same operators as the rewrite names them (``aten.addmm.default#1``)
+    saved_ops: tuple[str, ...] = ()
+
+    @property
+    def selective(self) -> bool:
+        return self.keep is not None
+
+    @property
+    def segment(self) -> bool:
+        return self.members != (self.name,) and not self.selective
+
+
+@dataclass(frozen=True)
+class _CallEffects:
+    """What checkpointing one forward call of a unit does to memory."""
+
+    recompute_at: int | None
+    drops: tuple[Drop, ...]
+    keeps: tuple[Keep, ...]
+    #: first timeline index at which the checkpoint no longer holds the call's inputs
+    release: int
+    #: last forward operator the recomputation runs (Note [Early stop])
+    recompute_end: int
+    recompute_peak_bytes: int
+    saved: frozenset[int]
+    saved_count: int
+
+
+def unit_costs(
+    rec: Recording, specs: Sequence[UnitSpec], *, times: UnitTimes | None = None,
+    overhead: CheckpointOverhead | None = None, buffer_bytes: Mapping[str, int] | None = None,
+) -> tuple[UnitCost, ...]:
+    """The cost of checkpointing each unit of ``specs``: memory effects from ``rec``; times from
+    ``times`` (measured per module) and ``overhead`` (checkpoint's bookkeeping), zero when not given;
+    ``buffer_bytes`` (qualified buffer name -> bytes) sizes the buffer snapshots a checkpoint holds.
+
+    Note [Reused modules]: a module called more than once per forward (a shared MLP, ALBERT's one
+    layer) is checkpointed call by call (each call is its own checkpoint, recomputed when backward
+    first reads a tensor saved by that call, with its own RNG state). Its cost is the sum of its
+    calls': each call frees its own saved tensors until its own recomputation (``Drop.until_index``),
+    keeps its own inputs, and adds its own recomputation row (``UnitCost.later_calls``)."""
+    live = rec.timeline()
+    saved_as: dict[int, list[SavedTensor]] = defaultdict(list)
+    for t in rec.saved:
+        if t.storage is not None:
+            saved_as[t.storage].append(t)
+    created_by = rec.created_by()
+    return tuple(_unit_cost(rec, spec, live, saved_as, created_by, times, overhead, buffer_bytes or {})
+                 for spec in specs)
+
+
+def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: dict[int, list[SavedTensor]],
+               created_by: dict[int, int], times: UnitTimes | None, overhead: CheckpointOverhead | None,
+               buffer_bytes: Mapping[str, int]) -> UnitCost:
+    members = spec.members
+    first = members[0]
+    member_set = frozenset(members)
+
+    def inside(stack: tuple[str, ...]) -> bool:
+        return not member_set.isdisjoint(stack)
+
+    forward_calls = len(rec.spans[first])
+    calls = max(rec.calls[m] for m in members)
+    if len(members) == 1:
+        spans = list(rec.spans[first])
+    else:
+        spans = [(rec.first_span(first)[0], rec.first_span(members[-1])[1])]
+
+    def in_call(t: SavedTensor, c: int) -> bool:
+        if not inside(t.stack):
+            return False
+        return len(spans) == 1 or t.calls[t.stack.index(first)] == c + 1
+
+    effects = [_call_effects(rec, spec, lambda t, c=c: in_call(t, c), start, end,
+                             rec.inputs[first][c] if c < len(rec.inputs[first]) else (),
+                             live, saved_as, created_by, until=len(spans) > 1)
+               for c, (start, end) in enumerate(spans)]
+    head = effects[0]
+    start, end = spans[0]
+    excluded = None
+    if calls != forward_calls:
+        excluded = f"called {calls} times per step, {forward_calls} in forward"
+    elif forward_calls > 1 and spec.selective:
+        excluded = "selective policies are per call sequence: not offered for a module called more than once"
+    mutated: set[str] = set()
+    for w in rec.writes:
+        if not inside(w.stack):
+            continue
+        if w.preexisting is not None and w.preexisting[0] == "buffer" and \
+                any(w.preexisting[1].startswith(m + ".") for m in members):
+            mutated.add(w.preexisting[1][len(spec.scope):])
+        elif w.preexisting is not None:
+            excluded = excluded or f"modifies a tensor from outside the unit in place ({w.preexisting[0]} " \
+                                   f"{w.preexisting[1]}, {w.op})"
+        elif w.storage is not None and rec.storages[w.storage].alloc_index < start:
+            excluded = excluded or f"modifies its input in place ({w.op})"
+    if excluded and not spec.segment and not spec.selective:
+        log.info("unit %s cannot be checkpointed: %s", spec.name, excluded)
+    keeps = tuple(k for e in effects for k in e.keeps)
+    forward_s = recompute_s = overhead_s = 0.0
+    backward_s = None
+    if times is not None:
+        # buffers a member's first forward changed without an in-place write in its schema (native_batch_norm)
+        mutated |= {f"{m[len(spec.scope):]}.{b}" if spec.segment else b
+                    for m in members for b in times.mutated_buffers.get(m, ())}
+        forward_s = sum(times.forward_s.get(m, 0.0) for m in members)
+        # a unit not recomputed while timing (nested, or a segment's members) recomputes as it runs forward
+        recompute_s = sum(times.recompute_s.get(m, times.forward_s.get(m, 0.0)) for m in members)
+        if spec.keep is not None:
+            # only the operators it does not keep run again: their share of the unit's measured op time
+            recompute_s *= _recompute_share(rec, start, head.recompute_end, spec.keep)
+        backward_s = None if spec.segment else times.backward_s.get(spec.name)
+    # what the checkpoint itself holds per call (Note [Checkpoint holds its inputs]): the snapshot of the
+    # buffers it replays (Note [Buffers replay] in remat.rewrite). (The CPU RNG state it saves, 5 KB, is
+    # made outside the dispatcher: neither counted here nor by the CPU measurement.)
+    held = sum(buffer_bytes.get(spec.scope + b, 0) for b in mutated)
+    if held:
+        keeps += (Keep(held, start, head.release),)
+    if overhead is not None:
+        overhead_s = overhead.per_call_s * forward_calls + \
+            overhead.per_saved_tensor_s * sum(e.saved_count for e in effects)
+        if spec.selective:
+            overhead_s += overhead.per_selective_op_s * (end - start + 1)
+    saved = frozenset(s for e in effects for s in e.saved)
+    return UnitCost(
+        name=spec.name, parent=spec.parent, forward_s=forward_s, recompute_s=recompute_s, backward_s=backward_s,
+        flops=sum(rec.flops.get(m, 0) for m in members), forward_start=start, forward_end=end,
+        recompute_at=head.recompute_at, drops=tuple(d for e in effects for d in e.drops),
+        recompute_peak_bytes=head.recompute_peak_bytes, saved_bytes=sum(rec.storages[s].nbytes for s in saved),
+        excluded=excluded, mutated_buffers=tuple(sorted(mutated)), members=members if spec.segment else (),
+        keeps=keeps, overhead_s=overhead_s, saved_ops=spec.saved_ops, recompute_end=head.recompute_end,
+        later_calls=tuple(CallSpan(sp[0], sp[1], e.recompute_at, e.recompute_peak_bytes)
+                          for sp, e in zip(spans[1:], effects[1:])),
+    )
+
+
+def _call_effects(rec: Recording, spec: UnitSpec, in_call, start: int, end: int, inputs: tuple[int, ...],
+                  live: tuple[int, ...], saved_as: dict[int, list[SavedTensor]], created_by: dict[int, int],
+                  until: bool) -> _CallEffects:
+    """What checkpointing one forward call ``start..end`` of a unit does to memory (Note [Memory model]
+    in remat.simulate); ``in_call(t)`` says whether saved tensor ``t`` was saved by that call. ``until``:
+    the unit runs more than once, so each drop says when its own call is recomputed (Note [Reused
+    modules])."""
+    n = rec.n_ops
+    mine = [t for t in rec.saved if in_call(t)]
+    unpacks = [t.unpacked_at for t in mine if t.unpacked_at is not None]
+    r_at = min(unpacks) if unpacks else None
+    saved = frozenset(t.storage for t in mine if t.storage is not None)
+    drops = []
+    for s in sorted(saved):
+        st = rec.storages[s]
+        if st.is_grad or not (start <= st.alloc_index <= end) or r_at is None:
+            continue
+        # Note [Held storages]: a storage the plain step never frees is held by something besides
+        # autograd (the output, the autocast cache's casts of the weights, a module attribute):
+        # checkpointing does not free it either.
+        if st.free_index is None or st.free_index >= n:
+            continue
+        # Note [Shared saved storages]: a storage that operators outside the unit also save
+        # dies, once the unit is checkpointed, when the last of those releases it (just after
+        # its backward operator first reads it); one that is never read back stays.
+        outside = [t.unpacked_at for t in saved_as[s] if not in_call(t)]
+        if any(t is None for t in outside):
+            continue
+        free_from = max(end + 1, rec.last_use.get(s, -1) + 1, max(outside, default=-1) + 1)
+        if free_from >= r_at or st.free_index <= r_at:
+            continue
+        if spec.keep is not None and created_by.get(s) in spec.keep:
+            continue  # a selective checkpoint keeps it
+        drops.append(Drop(st.nbytes, free_from, r_at if until else None))
+    # Note [Checkpoint holds its inputs]: non-reentrant checkpoint keeps the unit's inputs in its
+    # recompute closure, alive while any tensor saved inside the unit waits to be read back: until
+    # the unit's backward is done, or, when some saved tensor is never read (a node that no
+    # gradient reaches), until the graph is released at the end of the step. Inputs the plain
+    # step frees earlier are kept that long.
+    release = max(unpacks) + 1 if unpacks and all(t.unpacked_at is not None for t in mine) else n
+    keeps = tuple(
+        Keep(rec.storages[s].nbytes, rec.storages[s].free_index, release)
+        for s in dict.fromkeys(inputs)
+        if r_at is not None and rec.storages[s].free_index is not None and rec.storages[s].free_index < release
+    )
+    kept_storages = [] if spec.keep is None else [s for s in range(len(rec.storages)) if created_by.get(s) in spec.keep]
+    if spec.keep is not None and r_at is not None:
+        # the selective checkpoint caches every output of a kept operator until the recomputation
+        # reads it back, also those the plain step frees early (Note [Selective checkpointing])
+        keeps += tuple(
+            Keep(rec.storages[s].nbytes, rec.storages[s].free_index, r_at) for s in kept_storages
+            if rec.storages[s].free_index is not None and rec.storages[s].free_index < r_at
+        )
+    base = live[start - 1] if start > 0 else 0
+    # Note [Early stop]: non-reentrant checkpoint stops recomputing once the last tensor saved
+    # inside the unit exists again, so what the unit allocates after that is not recomputed.
+    end_rec = min(end, max((t.at - 1 for t in mine if t.at - 1 >= start), default=end))
+    if spec.keep is not None:
+        # a selective recomputation reuses the cached outputs of kept operators: they add nothing
+        cached = [rec.storages[s] for s in kept_storages]
+        peak_inc = max((live[i] - sum(c.nbytes for c in cached if c.alloc_index <= i and
+                                      (c.free_index is None or i < c.free_index))
+                        for i in range(start, end_rec + 1)), default=base) - base
+    else:
+        peak_inc = max(live[start:end_rec + 1], default=base) - base
+    return _CallEffects(r_at, tuple(drops), keeps, release, end_rec, max(peak_inc, 0), saved, len(mine))
+
+
+def _recompute_share(rec: Recording, start: int, end: int, keep: frozenset[int]) -> float:
+    """Share of the measured forward time of operators ``start..end`` spent in operators a selective
+    checkpoint runs again (those not in ``keep``); operators without a time count as 1 us."""
+    total = again = 0.0
+    for i in range(start, end + 1):
+        t = rec.forward_ops[i].seconds if i < len(rec.forward_ops) and rec.forward_ops[i].seconds else 1e-6
+        total += t
+        if i not in keep:
+            again += t
+    return again / total if total > 0 else 1.0

@@ -1,0 +1,182 @@
+"""Profile: measure one training step of the model on its device, per unit.
+
+The stage in five parts, one module each:
+
+* ``recorder``: one step recorded (fake tensors when possible) into an immutable
+  :class:`remat.recording.Recording` (Note [Timeline]);
+* ``calibrate``: the recording checked against a real forward (Note [Fake sizes], Note [Fake paths]);
+* ``units``: the candidate units (modules, Note [Segments], Note [Policy menus]);
+* ``timing``: real timed steps per unit and checkpoint's own bookkeeping (Note [Checkpoint overhead]);
+* ``optimizer``: the optimizer's state and step, on shadow copies (Note [Never call the user's optimizer]).
+
+``profile_model`` puts them together; ``remat.effects.unit_costs`` turns the recording and the times
+into a :class:`remat.costs.UnitCost` per unit.
+
+Note [Loop style]
+~~~~~~~~~~~~~~~~~
+The training loop decides part of the peak, so remat records the loop the user runs:
+``loss.backward()`` (not ``torch.autograd.grad``: a real backward lays gradients out as
+``.grad`` does, e.g. channels-last copies for convolution weights) into gradients that start as
+None (``zero_grad(set_to_none=True)``), backward outside autocast (Note [Autocast] in
+remat.measure), and the model's output either kept until the step ends (``output_alive=True``:
+``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``) or dropped once the loss
+is computed (``output_alive=False``: Hugging Face Trainer's ``compute_loss``, torchtitan's
+``del pred``). The optimizer step starts from what is alive once backward has returned
+(``Profile.after_backward_bytes``): the last backward operator's incoming gradient is gone by
+then. The user's own ``.grad`` objects are set aside and given back (``remat.state.fresh_grads``).
+
+Nothing here mutates the model, its gradients, its buffers or the optimizer; RNG state is
+restored (see ``remat.state``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from remat.capture import ModelGraph, quiet_loggers, unit_parent
+from remat.costs import Profile
+from remat.effects import unit_costs
+from remat.errors import InvalidInputError
+from remat.measure import LossFn, input_tensors, tensor_bytes, trainable_parameters
+from remat.profile.calibrate import align_forward, calibrate_sizes, diverged, ops_summary, plain_forward_ops, \
+    plain_step_fits
+from remat.profile.optimizer import optimizer_costs
+from remat.profile.recorder import record_step
+from remat.profile.timing import checkpoint_overhead, time_units
+from remat.profile.units import module_and_segment_specs, selective_specs
+from remat.state import preserved
+
+log = logging.getLogger(__name__)
+
+
+def profile_model(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+    graph: ModelGraph,
+    device: torch.device,
+    timing_steps: int = 4,
+    output_alive: bool = True,
+) -> Profile:
+    """Measure ``model``'s training step on the example inputs. Leaves the model, its gradients and
+    buffers, the optimizer and the RNG state as they were."""
+    notes: list[str] = []
+    mods = dict(model.named_modules())
+    sequentials = {
+        name: [f"{name}.{k}" if name else k for k in m._modules]
+        for name, m in mods.items() if isinstance(m, nn.Sequential) and len(m) >= 2
+    }
+    extra = [c for children in sequentials.values() for c in children] + [c for c in sequentials if c]
+    hooked = list(dict.fromkeys([*graph.units, *extra]))
+
+    def record(fake: bool):
+        with preserved(model):
+            rec = record_step(model, args, kwargs, loss_fn, device, hooked, fake=fake, output_alive=output_alive)
+        # the units that ran, in forward order: by each unit's first operator
+        ran = sorted((u for u in graph.units if u in rec.spans), key=lambda u: (rec.first_span(u)[0],
+                                                                                 -rec.first_span(u)[1]))
+        return rec, ran, module_and_segment_specs(rec, ran, sequentials)
+
+    reason = None
+    if _autocast_enabled(device):
+        # Note [Autocast and fake tensors]: the autocast cache does not hold casts of fake weights,
+        # so a fake recording casts weights again at every use where the real step reuses them.
+        reason = "autocast is on"
+    else:
+        try:
+            with quiet_loggers("torch._subclasses.fake_tensor"):  # a failure here is expected and handled
+                rec, ran, specs = record(fake=True)
+            recorded = "fake"
+        except InvalidInputError:
+            raise
+        except Exception as e:  # noqa: BLE001 - data-dependent code cannot run on fake tensors
+            log.info("recording on fake tensors failed (%s: %s); recording a real step", type(e).__name__, e)
+            reason = f"fake tensors failed: {type(e).__name__}"
+    if reason is not None:
+        notes.append(f"memory recorded on a real step ({reason}); profiling needed the plain step's peak")
+        rec, ran, specs = record(fake=False)
+        recorded = "real"
+    memory = {c.name: c for c in unit_costs(rec, specs[:len(ran)])}
+
+    # time, measured for real with the top-level candidate modules checkpointed
+    # (a module called more than once is not checkpointed while timing: its recomputation is its forwards)
+    cand = [u for u in ran if memory[u].excluded is None and memory[u].drops and memory[u].calls == 1]
+    top = [u for u in cand if unit_parent(u, cand) is None]
+    timed = list(dict.fromkeys([*ran, *(c for c in extra if c in rec.spans)]))
+    with preserved(model):
+        times, forward_ops = time_units(model, args, kwargs, loss_fn, device, timed, top,
+                                        {u: memory[u].mutated_buffers for u in top}, timing_steps,
+                                        {u: len(rec.spans[u]) for u in timed})
+    plain = plain_forward_ops(model, args, kwargs, loss_fn, device) if recorded == "fake" else ()
+    paths = diverged(rec, plain) if recorded == "fake" else []
+    if paths and not plain_step_fits(rec, device):
+        notes.append(f"the step took another path on fake tensors than on real ones ({ops_summary(paths)}), but "
+                     "the plain step may not fit the device to record it for real: memory recorded on fake tensors")
+    elif paths:  # Note [Fake paths]
+        notes.append(f"the step took another path on fake tensors than on real ones ({ops_summary(paths)}): "
+                     "memory recorded on a real step; profiling needed the plain step's peak")
+        rec, ran, specs = record(fake=False)
+        recorded = "real"
+    rec = rec.with_op_seconds({i: forward_ops[j].seconds for i, j in align_forward(rec, forward_ops).items()})
+    if recorded == "fake":
+        # sizes from the plain forward (the same operators as the recording, one for one, when it took the
+        # same path), not from the timed one, whose checkpoint and buffer-snapshot clones can shift the
+        # alignment: a ResNet-D stem's BatchNorm output once took another BatchNorm's size (+256 KiB)
+        rec, fixed = calibrate_sizes(rec, plain)
+        if fixed:
+            notes.append(f"{fixed} storage size(s) on fake tensors differed from the real kernels' and were "
+                         "corrected from the real forward")
+    if graph.capture_path == "hooks":
+        # a policy names operators by their position in the unit's forward, which must not depend on
+        # the data (Note [Selective checkpointing]); without a captured graph that is not known
+        selective = []
+        notes.append("no selective (op-level) options: the model could not be captured as a graph (its "
+                     "operator sequence may depend on the data), so policies naming operators by position "
+                     "are not offered")
+    else:
+        selective = selective_specs(rec, unit_costs(rec, specs[:len(ran)]))
+    specs = specs[:len(ran)] + selective + specs[len(ran):]
+    opt = optimizer_costs(optimizer, device)
+    if optimizer is None:
+        notes.append("no optimizer given: optimizer state and step are not counted")
+    overhead = checkpoint_overhead(device)
+    units = unit_costs(rec, specs, times=times, overhead=overhead,
+                       buffer_bytes={name: tensor_bytes([b], device) for name, b in model.named_buffers()})
+    # the timed steps checkpointed the top-level units: take their recomputation and bookkeeping out
+    by_name = {u.name: u for u in units}
+    backward_s = max(times.step_backward_s - sum(times.recompute_s.get(u, 0.0) + by_name[u].overhead_s
+                                                 for u in top), 0.0)
+    return Profile(
+        units=units,
+        live_bytes=rec.timeline(),
+        before_bytes=rec.before_bytes(),
+        after_backward_bytes=rec.after_backward_bytes,
+        output_alive=output_alive,
+        grad_bytes=rec.grad_timeline(),
+        saved_bytes=rec.saved_timeline(),
+        backward_start=rec.backward_start,
+        params_bytes=tensor_bytes(model.parameters()),
+        grads_bytes=tensor_bytes(trainable_parameters(model)),
+        buffers_bytes=tensor_bytes(model.buffers()),
+        inputs_bytes=tensor_bytes(input_tensors(args, kwargs), device),
+        optimizer_state_bytes=opt.state_bytes,
+        optimizer_step_bytes=opt.step_bytes,
+        forward_s=times.step_forward_s,
+        backward_s=backward_s,
+        optimizer_s=opt.step_s,
+        device=str(device),
+        capture_path=graph.capture_path,
+        memory_recorded_with=recorded,
+        optimizer=opt.label,
+        notes=tuple(notes),
+    )
+
+
+def _autocast_enabled(device: torch.device) -> bool:
+    return bool(torch.is_autocast_enabled(device.type))

@@ -1,0 +1,220 @@
+"""Time: real steps, per unit, and checkpoint's own bookkeeping on this machine.
+
+Time is measured for real, with every top-level candidate unit checkpointed (so its memory stays near
+the least-memory plan's): each unit's forward is timed by module hooks on its first call, its
+recomputation on the second call that checkpointing makes in backward. The plain backward time is
+the measured one less the recomputations. CPU timings are noisy upwards, never downwards: every time
+is the least of the timed steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat._compat import outside_dispatch_modes
+from remat.costs import op_key
+from remat.measure import Clock, LossFn, input_tensors, median_time, new_step, run_step, trainable_parameters
+from remat.profile.calibrate import LoggedOp, ForwardLog, log_forward
+from remat.profile.recorder import grad_targets, hook_units
+from remat.recording import CheckpointOverhead, UnitTimes
+from remat.rewrite import KeepOps, checkpoint_modules
+
+
+def _least(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: min(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {*a, *b}}
+
+
+def time_units(
+    model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, units: list[str],
+    checkpointed: list[str], mutated: dict[str, tuple[str, ...]], steps: int, forward_calls: dict[str, int],
+) -> tuple[UnitTimes, tuple[LoggedOp, ...]]:
+    """Real forward + backward with ``checkpointed`` units checkpointed (mutates ``model``'s forwards: run
+    it under ``remat.state.preserved``); per-unit times from hooks on ``units`` (a unit's forward time is
+    the sum over its ``forward_calls`` calls, default 1). Also returns the operators of the real forward
+    with their sizes and the least of two timings of each (selective checkpointing's recompute cost)."""
+    clock = Clock(device)
+    cuda = device.type == "cuda"
+    targets = grad_targets(trainable_parameters(model), (args, kwargs))
+    checkpoint_modules(model, checkpointed, mutated_buffers=mutated)
+    mods = dict(model.named_modules())
+    recompute: dict[str, float] = {}
+
+    def timer_for(name):
+        @contextlib.contextmanager
+        def timer():
+            t0 = clock.mark()
+            try:
+                yield
+            finally:
+                recompute[name] = clock.seconds(t0, clock.mark())
+        return timer
+
+    for name in checkpointed:
+        mods[name].forward.recompute_timer = timer_for(name)
+    pre = [*model.parameters(), *model.buffers(), *input_tensors(args, kwargs)]
+    best: dict[str, Any] | None = None
+    forward_ops: tuple[LoggedOp, ...] = ()
+    for step in range(max(2, steps)):  # step 0 logs the operators and warms up; the others are timed
+        calls: dict[str, int] = defaultdict(int)
+        starts: dict[tuple[str, int], Any] = {}
+        fwd: dict[str, float] = {}
+        grad_at: dict[tuple[str, str], float] = {}
+        buf_before: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        changed: dict[str, tuple[str, ...]] = {}
+
+        def on_grad(key):
+            def hook(g):
+                grad_at.setdefault(key, clock.mark())
+            return hook
+
+        def enter(name, a):
+            calls[name] += 1
+            if calls[name] == 1:
+                # some kernels (native_batch_norm) update buffers without saying so in their schema
+                with outside_dispatch_modes():  # profiler bookkeeping: not the step's operators
+                    buf_before[name] = [(n, b.detach().clone()) for n, b in mods[name].named_buffers() if b is not None]
+                if not cuda:
+                    for t in input_tensors((a,), {}):
+                        if t.requires_grad:
+                            t.register_hook(on_grad((name, "in")))
+            starts[(name, calls[name])] = clock.mark()
+
+        def leave(name, o):
+            k = calls[name]
+            dt = clock.seconds(starts[(name, k)], clock.mark()) if (name, k) in starts else 0.0
+            if 1 < k <= forward_calls.get(name, 1):  # later calls of a reused module (Note [Reused modules])
+                fwd[name] += dt
+            if k == 1:
+                fwd[name] = dt
+                now_bufs = dict(mods[name].named_buffers())
+                with outside_dispatch_modes():
+                    changed[name] = tuple(n for n, old in buf_before.pop(name, []) if not torch.equal(old, now_bufs[n]))
+                if not cuda:
+                    for t in input_tensors((o,), {}):
+                        if t.requires_grad:
+                            t.register_hook(on_grad((name, "out")))
+            elif k == forward_calls.get(name, 1) + 1:
+                recompute[name] = dt
+
+        handles = hook_units(model, units, enter, leave)
+        log = ForwardLog(device, pre) if step == 0 else None
+        marks: dict[str, Any] = {}
+        try:
+            marks["start"] = clock.mark()
+            run_step(model, args, kwargs, loss_fn, grad_of=targets, forward_context=log,
+                     on=lambda event: marks.__setitem__(event, clock.mark()))
+        finally:
+            for h in handles:
+                h.remove()
+        if log is not None:
+            forward_ops = log.ops
+        # gradient arrival at the unit's input less at its output, less the recomputation inside it
+        bwd = {u: grad_at[(u, "in")] - grad_at[(u, "out")] - (recompute.get(u, 0.0) if u in checkpointed else 0.0)
+               for u in units if (u, "in") in grad_at and (u, "out") in grad_at}
+        timing = dict(mutated=changed, forward=fwd, recompute=dict(recompute), backward=bwd,
+                      step_forward=clock.seconds(marks["start"], marks["loss"]),
+                      step_backward=clock.seconds(marks["loss"], marks["backward"]))
+        if step == 1:
+            best = timing
+        elif step > 1:
+            best = dict(mutated=best["mutated"], forward=_least(best["forward"], fwd),
+                        recompute=_least(best["recompute"], timing["recompute"]), backward=_least(best["backward"], bwd),
+                        step_forward=min(best["step_forward"], timing["step_forward"]),
+                        step_backward=min(best["step_backward"], timing["step_backward"]))
+    assert best is not None
+    # the step's own forward and backward, timed without hooks (their cost is not the model's)
+    for _ in range(2):
+        marks = {"start": clock.mark()}
+        run_step(model, args, kwargs, loss_fn, grad_of=targets, on=lambda event: marks.__setitem__(event, clock.mark()))
+        best["step_forward"] = min(best["step_forward"], clock.seconds(marks["start"], marks["loss"]))
+        best["step_backward"] = min(best["step_backward"], clock.seconds(marks["loss"], marks["backward"]))
+    # each operator's time again, warm (step 0's were the first calls): keep the lesser of the two
+    new_step()
+    warm = log_forward(lambda: loss_fn(model(*args, **kwargs)), device, pre)
+    new_step()
+    if [o.name for o in warm] == [o.name for o in forward_ops]:
+        forward_ops = tuple(LoggedOp(a.name, a.sizes, min(a.seconds, b.seconds)) for a, b in zip(forward_ops, warm))
+    for name in checkpointed:
+        mods[name].forward.recompute_timer = None
+    times = UnitTimes(forward_s=best["forward"], recompute_s=best["recompute"], backward_s=best["backward"],
+                      mutated_buffers=best["mutated"], step_forward_s=best["step_forward"],
+                      step_backward_s=best["step_backward"])
+    return times, forward_ops
+
+
+def checkpoint_overhead(device: torch.device, reps: int = 30) -> CheckpointOverhead:
+    """Note [Checkpoint overhead]: torch.utils.checkpoint's own bookkeeping per call (frame, RNG state,
+    hooks) and per saved tensor (pack, unpack, recomputed-tensor checks), measured on this machine
+    with tiny functions: checkpointed minus plain minus the recompute itself. On the 2-core CPU used
+    here: about 120 us and 14 us, so a GPT block's checkpoint costs ~0.7 ms beyond its recompute. Also
+    what a selective policy adds per operator (:func:`selective_overhead`)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def chain(k):
+        def f(x):
+            for _ in range(k):
+                x = torch.sin(x)
+            return x
+        return f
+
+    x = torch.randn(4, device=device, requires_grad=True)
+    overhead = {}
+    for k in (1, 16):
+        f = chain(k)
+        plain = lambda: f(x).sum().backward()  # noqa: E731
+        ckpt = lambda: checkpoint(f, x, use_reentrant=False).sum().backward()  # noqa: E731
+        fwd = lambda: f(x)  # noqa: E731
+        for fn in (plain, ckpt, fwd):
+            median_time(fn, device, reps)  # warm up
+        overhead[k] = median_time(ckpt, device, reps) - median_time(plain, device, reps) - median_time(fwd, device, reps)
+    per_tensor = max((overhead[16] - overhead[1]) / 15, 0.0)
+    return CheckpointOverhead(max(overhead[1] - per_tensor, 0.0), per_tensor, selective_overhead(device, reps))
+
+
+def selective_overhead(device: torch.device, reps: int = 30) -> float:
+    """Seconds per operator that selective checkpointing adds over plain checkpointing (its policy and
+    cache run for every operator in forward and in the recomputation), measured on a tiny
+    transformer-like block (layer norm, linear, matmul, softmax, gelu, residual: operators with several
+    tensor arguments, which cost the dispatch mode more than single-argument ones; ~30% more per
+    operator than a chain of ``sin`` on the CPU here) whose policy keeps every other operator."""
+    from torch.utils.checkpoint import checkpoint
+
+    def weight(*shape):
+        return torch.randn(*shape, device=device, requires_grad=True)
+
+    w1, w2, g, b = weight(8, 8), weight(8, 8), weight(8), weight(8)
+
+    def f(x):
+        for _ in range(2):
+            h = torch.nn.functional.layer_norm(x, (8,), g, b)
+            q = torch.nn.functional.linear(h, w1)
+            a = torch.softmax(q @ q.transpose(-1, -2) / 3.0, dim=-1) @ q
+            x = x + torch.nn.functional.linear(torch.nn.functional.gelu(a), w2)
+        return x
+
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    ops = [op.name for op in log_forward(lambda: f(x), device, [x])]
+    seen: dict[str, int] = defaultdict(int)
+    keys = []
+    for i, op in enumerate(ops):
+        if i % 2 == 0:
+            keys.append(op_key(op, seen[op]))
+        seen[op] += 1
+    policy = KeepOps(keys)
+    runs = {
+        False: lambda: checkpoint(f, x, use_reentrant=False).sum().backward(),
+        True: lambda: checkpoint(f, x, use_reentrant=False, context_fn=policy).sum().backward(),
+    }
+    med = {}
+    for key, fn in runs.items():
+        median_time(fn, device, 3)  # warm up
+        med[key] = median_time(fn, device, reps)
+    forward = median_time(lambda: f(x), device, reps)
+    # the selective recomputation skips the kept operators: add their share of the time back
+    kept = len(keys) / len(ops)
+    return max((med[True] - med[False] + forward * kept) / len(ops), 0.0)

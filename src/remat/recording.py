@@ -1,0 +1,191 @@
+"""The Recording: one immutable record of a training step, as plain numbers (no torch).
+
+``remat.profile`` runs forward, loss and backward once under a recorder and returns a
+:class:`Recording`; ``remat.effects`` derives from it what checkpointing each unit does to memory.
+A *timeline index* is the position of an operator in the step's sequence of dispatched operators
+(forward first, then backward; Note [Timeline] in ``remat.profile``). Storages are numbered by
+their position in ``Recording.storages``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class Storage:
+    """One storage created during the step."""
+
+    nbytes: int
+    #: timeline index of the operator that created it
+    alloc_index: int
+    #: timeline index of the first operator that ran after it died; None: alive when recording ended
+    free_index: int | None = None
+    #: a parameter's gradient (alive once backward has run)
+    is_grad: bool = False
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor autograd saved for backward."""
+
+    #: the storage behind it (index into ``Recording.storages``); None for one made before recording
+    storage: int | None
+    #: the units running when it was saved, outermost first
+    stack: tuple[str, ...]
+    #: per entry of ``stack``, which call of that unit was running (1 = the first)
+    calls: tuple[int, ...]
+    #: operators run when it was saved (the saving operator is the one before)
+    at: int
+    #: timeline index at which backward first read it back; None if never
+    unpacked_at: int | None = None
+
+
+@dataclass(frozen=True)
+class Write:
+    """An in-place write during forward, inside some unit."""
+
+    #: the units running, outermost first
+    stack: tuple[str, ...]
+    #: the written storage, when it was created during the step
+    storage: int | None
+    #: for a storage that existed before the step: ("param" | "buffer" | "input", qualified name)
+    preexisting: tuple[str, str] | None
+    #: the operator, e.g. "aten.add_.Tensor"
+    op: str
+
+
+@dataclass(frozen=True)
+class ForwardOp:
+    """One operator of the forward (and loss), in order: its timeline index is its position."""
+
+    #: the overload, e.g. "aten.addmm.default"
+    name: str
+    #: the storages it created, one entry per tensor output (None: an output that is a view or existed)
+    created: tuple[int | None, ...]
+    #: it draws random numbers (dropout)
+    random: bool = False
+    #: measured wall time on the real forward (seconds); 0 when unmeasured
+    seconds: float = 0.0
+
+
+def _frozen(d: Mapping) -> Mapping:
+    return MappingProxyType(dict(d))
+
+
+@dataclass(frozen=True)
+class Recording:
+    """Everything one recorded step tells about memory, by timeline index."""
+
+    #: operators recorded (forward, loss, backward): the timeline's length
+    n_ops: int
+    #: timeline index of the first backward operator
+    backward_start: int
+    #: bytes allocated during the step still alive once backward returned (Note [Loop style])
+    after_backward_bytes: int
+    storages: tuple[Storage, ...]
+    saved: tuple[SavedTensor, ...]
+    forward_ops: tuple[ForwardOp, ...]
+    writes: tuple[Write, ...]
+    #: per unit, the forward span (first, last timeline index) of each of its calls, in call order
+    spans: Mapping[str, tuple[tuple[int, int], ...]]
+    #: per unit, how many times its forward ran during the whole step (backward included)
+    calls: Mapping[str, int]
+    #: per unit and forward call, the storages it took as inputs
+    inputs: Mapping[str, tuple[tuple[int, ...], ...]]
+    #: per storage, the last forward operator that read it
+    last_use: Mapping[int, int]
+    #: per unit, floating-point operations of its forward (torch.utils.flop_counter)
+    flops: Mapping[str, int]
+
+    def __post_init__(self) -> None:
+        for name in ("spans", "calls", "inputs", "last_use", "flops"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
+
+    # -- derived timelines -----------------------------------------------------------------
+    def timeline(self, only: Collection[int] | None = None) -> tuple[int, ...]:
+        """Bytes alive after each operator, of the storages in ``only`` (all by default)."""
+        n = self.n_ops
+        diff = [0] * (n + 1)
+        for i, s in enumerate(self.storages):
+            if (only is not None and i not in only) or s.alloc_index >= n:
+                continue
+            diff[s.alloc_index] += s.nbytes
+            diff[min(s.free_index if s.free_index is not None else n, n)] -= s.nbytes
+        out, acc = [], 0
+        for i in range(n):
+            acc += diff[i]
+            out.append(acc)
+        return tuple(out)
+
+    def before_bytes(self) -> tuple[int, ...]:
+        """Note [Between operators]: what is alive just before each operator runs: the live bytes after
+        it, less what it allocated (frees between two operators count against the earlier one)."""
+        made = [0] * self.n_ops
+        for s in self.storages:
+            if s.alloc_index < self.n_ops:
+                made[s.alloc_index] += s.nbytes
+        return tuple(max(v - a, 0) for v, a in zip(self.timeline(), made))
+
+    def saved_timeline(self) -> tuple[int, ...]:
+        """Bytes alive after each operator of storages autograd saved for backward."""
+        return self.timeline({t.storage for t in self.saved if t.storage is not None})
+
+    def grad_timeline(self) -> tuple[int, ...]:
+        """Bytes alive after each operator of parameter gradients."""
+        return self.timeline({i for i, s in enumerate(self.storages) if s.is_grad})
+
+    def first_span(self, unit: str) -> tuple[int, int]:
+        return self.spans[unit][0]
+
+    def created_by(self) -> dict[int, int]:
+        """Storage -> the forward operator (timeline index) that created it."""
+        return {s: i for i, op in enumerate(self.forward_ops) for s in op.created if s is not None}
+
+    # -- corrections (new Recordings; this one is unchanged) ---------------------------------
+    def with_sizes(self, nbytes: Mapping[int, int]) -> "Recording":
+        """The same recording with the sizes of some storages replaced (Note [Fake sizes])."""
+        storages = tuple(dataclasses.replace(s, nbytes=nbytes[i]) if i in nbytes else s
+                         for i, s in enumerate(self.storages))
+        return dataclasses.replace(self, storages=storages)
+
+    def with_op_seconds(self, seconds: Mapping[int, float]) -> "Recording":
+        """The same recording with measured times for some forward operators."""
+        ops = tuple(dataclasses.replace(op, seconds=seconds[i]) if i in seconds else op
+                    for i, op in enumerate(self.forward_ops))
+        return dataclasses.replace(self, forward_ops=ops)
+
+
+@dataclass(frozen=True)
+class UnitTimes:
+    """What real, timed steps measured per module (``remat.profile.timing``), in seconds."""
+
+    #: per module, its forward time (summed over its forward calls)
+    forward_s: Mapping[str, float]
+    #: per module checkpointed while timing, its recomputation time in backward
+    recompute_s: Mapping[str, float]
+    #: per module, time from the gradient reaching its output to reaching its input (CPU only)
+    backward_s: Mapping[str, float]
+    #: per module, the buffers (names relative to it) whose values its first forward changed
+    mutated_buffers: Mapping[str, tuple[str, ...]]
+    #: the whole step's forward and backward, timed without hooks
+    step_forward_s: float
+    step_backward_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "recompute_s", "backward_s", "mutated_buffers"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
+
+
+@dataclass(frozen=True)
+class CheckpointOverhead:
+    """torch.utils.checkpoint's own bookkeeping, measured on this machine (Note [Checkpoint overhead]
+    in ``remat.profile.timing``), in seconds."""
+
+    per_call_s: float
+    per_saved_tensor_s: float
+    #: what a selective policy adds per operator of the unit
+    per_selective_op_s: float
