@@ -10,9 +10,9 @@ import contextlib
 from typing import Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # checked on 2.11, 2.13
-from torch.utils._python_dispatch import TorchDispatchMode  # checked on 2.11, 2.13
-from torch.utils._pytree import tree_flatten, tree_map  # checked on 2.11, 2.13
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401 - checked on 2.11, 2.13
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 - checked on 2.11, 2.13
+from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401 - checked on 2.11, 2.13
 
 #: torch versions the entries below were run on
 CHECKED_ON = ("2.11", "2.13")

@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import nn
+
+from remat._compat import module_stack
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,7 @@ class ModelGraph:
     capture_path: str
     #: candidate units in forward order (for "hooks": in registration order until profiling runs)
     units: tuple[str, ...]
-    #: data edges between units (producer -> consumer) and the units' nesting; empty for "hooks"
-    graph: nx.DiGraph = field(compare=False, repr=False)
-    #: the captured op graph (fx or export) for later op-level analysis; None for "hooks"
-    fx_graph: torch.fx.Graph | None = field(default=None, compare=False, repr=False)
-    #: why the earlier capture paths failed
+    #: why the earlier capture paths failed (one line each)
     failures: tuple[str, ...] = ()
 
 
@@ -58,33 +55,9 @@ def composite_modules(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if name and any(True for _ in m.children())]
 
 
-def _units_from_graph(graph: torch.fx.Graph, possible: set[str]) -> tuple[list[str], nx.DiGraph]:
-    """Units in order of their first node, and the data edges between the innermost units of nodes."""
-    order: list[str] = []
-    owner: dict[torch.fx.Node, str | None] = {}
-    dg = nx.DiGraph()
-    for node in graph.nodes:
-        stack = node.meta.get("nn_module_stack") or {}
-        names = [v[0] if isinstance(v, tuple) else str(v) for v in stack.values()]
-        if node.op == "call_module":
-            names.append(str(node.target))
-        inner = None
-        for n in names:
-            if n in possible:
-                inner = n
-                if n not in dg:
-                    order.append(n)
-                    dg.add_node(n)
-        owner[node] = inner
-        for arg in node.all_input_nodes:
-            src = owner.get(arg)
-            if src and inner and src != inner:
-                dg.add_edge(src, inner, kind="data")
-    for u in order:
-        p = unit_parent(u, order)
-        if p is not None:
-            dg.add_edge(p, u, kind="contains")
-    return order, dg
+def _units_from_graph(graph: torch.fx.Graph, possible: set[str]) -> list[str]:
+    """The possible units a graph's nodes ran inside, in order of their first node."""
+    return list(dict.fromkeys(n for node in graph.nodes for n in module_stack(node) if n in possible))
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> ModelGraph:
@@ -93,8 +66,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> ModelGraph
     failures: list[str] = []
     try:
         gm = torch.fx.symbolic_trace(model)
-        order, dg = _units_from_graph(gm.graph, possible)
-        return ModelGraph("fx", tuple(order), dg, gm.graph)
+        return ModelGraph("fx", tuple(_units_from_graph(gm.graph, possible)))
     except Exception as e:  # noqa: BLE001 - any tracing failure sends us to the next path
         failures.append(f"fx.symbolic_trace: {type(e).__name__}: {_first_line(e)}")
         log.info("torch.fx.symbolic_trace failed (%s); trying torch.export (non-strict)", _first_line(e))
@@ -103,13 +75,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> ModelGraph
         with quiet_loggers("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export"), \
                 contextlib.redirect_stderr(io.StringIO()):
             ep = torch.export.export(model, args, kwargs, strict=False)
-        order, dg = _units_from_graph(ep.graph, possible)
-        return ModelGraph("export", tuple(order), dg, ep.graph, tuple(failures))
+        return ModelGraph("export", tuple(_units_from_graph(ep.graph, possible)), tuple(failures))
     except Exception as e:  # noqa: BLE001
         failures.append(f"torch.export(strict=False): {type(e).__name__}: {_first_line(e)}")
         log.info("torch.export failed (%s); recording units with module hooks instead", _first_line(e))
     return ModelGraph("hooks", tuple(sorted(possible, key=list(dict(model.named_modules())).index)),
-                      nx.DiGraph(), None, tuple(failures))
+                      tuple(failures))
 
 
 @contextlib.contextmanager

@@ -106,8 +106,9 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
             return False
         return len(spans) == 1 or t.calls[t.stack.index(first)] == c + 1
 
+    inputs = rec.inputs.get(first, ())
     effects = [_call_effects(rec, spec, lambda t, c=c: in_call(t, c), start, end,
-                             rec.inputs[first][c] if c < len(rec.inputs[first]) else (),
+                             inputs[c] if c < len(inputs) else (),
                              live, saved_as, created_by, until=len(spans) > 1)
                for c, (start, end) in enumerate(spans)]
     head = effects[0]

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from remat.simulate import PeakBreakdown
+
 GiB = 2**30
 MiB = 2**20
 PLAN_FORMAT = 1
@@ -46,8 +48,8 @@ class Plan:
     baseline_peak_bytes: int
     #: the least peak any plan reaches (bytes)
     min_peak_bytes: int
-    #: the predicted peak split by category (bytes; see remat.simulate.PeakBreakdown)
-    breakdown: dict[str, Any]
+    #: the predicted peak split by category
+    breakdown: PeakBreakdown
     predicted_step_time_s: float
     #: measured step time with nothing checkpointed (seconds)
     baseline_step_time_s: float
@@ -76,11 +78,6 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
-    def fits(self) -> bool:
-        """Whether the predicted peak is within the budget (always True without a budget)."""
-        return self.budget_bytes is None or self.predicted_peak_bytes <= self.budget_bytes
-
-    @property
     def predicted_overhead(self) -> float:
         """Predicted step-time overhead over no checkpointing, as a fraction (0.1 = 10%)."""
         if self.baseline_step_time_s <= 0:
@@ -100,7 +97,7 @@ class Plan:
             f"  (measured without checkpointing: {self.baseline_step_time_s * 1e3:.1f} ms, "
             f"{self.predicted_overhead:+.1%})",
             f"  training loop:        {'output kept until the step ends' if self.output_alive else 'output dropped after the loss'}",
-            f"  peak breakdown (predicted, at {b.get('phase', '?')}):",
+            f"  peak breakdown (predicted, at {b.phase}):",
         ]
         for key, label in [
             ("params_bytes", "parameters"),
@@ -111,7 +108,7 @@ class Plan:
             ("saved_activations_bytes", "saved activations"),
             ("temporaries_bytes", "temporaries"),
         ]:
-            lines.append(f"    {label:<32}{fmt_bytes(b.get(key))}")
+            lines.append(f"    {label:<32}{fmt_bytes(getattr(b, key))}")
         if self.checkpointed:
             lines.append(f"  checkpointed ({len(self.checkpointed)}): " + ", ".join(self.checkpointed))
             for unit, ops in self.saved_ops.items():
@@ -136,6 +133,7 @@ class Plan:
         d["notes"] = tuple(d.get("notes", ()))
         d["mutated_buffers"] = {k: tuple(v) for k, v in d.get("mutated_buffers", {}).items()}
         d["saved_ops"] = {k: tuple(v) for k, v in d.get("saved_ops", {}).items()}
+        d["breakdown"] = PeakBreakdown(**d["breakdown"])
         return cls(**d)
 
     def save(self, path: str | Path) -> None:

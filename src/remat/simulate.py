@@ -73,9 +73,6 @@ class PeakBreakdown:
     phase: str
     index: int
 
-    def as_dict(self) -> dict[str, int | str]:
-        return dict(self.__dict__)
-
 
 class MemoryModel:
     """Predicted memory of every plan over one step, built once from a :class:`Profile`."""

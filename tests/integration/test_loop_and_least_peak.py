@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 import torch.nn.functional as F
 
 import remat

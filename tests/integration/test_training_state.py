@@ -177,7 +177,7 @@ def test_optimize_checkpointing_with_scheduler_leaves_the_run_bit_identical(opt_
             plan = remat.optimize_checkpointing(model, budget / 2**30, x, loss_fn=loss, optimizer=opt)
             assert plan.checkpointed
             expected_state = real_state_bytes(make_opt, mlp(), x, make_sched)
-            assert plan.breakdown["optimizer_state_bytes"] == expected_state
+            assert plan.breakdown.optimizer_state_bytes == expected_state
             after = training_state(model, opt, sched)
             assert_same_state(before, after)
             assert remat.check_equivalence(model, x, loss_fn=loss).equal

@@ -164,7 +164,7 @@ def test_breakdown_adds_up():
         b = plan.breakdown
         parts = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "buffers_bytes", "inputs_bytes",
                  "saved_activations_bytes", "temporaries_bytes")
-        assert sum(b[k] for k in parts) == b["total_bytes"] == plan.predicted_peak_bytes
+        assert sum(getattr(b, k) for k in parts) == b.total_bytes == plan.predicted_peak_bytes
 
 
 def test_chen_segments_follow_checkpoint_sequential():

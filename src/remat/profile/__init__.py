@@ -138,7 +138,7 @@ def profile_model(
         selective = []
         notes.append("no selective (op-level) options: the model could not be captured as a graph (its "
                      "operator sequence may depend on the data), so policies naming operators by position "
-                     "are not offered")
+                     "are not offered (" + "; ".join(graph.failures) + ")")
     else:
         selective = selective_specs(rec, unit_costs(rec, specs[:len(ran)]))
     specs = specs[:len(ran)] + selective + specs[len(ran):]

@@ -18,6 +18,7 @@ hyperparameters, same shape, dtype and device.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -149,7 +150,7 @@ def optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.devic
                 state_bytes += tensor_bytes(_state_tensors(opt), device)
                 with StorageTracker(device, ignore=[shadow, shadow.grad, *_state_tensors(opt)]) as tr:
                     _step(opt)
-                total_s += clock.time(lambda: _step(opt))
+                total_s += clock.time(functools.partial(_step, opt))
                 temps.append(tr.peak_bytes)
                 del opt, shadow
         temp = sum(temps) if multi else max(temps, default=0)

@@ -93,7 +93,7 @@ class Planner:
             predicted_peak_bytes=bd.total_bytes,
             baseline_peak_bytes=self.baseline_peak_bytes,
             min_peak_bytes=self.min_peak_bytes,
-            breakdown=bd.as_dict(),
+            breakdown=bd,
             predicted_step_time_s=p.step_time_s + recompute_s,
             baseline_step_time_s=p.step_time_s,
             predicted_recompute_s=recompute_s,
@@ -122,11 +122,11 @@ class Planner:
         return InfeasibleBudgetError(
             f"budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes) is below the least peak any "
             f"checkpointing plan reaches: {fmt_bytes(least_bytes)} ({least_bytes} bytes, "
-            f"{how}, at {b['phase']}). Of the prediction, {fmt_bytes(fixed)} is memory no plan removes "
-            f"(parameters {fmt_bytes(b['params_bytes'])}, optimizer state {fmt_bytes(b['optimizer_state_bytes'])}, "
-            f"buffers {fmt_bytes(b['buffers_bytes'])}, inputs {fmt_bytes(b['inputs_bytes'])}), plus gradients "
-            f"{fmt_bytes(b['grads_bytes'])}, saved activations {fmt_bytes(b['saved_activations_bytes'])} and "
-            f"temporaries {fmt_bytes(b['temporaries_bytes'])}. Raise budget_gb to at least "
+            f"{how}, at {b.phase}). Of the prediction, {fmt_bytes(fixed)} is memory no plan removes "
+            f"(parameters {fmt_bytes(b.params_bytes)}, optimizer state {fmt_bytes(b.optimizer_state_bytes)}, "
+            f"buffers {fmt_bytes(b.buffers_bytes)}, inputs {fmt_bytes(b.inputs_bytes)}), plus gradients "
+            f"{fmt_bytes(b.grads_bytes)}, saved activations {fmt_bytes(b.saved_activations_bytes)} and "
+            f"temporaries {fmt_bytes(b.temporaries_bytes)}. Raise budget_gb to at least "
             f"{math.ceil(least_bytes / 2**30 * 1000) / 1000:.3f}, or shrink the batch.",
             budget_bytes=budget_bytes,
             min_feasible_bytes=least_bytes,
