@@ -21,9 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 
 import remat  # noqa: E402
-from remat.api import make_profile, split_inputs  # noqa: E402
+from remat import Planner, make_profile  # noqa: E402
 from remat.plan import MiB  # noqa: E402
-from remat.solve import Planner  # noqa: E402
 from test_reused_modules import Albert, SharedMLP, make  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
@@ -65,7 +64,6 @@ def main() -> None:
             alive = {"kept": True, "dropped": False}[loop]
             model, inputs, loss_fn = MODELS[name]()
             loss_fn = loss_fn or remat.default_loss
-            a, k = split_inputs(inputs)
             profile = make_profile(model, inputs, loss_fn=loss_fn, optimizer=opt(model.parameters()), output_alive=alive)
             planner = Planner(profile)
             lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes

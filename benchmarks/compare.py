@@ -42,13 +42,13 @@ sys.path.insert(0, str(ROOT / "tests" / "integration"))
 sys.path.insert(0, str(ROOT / "examples"))
 
 import remat  # noqa: E402
-from remat.api import make_profile, split_inputs  # noqa: E402
+from remat import Planner, make_profile  # noqa: E402
+from remat.measure import split_inputs  # noqa: E402
 from remat.costs import is_selective  # noqa: E402
 from remat.examples import make_gpt, make_unet  # noqa: E402
 from remat.measure import outside_autocast  # noqa: E402
 from remat.plan import fmt_bytes  # noqa: E402
 from remat.report import TradeoffRow, budget_sweep, plot_rows, tradeoff  # noqa: E402
-from remat.solve import Planner  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -299,7 +299,6 @@ def main() -> None:
             print(f"{name}: {e}", flush=True)
             continue
         loss_fn = loss_fn or remat.default_loss
-        a, k = split_inputs(inputs)
         remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adamw, warmup=5, repeats=0,
                            measure_memory=False)  # warm the process up before profiling
         profile = make_profile(model, inputs, loss_fn=loss_fn, optimizer=adamw(model.parameters()))

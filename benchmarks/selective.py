@@ -36,12 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 import remat  # noqa: E402
-from remat.api import make_profile, split_inputs  # noqa: E402
+from remat import Planner, make_profile  # noqa: E402
 from remat.costs import is_selective  # noqa: E402
 from remat.examples import make_gpt  # noqa: E402
 from remat.plan import fmt_bytes  # noqa: E402
-from remat.report import TradeoffRow, budget_sweep, tradeoff  # noqa: E402
-from remat.solve import Planner  # noqa: E402
+from remat import TradeoffRow, tradeoff  # noqa: E402
+from remat.report import budget_sweep  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -82,7 +82,6 @@ def adamw(params):
 def run(name: str, desc: str, factory, device: torch.device, points: int, repeats: int) -> dict:
     model, inputs, loss_fn = factory()
     loss_fn = loss_fn or remat.default_loss
-    args, kwargs = split_inputs(inputs)
     t0 = time.perf_counter()
     profile = make_profile(model, inputs, loss_fn=loss_fn, optimizer=adamw(model.parameters()))
     profile_s = time.perf_counter() - t0

@@ -54,11 +54,10 @@ def gpt_solves(layers: int) -> None:
     import torch
 
     import remat
-    from remat.api import make_profile, split_inputs
+    from remat import make_profile
     from remat.examples import make_gpt
 
     model, inputs, _ = make_gpt(layers=layers)
-    a, k = split_inputs(inputs)
     profile = make_profile(model, inputs, loss_fn=remat.default_loss,
                            optimizer=torch.optim.AdamW(model.parameters()))
     planner = Planner(profile)

@@ -22,11 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 
 import remat  # noqa: E402
-from remat.api import make_profile, plan_checked, prepare_hf_for_training, split_inputs  # noqa: E402
+from remat import InfeasibleBudgetError, Planner, checked_plan, make_profile  # noqa: E402
+from remat.api import prepare_hf_for_training  # noqa: E402
 from remat.costs import is_selective  # noqa: E402
-from remat.errors import InfeasibleBudgetError  # noqa: E402
 from remat.plan import MiB  # noqa: E402
-from remat.solve import Planner  # noqa: E402
 from third_party import THIRD_PARTY  # noqa: E402
 
 
@@ -62,16 +61,14 @@ def main() -> None:
     for name in args.models.split(","):
         model, inputs, loss_fn = THIRD_PARTY[name]()
         loss_fn = loss_fn or remat.default_loss
-        a, k = split_inputs(inputs)
         profile = make_profile(model, inputs, loss_fn=loss_fn, optimizer=adam(model.parameters()))
         planner = Planner(profile, granularity="op")
         offered = sum(is_selective(u) for u in planner.model.units)
         every, _ = measured_peak(name, planner.every_nth_block(1))
         none, _ = measured_peak(name, planner.no_checkpointing())
-        prepare_hf_for_training(model)
         for label, budget in (("every block", every), ("halfway", (every + none) // 2), ("none", none)):
             try:
-                plan = plan_checked(model, a, k, loss_fn, torch.device("cpu"), planner, budget)
+                plan = checked_plan(model, inputs, planner, budget, loss_fn=loss_fn)
             except InfeasibleBudgetError as e:
                 say(f"| {name} | {profile.capture_path} | {offered} | {label} {budget / MiB:.2f} | refused | | | | | | "
                     f"| {e.min_feasible_bytes / MiB:.2f} / {every / MiB:.2f} |")

@@ -16,10 +16,11 @@ The pipeline, one module (or package) per stage, each handing a frozen dataclass
 
 Entry points: :func:`optimize_checkpointing` (all of it, in place), :func:`make_profile` with
 :class:`Planner` (profile once, plan many budgets and hand rules), :func:`apply_plan` (a saved plan),
+:func:`tradeoff` (the CLI's table: plans per budget and hand rules, each measured),
 :func:`check_equivalence` and :func:`measure_step` (prove it). Every error is a :class:`RematError`.
 """
 
-from remat.api import apply_plan, make_profile, optimize_checkpointing
+from remat.api import apply_plan, checked_plan, make_profile, optimize_checkpointing
 from remat.costs import Profile, UnitCost
 from remat.errors import (
     EquivalenceError,
@@ -33,6 +34,7 @@ from remat.errors import (
 )
 from remat.measure import StepMeasurement, default_loss, measure_step
 from remat.plan import Plan
+from remat.report import TradeoffRow, tradeoff
 from remat.rewrite import checkpointed_modules, remove_checkpointing
 from remat.simulate import PeakBreakdown
 from remat.solve import Planner
@@ -44,9 +46,12 @@ __all__ = [
     "optimize_checkpointing",
     "make_profile",
     "Planner",
+    "checked_plan",
     "apply_plan",
     "remove_checkpointing",
     "checkpointed_modules",
+    "tradeoff",
+    "TradeoffRow",
     "check_equivalence",
     "assert_equivalent",
     "measure_step",

@@ -243,6 +243,21 @@ def measure_checked_peak(
     return max(peak, after_backward[0] + optimizer_step_bytes) + optimizer_state_bytes
 
 
+def checked_plan(model: nn.Module, example_inputs: Any, planner: Planner, budget_bytes: int, *,
+                 loss_fn: LossFn | None = None) -> Plan:
+    """The plan :func:`optimize_checkpointing` would choose for ``budget_bytes`` from ``planner`` (made from
+    :func:`make_profile` of this model, with the same ``loss_fn``), checked on one real step (Note [Checked
+    plans]), without applying it: the model, its checkpointing, gradients, buffers and RNG state are left as
+    they were. Raises InfeasibleBudgetError (with the least measured peak) when no plan fits."""
+    _, args, kwargs, device = validate(model, max(budget_bytes, 1) / GiB, example_inputs)
+    _, undo = prepare_hf_for_training(model)
+    try:
+        with preserved(model):
+            return plan_checked(model, args, kwargs, loss_fn or default_loss, device, planner, budget_bytes)
+    finally:
+        undo()
+
+
 def plan_checked(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
     budget_bytes: int,

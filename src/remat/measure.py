@@ -99,9 +99,6 @@ class StorageTracker(TorchDispatchMode):
         self.records: list[StorageRecord] = []
         self.by_key: dict[int, StorageRecord] = {}
         self._refs: dict[int, weakref.ref] = {}
-        #: live bytes after each operator (only kept when ``keep_timeline``)
-        self.timeline: list[int] = []
-        self.keep_timeline = False
         #: time each operator on this clock (``op_marks``); None: do not time
         self.clock: Clock | None = None
         #: (start, end) clock marks of each operator, when timed
@@ -152,8 +149,6 @@ class StorageTracker(TorchDispatchMode):
                 self.track(t)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self.on_op(func, args, kwargs, out)
-        if self.keep_timeline:
-            self.timeline.append(self.live_bytes)
         self.index += 1
         return out
 

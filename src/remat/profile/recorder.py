@@ -48,7 +48,6 @@ class _Recorder(StorageTracker):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device, count_fake=True)
-        self.keep_timeline = True
         self.stack: list[str] = []
         #: call number of each entry of ``stack``
         self.stack_calls: list[int] = []
