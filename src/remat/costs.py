@@ -1,9 +1,9 @@
 """The measured costs of one training step, as plain numbers (no torch).
 
-``remat.profile`` produces a :class:`Profile`; the simulator, the solver and the
-report read it. Bytes are integers, times are seconds, and a *timeline index*
+``remat.profile`` produces a :class:`Profile` (its :class:`UnitCost` per candidate unit derived from
+the step's Recording by ``remat.effects``); the simulator, the solver and the report read it. Bytes are integers, times are seconds, and a *timeline index*
 is the position of an operator in the step's sequence of dispatched operators
-(forward first, then backward); see Note [Timeline] in ``remat.profile``.
+(forward first, then backward); see Note [Timeline] in ``remat.profile.recorder``.
 """
 
 from __future__ import annotations

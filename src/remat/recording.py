@@ -3,7 +3,7 @@
 ``remat.profile`` runs forward, loss and backward once under a recorder and returns a
 :class:`Recording`; ``remat.effects`` derives from it what checkpointing each unit does to memory.
 A *timeline index* is the position of an operator in the step's sequence of dispatched operators
-(forward first, then backward; Note [Timeline] in ``remat.profile``). Storages are numbered by
+(forward first, then backward; Note [Timeline] in ``remat.profile.recorder``). Storages are numbered by
 their position in ``Recording.storages``.
 """
 

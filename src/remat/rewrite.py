@@ -13,7 +13,7 @@ of the unit's forward). Kept outputs are cached in forward and handed back durin
 recomputation instead of computing them again; every other operator runs again, as in plain
 checkpointing. Megatron-LM's selective recomputation is one such policy (keep the matmuls,
 recompute the attention core, softmax, dropout, norms); remat profiles several per unit, at
-different memory levels (``remat.profile``: Note [Policy menus]), and the ILP picks at most one
+different memory levels (``remat.profile.units``: Note [Policy menus]), and the ILP picks at most one
 option per unit. It uses ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` under
 non-reentrant checkpoint with the RNG state preserved; the policy never keeps the output of an
 operator that draws random numbers (``draws_random``), so every random operator runs again, in

@@ -20,7 +20,7 @@ Checkpointing a unit ``u`` changes that timeline in exactly two ways:
 
 A module called more than once per step is checkpointed call by call: each call's drops last
 until its own recomputation (``Drop.until_index``) and each call adds its own recompute row
-(Note [Reused modules] in remat.profile).
+(Note [Reused modules] in remat.effects).
 
 Units chosen together never nest, so their effects add up: the predicted memory
 at every timeline index is a *linear* function of the 0/1 choices. This module

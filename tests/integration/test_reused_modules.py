@@ -1,4 +1,4 @@
-"""A module called more than once per forward is a candidate (Note [Reused modules] in remat.profile)."""
+"""A module called more than once per forward is a candidate (Note [Reused modules] in remat.effects)."""
 
 from __future__ import annotations
 
