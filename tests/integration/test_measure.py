@@ -1,0 +1,73 @@
+"""The measurement layer: one training step, one clock, one peak meter (remat.measure)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.measure import Clock, measure_peak, run_step, tensor_bytes
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+
+
+def test_run_step_is_the_loop_forward_loss_backward_then_the_optimizer():
+    model = mlp()
+    x = torch.randn(4, 16)
+    events = []
+    step = run_step(model, (x,), {}, lambda out: out.square().mean(), on=events.append)
+    assert events == ["loss", "backward"]
+    assert step.output.shape == (4, 16) and not step.loss.requires_grad
+    assert all(p.grad is not None for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    params = list(model.parameters())
+    run_step(model, (x,), {}, lambda out: out.sum(), grad_of=params, output_alive=False)
+    assert all(p.grad is None for p in model.parameters())  # autograd.grad: .grad untouched
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in params]
+    run_step(model, (x,), {}, lambda out: out.sum(), optimizer=opt)
+    assert all(p.grad is None for p in params)  # zero_grad(set_to_none=True) after the step
+    assert not all(torch.equal(a, b) for a, b in zip(before, params))
+
+
+def test_run_step_refuses_a_loss_that_is_not_a_scalar():
+    with pytest.raises(remat.InvalidInputError, match="scalar"):
+        run_step(mlp(), (torch.randn(4, 16),), {}, lambda out: out)
+
+
+def test_the_peak_meter_counts_state_and_what_the_work_allocates():
+    x = torch.randn(256, 256)
+    live = []
+
+    def work(live_now):
+        y = x * 2  # 256 KiB
+        live.append(live_now())
+        z = y + 1  # 256 KiB more
+        del y, z
+        live.append(live_now())
+
+    peak = measure_peak(work, torch.device("cpu"), [x])
+    assert tensor_bytes([x]) == 256 * 256 * 4
+    assert live == [2 * 256 * 256 * 4, 256 * 256 * 4]
+    assert peak == 3 * 256 * 256 * 4
+
+
+def test_measure_step_peak_is_the_meter_on_a_real_step():
+    model = mlp()
+    x = torch.randn(8, 16)
+    m = remat.measure_step(model, x, optimizer_factory=lambda p: torch.optim.Adam(p), repeats=1)
+    assert m.method == "live tensor storages (CPU)" and len(m.step_times_s) == 1 and m.step_time_s > 0
+    params = sum(p.numel() for p in model.parameters()) * 4
+    # parameters, their gradients and Adam's two moments at least
+    assert m.peak_bytes >= 4 * params
+
+
+def test_the_clock_measures_intervals_on_cpu():
+    clock = Clock("cpu")
+    a = clock.mark()
+    b = clock.mark()
+    assert clock.seconds(a, b) >= 0 and clock.time(lambda: None) >= 0
