@@ -67,7 +67,7 @@ def outside_dispatch_modes() -> Iterator[None]:
 def storage_key(t: torch.Tensor) -> int:
     """An identity for the storage behind ``t``, equal for views and aliases and stable while it lives:
     ``UntypedStorage._cdata`` (checked on 2.11, 2.13)."""
-    return t.untyped_storage()._cdata
+    return local_tensor(t).untyped_storage()._cdata
 
 
 def fake_mode() -> FakeTensorMode:
@@ -121,3 +121,70 @@ def module_stack(node: torch.fx.Node) -> list[str]:
     if node.op == "call_module":
         names.append(str(node.target))
     return names
+
+
+# -- distributed ----------------------------------------------------------------------------------
+def is_dtensor_class(cls: type) -> bool:
+    """Whether ``cls`` is ``torch.distributed.tensor.DTensor`` (or a subclass) (checked on 2.11, 2.13)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(cls, type) and issubclass(cls, DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this rank's memory: a DTensor's local shard (``DTensor._local_tensor``, read
+    without dispatching an operator; checked on 2.11, 2.13), any other tensor itself."""
+    return t._local_tensor if is_dtensor_class(type(t)) else t
+
+
+def active_fake_mode():
+    """The FakeTensorMode in effect, or None. DTensor's sharding propagation runs operators on fake tensors
+    of its own (they allocate nothing) (``torch._guards.active_fake_mode``, checked on 2.11, 2.13)."""
+    from torch._guards import active_fake_mode as active
+
+    return active()
+
+
+@contextlib.contextmanager
+def storage_resizes_reported(callback) -> Iterator[None]:
+    """Call ``callback(storage, nbytes)`` after every ``UntypedStorage.resize_``: FSDP2 frees and re-allocates
+    its all-gather buffers by resizing their storages (``free_storage``/``alloc_storage``), which no
+    dispatch mode sees (the same patch as ``torch.distributed._tools.mem_tracker``; checked on 2.11, 2.13)."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(st, size):
+        result = original(st, size)
+        callback(st, int(size))
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, bool]]:
+    """The modules ``fully_shard`` manages, by qualified name, with whether each reshards its parameters
+    after forward (``FSDPModule._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info``; checked on
+    2.11, 2.13)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            out.append((name, group is not None and group.post_forward_mesh_info is not None))
+    return out
+
+
+def default_store():
+    """The key-value store of the default process group (``distributed_c10d._get_default_store``, checked
+    on 2.11, 2.13)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()

@@ -14,6 +14,7 @@ from torch import nn
 
 from remat.capture import capture
 from remat.costs import Profile
+from remat.distributed import Ranks, Wrapping, ranks_for, wrapping_of
 from remat.errors import InternalError, InvalidInputError, PlanMismatchError, RematError
 from remat.measure import LossFn, default_loss, input_tensors, measure_peak, model_device, run_step, split_inputs, \
     trainable_parameters
@@ -77,21 +78,22 @@ def make_profile(
     _, undo = prepare_hf_for_training(model)
     try:
         return _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
-                             output_alive=output_alive)
+                             output_alive=output_alive, wrapping=wrapping_of(model))
     finally:
         undo()
 
 
 def _make_profile(
     model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
-    device: torch.device, output_alive: bool = True,
+    device: torch.device, output_alive: bool = True, wrapping: Wrapping | None = None,
 ) -> Profile:
+    wrapped = None if wrapping is None or wrapping.kind == "none" else f"the model is wrapped by {wrapping}"
     with preserved(model):
         remove_checkpointing(model)
         with stage("profile", model, args, kwargs, loss_fn):
-            graph = capture(model, args, kwargs)
+            graph = capture(model, args, kwargs, untraceable=wrapped)
             return profile_model(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, graph=graph,
-                                 device=device, output_alive=output_alive)
+                                 device=device, output_alive=output_alive, record_real=wrapped)
 
 
 @contextlib.contextmanager
@@ -131,7 +133,8 @@ def plain_step_error(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossF
     try:
         with preserved(model), torch.random.fork_rng(devices=[]):
             remove_checkpointing(model)
-            run_step(model, args, kwargs, loss_fn, grad_of=trainable_parameters(model))
+            with fresh_grads(trainable_parameters(model)):
+                run_step(model, args, kwargs, loss_fn)
     except Exception as e:  # noqa: BLE001 - this is the answer
         return e
     return None
@@ -159,6 +162,7 @@ def optimize_checkpointing(
     check: bool = True,
     granularity: str = "op",
     output_alive: bool = True,
+    timeout_s: float | None = None,
 ) -> Plan:
     """Checkpoint ``model``'s submodules in place so a training step fits ``budget_gb``.
 
@@ -191,21 +195,31 @@ def optimize_checkpointing(
     :class:`Plan`. On any error the model, its gradients, buffers and the RNG state are left
     as they were. Raises ``InfeasibleBudgetError`` (with the least achievable peak) when no
     plan fits, ``InvalidInputError`` for bad arguments.
+
+    Distributed training (FSDP2 ``fully_shard``, DDP): call it on every rank, on the model as it will
+    train; ``budget_gb`` is per rank. Every rank gets the same plan (Note [One plan for every rank] in
+    remat.distributed); ``timeout_s`` bounds the wait for the other ranks (default 300 s).
     """
     budget_bytes, args, kwargs, device = validate(model, budget_gb, example_inputs)
     loss_fn = loss_fn or default_loss
+    wrapping, ranks = ranks_for(model, timeout_s)
     notes, undo = prepare_hf_for_training(model)
     try:
         with preserved(model, on_success=False):
             profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
-                                    output_alive=output_alive)
-            planner = Planner(profile, time_limit_s=time_limit_s, granularity=granularity)
+                                    output_alive=output_alive, wrapping=wrapping)
+            planner = Planner(profile, time_limit_s=time_limit_s, granularity=granularity,
+                              ranks=ranks.gather(profile) if ranks is not None else None)
             if check:
                 with stage("check", model, args, kwargs, loss_fn):
-                    plan = plan_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes)
+                    plan = plan_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks)
             else:
                 plan = planner.plan_for_budget(budget_bytes)
-            plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)
+                plan = ranks.broadcast(plan) if ranks is not None else plan
+            if ranks is not None:
+                notes += (f"one plan for every rank ({wrapping}): the per-rank budget holds on the worst rank",)
+            plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes,
+                                       world_size=wrapping.world_size, wrapping=str(wrapping))
             with stage("rewrite", model, args, kwargs, loss_fn):
                 remove_checkpointing(model)
                 checkpoint_plan(model, plan)
@@ -260,7 +274,7 @@ def checked_plan(model: nn.Module, example_inputs: Any, planner: Planner, budget
 
 def plan_checked(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
-    budget_bytes: int,
+    budget_bytes: int, *, ranks: Ranks | None = None,
 ) -> Plan:
     """Note [Checked plans]: the simulator's prediction is close (tests hold it to 5%) but models are
     many; remat's promise is the measured peak. So a plan runs one real step
@@ -274,7 +288,11 @@ def plan_checked(
     equal to it always gets a plan (one of those two, if nothing cheaper measures within the budget),
     and no budget that "every block" meets is refused. That costs up to two more real steps per call.
 
+    With ``ranks`` (distributed training), every plan is rank 0's and every checked peak the largest over
+    ranks (Note [One plan for every rank] in remat.distributed).
+
     Leaves ``model`` without checkpointing; raises InfeasibleBudgetError when no plan fits."""
+    agree = ranks.broadcast if ranks is not None else (lambda plan: plan)
     output_alive = planner.profile.output_alive
     checked: dict[tuple[str, ...], int] = {}
 
@@ -283,10 +301,11 @@ def plan_checked(
             remove_checkpointing(model)
             checkpoint_plan(model, plan)
             try:
-                checked[plan.checkpointed] = measure_checked_peak(
+                peak = measure_checked_peak(
                     model, args, kwargs, loss_fn, device, output_alive=output_alive,
                     optimizer_state_bytes=planner.profile.optimizer_state_bytes,
                     optimizer_step_bytes=planner.profile.optimizer_step_bytes)
+                checked[plan.checkpointed] = ranks.max(peak) if ranks is not None else peak
             finally:
                 remove_checkpointing(model)
         return checked[plan.checkpointed]
@@ -299,7 +318,7 @@ def plan_checked(
     # the least-memory plan and the simplest hand rule, each checked: the least peak remat promises is the
     # lower of the two (checkpointing the last block frees a few bytes no prediction sees, so "every
     # block" can measure 64-128 bytes under the least-memory plan)
-    fallbacks = [planner.least_memory(), planner.every_nth_block(1)]
+    fallbacks = [agree(planner.least_memory()), agree(planner.every_nth_block(1))]
     promise = min(check(p) for p in fallbacks)
     if budget_bytes < promise:
         raise planner.infeasible(budget_bytes, least_bytes=promise)
@@ -307,7 +326,7 @@ def plan_checked(
     for _ in range(3):
         if target < planner.min_peak_bytes:
             break
-        plan = planner.plan_for_budget(target)
+        plan = agree(planner.plan_for_budget(target))
         measured = check(plan)
         if measured <= budget_bytes:
             return done(plan, measured, "within the budget")
@@ -368,9 +387,18 @@ def apply_plan(model: nn.Module, plan: Plan) -> None:
     """Checkpoint ``model`` as ``plan`` says, without profiling (mutates ``model``).
 
     Raises PlanMismatchError when the model's parameter names or shapes differ from the
-    model the plan was made for, or a planned module is missing."""
+    model the plan was made for, a planned module is missing, or the model is trained by another number
+    of ranks or wrapped otherwise than the plan was made for (a plan made under FSDP2 or DDP applies on
+    every rank of the same set-up)."""
     if not isinstance(plan, Plan):
         raise PlanMismatchError(f"expected a remat.Plan, got {type(plan).__name__}")
+    wrapping = wrapping_of(model)
+    if (plan.world_size, plan.wrapping or str(Wrapping(plan.world_size))) != (wrapping.world_size, str(wrapping)):
+        raise PlanMismatchError(
+            f"this plan was made for {plan.wrapping or 'one process'} ({plan.world_size} rank(s)), but this model "
+            f"is trained by {wrapping} ({wrapping.world_size} rank(s)): per-rank memory depends on both; run "
+            "optimize_checkpointing on every rank of this set-up to make a new plan"
+        )
     if plan.model_signature:
         mine = dict(model_signature(model))
         theirs = dict(plan.model_signature)

@@ -60,9 +60,14 @@ def _units_from_graph(graph: torch.fx.Graph, possible: set[str]) -> list[str]:
     return list(dict.fromkeys(n for node in graph.nodes for n in module_stack(node) if n in possible))
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> ModelGraph:
-    """Capture ``model``'s graph on the example inputs. Does not mutate the model."""
+def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, untraceable: str | None = None) -> ModelGraph:
+    """Capture ``model``'s graph on the example inputs. Does not mutate the model. ``untraceable``: why
+    tracing must not be tried (a model wrapped by FSDP2 or DDP: tracing runs its hooks on fake tensors,
+    which breaks their state); the module-hooks path is used."""
     possible = set(composite_modules(model))
+    if untraceable is not None:
+        return ModelGraph("hooks", tuple(sorted(possible, key=list(dict(model.named_modules())).index)),
+                          (f"not traced: {untraceable}",))
     failures: list[str] = []
     try:
         gm = torch.fx.symbolic_trace(model)

@@ -195,6 +195,9 @@ class Profile:
     #: bytes allocated during the step still alive once backward has returned (gradients, the output
     #: when the loop keeps it): what the optimizer step starts from; None: ``live_bytes[-1]``
     after_backward_bytes: int | None = None
+    #: memory allocated before the step that the step uses besides parameters, buffers, inputs and optimizer
+    #: state (DDP's gradient buckets; Note [Memory found] in remat.measure): alive all step
+    other_bytes: int = 0
     #: the training loop keeps the model's output referenced until the step ends (Note [Loop style] in
     #: remat.profile); False: it is dropped once the loss is computed
     output_alive: bool = True
@@ -202,7 +205,8 @@ class Profile:
     @property
     def fixed_bytes(self) -> int:
         """Memory alive during the whole step that no plan removes (bytes)."""
-        return self.params_bytes + self.buffers_bytes + self.inputs_bytes + self.optimizer_state_bytes
+        return self.params_bytes + self.buffers_bytes + self.inputs_bytes + self.optimizer_state_bytes + \
+            self.other_bytes
 
     @property
     def step_time_s(self) -> float:

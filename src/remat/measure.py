@@ -35,7 +35,16 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from remat._compat import FakeTensor, TorchDispatchMode, storage_key, tree_flatten
+from remat._compat import (
+    FakeTensor,
+    TorchDispatchMode,
+    active_fake_mode,
+    is_dtensor_class,
+    local_tensor,
+    storage_key,
+    storage_resizes_reported,
+    tree_flatten,
+)
 from remat.errors import InvalidInputError
 from remat.state import keeps_rng
 
@@ -61,6 +70,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None = 
     for t in tensors:
         if not isinstance(t, torch.Tensor) or (device is not None and t.device.type != device.type):
             continue
+        t = local_tensor(t)  # a DTensor's memory on this rank is its local shard
         seen[storage_key(t)] = allocated_bytes(t.untyped_storage().nbytes(), t.device)
     return sum(seen.values())
 
@@ -77,26 +87,43 @@ class StorageRecord:
     free_index: int | None = None
 
 
+#: operators that hand back a tensor just made outside the dispatcher (``torch.tensor(data)``): a new
+#: allocation, although the output aliases the input
+_FRESH = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default})
+
+
 class StorageTracker(TorchDispatchMode):
     """Follows the storages created by operators while active; ``peak_bytes`` is their highest total.
 
-    Subclasses override :meth:`on_op` to see each operator with its inputs and outputs."""
+    Subclasses override :meth:`on_op` to see each operator with its inputs and outputs.
+
+    Note [Sharded tensors]: operators on DTensors are let through (``NotImplemented``) so that DTensor
+    runs them as operators on its local shards, which the tracker then sees; DTensor's sharding
+    propagation on fake tensors of its own allocates nothing and is skipped. With ``follow_resizes``
+    a storage resized in place (FSDP2 frees and re-allocates its all-gather buffers with
+    ``UntypedStorage.resize_``, which no dispatch mode sees) ends when it shrinks and starts again, as a
+    new storage, when it grows."""
 
     def __init__(
         self, device: torch.device | str | None = None, *, ignore: Iterable[torch.Tensor] = (),
-        count_fake: bool = False,
+        count_fake: bool = False, follow_resizes: bool = True,
     ) -> None:
         super().__init__()
+        self.follow_resizes = follow_resizes
+        self._resizes: Any = None
+        self._fake_on_entry: Any = None
         #: whether FakeTensors (which hold no memory) count; only for recording under FakeTensorMode
         self.count_fake = count_fake
         #: storages alive before tracking (parameters, optimizer state...): never counted, even when an
         #: in-place operator returns them
-        self.ignored: set[int] = {storage_key(t) for t in ignore if isinstance(t, torch.Tensor)}
+        self.ignored: set[int] = {storage_key(local_tensor(t)) for t in ignore if isinstance(t, torch.Tensor)}
         self.device_type = None if device is None else torch.device(device).type
         self.index = 0
         self.live_bytes = 0
         self.peak_bytes = 0
         self.records: list[StorageRecord] = []
+        #: storages allocated before tracking that the work wrote or viewed: key -> bytes (Note [Memory found])
+        self.found: dict[int, int] = {}
         self.by_key: dict[int, StorageRecord] = {}
         self._refs: dict[int, weakref.ref] = {}
         #: time each operator on this clock (``op_marks``); None: do not time
@@ -104,7 +131,32 @@ class StorageTracker(TorchDispatchMode):
         #: (start, end) clock marks of each operator, when timed
         self.op_marks: list[tuple[Any, Any]] = []
 
+    def __enter__(self):
+        self._fake_on_entry = active_fake_mode()
+        if self.follow_resizes:
+            self._resizes = storage_resizes_reported(self._resized)
+            self._resizes.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._resizes is not None:
+                self._resizes.__exit__(*exc)
+                self._resizes = None
+
+    def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        key = st._cdata
+        rec = self.by_key.get(key)
+        if rec is not None:
+            self._freed(rec)
+        if nbytes > 0 and key not in self.ignored and (self.device_type is None or st.device.type == self.device_type):
+            self._new_record(st, key, allocated_bytes(nbytes, st.device))
+
     def _freed(self, rec: StorageRecord) -> None:
+        if rec.free_index is not None:  # ended by a resize already
+            return
         rec.free_index = self.index
         self.live_bytes -= rec.nbytes
         if self.by_key.get(rec.key) is rec:
@@ -117,6 +169,7 @@ class StorageTracker(TorchDispatchMode):
             return None
         if not self.count_fake and isinstance(t, FakeTensor):
             return None
+        t = local_tensor(t)
         st = t.untyped_storage()
         key = storage_key(t)
         if key in self.ignored:
@@ -124,7 +177,30 @@ class StorageTracker(TorchDispatchMode):
         rec = self.by_key.get(key)
         if rec is not None:
             return rec
-        rec = StorageRecord(key, allocated_bytes(st.nbytes(), t.device), self.index)
+        return self._new_record(st, key, allocated_bytes(st.nbytes(), t.device))
+
+    def _found_storage(self, t: torch.Tensor) -> None:
+        """Note [Memory found]: a storage that an operator returns as an alias of one of its inputs (an
+        in-place write, a view) without the tracker having seen it allocated existed before tracking: DDP's
+        gradient buckets, a tensor a module keeps as a plain attribute. It was alive all along, so it counts
+        in ``found_bytes`` (added to every moment), never in the timeline."""
+        if self.device_type is not None and t.device.type != self.device_type:
+            return
+        if not self.count_fake and isinstance(t, FakeTensor):
+            return
+        t = local_tensor(t)
+        key = storage_key(t)
+        self.found[key] = allocated_bytes(t.untyped_storage().nbytes(), t.device)
+        self.ignored.add(key)
+
+    @property
+    def found_bytes(self) -> int:
+        """Bytes of storages allocated before tracking that the tracked work wrote or viewed (Note [Memory
+        found]): alive throughout, on top of ``live_bytes``."""
+        return sum(self.found.values())
+
+    def _new_record(self, st: torch.UntypedStorage, key: int, nbytes: int) -> StorageRecord:
+        rec = StorageRecord(key, nbytes, self.index)
         self.records.append(rec)
         self.by_key[key] = rec
         self._refs[key] = weakref.ref(st, lambda _, rec=rec: self._freed(rec))
@@ -136,6 +212,10 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(is_dtensor_class(t) for t in types):
+            return NotImplemented  # Note [Sharded tensors]: DTensor runs it on its local shards
+        if not self.count_fake and active_fake_mode() is not self._fake_on_entry:
+            return func(*args, **kwargs)  # DTensor's sharding propagation: allocates nothing
         if self.clock is not None:
             t0 = self.clock.mark()
             out = func(*args, **kwargs)
@@ -144,9 +224,18 @@ class StorageTracker(TorchDispatchMode):
             out = func(*args, **kwargs)
         if func.namespace == "prim":  # metadata queries (prim.device) under FakeTensorMode
             return out
+        inputs: set[int] | None = None
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.track(t)
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = storage_key(t)
+            if key not in self.by_key and key not in self.ignored:
+                if inputs is None:
+                    inputs = {storage_key(x) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)}
+                if key in inputs and func not in _FRESH:  # Note [Memory found]: allocated before the step
+                    self._found_storage(t)
+                    continue
+            self.track(t)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self.on_op(func, args, kwargs, out)
         self.index += 1
@@ -343,8 +432,8 @@ def measure_peak(work: Callable[[Callable[[], int]], Any], device: torch.device,
         return torch.cuda.max_memory_allocated(device) - other
     base = tensor_bytes(state, device)
     with StorageTracker(device, ignore=state) as tracker:
-        work(lambda: base + tracker.live_bytes)
-    return base + tracker.peak_bytes
+        work(lambda: base + tracker.found_bytes + tracker.live_bytes)
+    return base + tracker.found_bytes + tracker.peak_bytes
 
 
 # -- real training steps of a copy ------------------------------------------------------------------

@@ -73,6 +73,10 @@ class Plan:
     #: the training loop it was planned for keeps the model's output until the step ends (False: drops
     #: it after the loss; Note [Loop style] in remat.profile)
     output_alive: bool = True
+    #: processes the plan was made for (one plan for every rank; checked by apply_plan)
+    world_size: int = 1
+    #: how the model was wrapped for distributed training, e.g. "FSDP2 over 2 ranks (...)" ("" for one process)
+    wrapping: str = ""
     #: parameter names and shapes of the model the plan was made for (checked by apply_plan)
     model_signature: tuple[tuple[str, tuple[int, ...]], ...] = field(default_factory=tuple)
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -105,6 +109,7 @@ class Plan:
             ("optimizer_state_bytes", f"optimizer state [{self.optimizer or '?'}]"),
             ("buffers_bytes", "buffers"),
             ("inputs_bytes", "inputs"),
+            *([("other_bytes", "other (allocated before the step)")] if b.other_bytes else []),
             ("saved_activations_bytes", "saved activations"),
             ("temporaries_bytes", "temporaries"),
         ]:

@@ -34,6 +34,7 @@ so only the largest ``live_bytes`` of each such segment needs a row.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -72,6 +73,8 @@ class PeakBreakdown:
     #: where in the step the peak happens, e.g. "backward" or "recompute of h.3"
     phase: str
     index: int
+    #: memory allocated before the step besides the categories above (DDP's gradient buckets)
+    other_bytes: int = 0
 
 
 class MemoryModel:
@@ -191,6 +194,7 @@ class MemoryModel:
             optimizer_state_bytes=p.optimizer_state_bytes,
             buffers_bytes=p.buffers_bytes,
             inputs_bytes=p.inputs_bytes,
+            other_bytes=p.other_bytes,
             saved_activations_bytes=saved,
             temporaries_bytes=temporaries,
             phase=phase,
@@ -242,3 +246,28 @@ class MemoryModel:
                 if self.conflicts(a, b):
                     raise InvalidInputError(f"plan checkpoints {a!r} and {b!r}, which overlap; units must not nest: "
                                             "keep one of them")
+
+
+class WorstRankModel(MemoryModel):
+    """The memory model of one plan run on every rank (Note [One plan for every rank] in remat.distributed):
+    every rank's rows (its own timeline, its own shard and batch), so a plan's predicted peak is the largest
+    over ranks and the ILP keeps every rank within the budget; a unit's recompute time is its largest over
+    ranks (the slowest rank sets the pace). Candidates are the units every rank has."""
+
+    def __init__(self, profiles: list[Profile], candidates: Iterable[str] | None = None) -> None:
+        names = [u.name for u in profiles[0].candidates()] if candidates is None else list(candidates)
+        names = [n for n in names if all(any(u.name == n for u in p.candidates()) for p in profiles)]
+        self.members = [MemoryModel(p, names) for p in profiles]
+        self.profile = profiles[0]
+        first = self.members[0]
+        self.units = {n: dataclasses.replace(u, recompute_s=max(m.units[n].recompute_s for m in self.members),
+                                             overhead_s=max(m.units[n].overhead_s for m in self.members))
+                      for n, u in first.units.items()}
+        self._drops = first._drops
+        self.rows = tuple(dataclasses.replace(row, name=f"rank{r}_{row.name}")
+                          for r, m in enumerate(self.members) for row in m.rows)
+
+    def breakdown(self, plan: Iterable[str]) -> PeakBreakdown:
+        """The breakdown of the rank where ``plan`` peaks highest."""
+        chosen = frozenset(plan)
+        return max((m.breakdown(chosen) for m in self.members), key=lambda b: b.total_bytes)

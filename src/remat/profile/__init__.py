@@ -63,9 +63,11 @@ def profile_model(
     device: torch.device,
     timing_steps: int = 4,
     output_alive: bool = True,
+    record_real: str | None = None,
 ) -> Profile:
     """Measure ``model``'s training step on the example inputs. Leaves the model, its gradients and
-    buffers, the optimizer and the RNG state as they were."""
+    buffers, the optimizer and the RNG state as they were. ``record_real``: why memory must be recorded
+    on a real step, not on fake tensors (a model wrapped for distributed training)."""
     notes: list[str] = []
     mods = dict(model.named_modules())
     sequentials = {
@@ -83,8 +85,10 @@ def profile_model(
                                                                                  -rec.first_span(u)[1]))
         return rec, ran, module_and_segment_specs(rec, ran, sequentials)
 
-    reason = None
-    if _autocast_enabled(device):
+    reason = record_real
+    if reason is not None:
+        pass
+    elif _autocast_enabled(device):
         # Note [Autocast and fake tensors]: the autocast cache does not hold casts of fake weights,
         # so a fake recording casts weights again at every use where the real step reuses them.
         reason = "autocast is on"
@@ -112,7 +116,7 @@ def profile_model(
     with preserved(model):
         times, forward_ops = time_units(model, args, kwargs, loss_fn, device, timed, top,
                                         {u: memory[u].mutated_buffers for u in top}, timing_steps,
-                                        {u: len(rec.spans[u]) for u in timed})
+                                        {u: len(rec.spans[u]) for u in timed}, distributed=record_real is not None)
     plain = plain_forward_ops(model, args, kwargs, loss_fn, device) if recorded == "fake" else ()
     paths = diverged(rec, plain) if recorded == "fake" else []
     if paths and not plain_step_fits(rec, device):
@@ -165,6 +169,7 @@ def profile_model(
         grads_bytes=tensor_bytes(trainable_parameters(model)),
         buffers_bytes=tensor_bytes(model.buffers()),
         inputs_bytes=tensor_bytes(input_tensors(args, kwargs), device),
+        other_bytes=rec.found_bytes,
         optimizer_state_bytes=opt.state_bytes,
         optimizer_step_bytes=opt.step_bytes,
         forward_s=times.step_forward_s,

@@ -136,6 +136,7 @@ class _Recorder(StorageTracker):
             inputs={u: tuple(tuple(index[id(r)] for r in call) for call in calls) for u, calls in self.inputs.items()},
             last_use={index[k]: v for k, v in self.last_use.items()},
             flops=dict(self.flops),
+            found_bytes=self.found_bytes,
         )
 
 

@@ -23,6 +23,7 @@ from remat.profile.calibrate import LoggedOp, ForwardLog, log_forward
 from remat.profile.recorder import grad_targets, hook_units
 from remat.recording import CheckpointOverhead, UnitTimes
 from remat.rewrite import KeepOps, checkpoint_modules
+from remat.state import fresh_grads
 
 
 def _least(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -32,11 +33,14 @@ def _least(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 def time_units(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, units: list[str],
     checkpointed: list[str], mutated: dict[str, tuple[str, ...]], steps: int, forward_calls: dict[str, int],
+    distributed: bool = False,
 ) -> tuple[UnitTimes, tuple[LoggedOp, ...]]:
     """Real forward + backward with ``checkpointed`` units checkpointed (mutates ``model``'s forwards: run
     it under ``remat.state.preserved``); per-unit times from hooks on ``units`` (a unit's forward time is
     the sum over its ``forward_calls`` calls, default 1). Also returns the operators of the real forward
-    with their sizes and the least of two timings of each (selective checkpointing's recompute cost)."""
+    with their sizes and the least of two timings of each (selective checkpointing's recompute cost).
+    ``distributed``: the model is wrapped by FSDP2 or DDP, whose hooks expect a backward after every
+    forward: no forward-only pass."""
     clock = Clock(device)
     cuda = device.type == "cuda"
     targets = grad_targets(trainable_parameters(model), (args, kwargs))
@@ -106,8 +110,9 @@ def time_units(
         marks: dict[str, Any] = {}
         try:
             marks["start"] = clock.mark()
-            run_step(model, args, kwargs, loss_fn, grad_of=targets, forward_context=log,
-                     on=lambda event: marks.__setitem__(event, clock.mark()))
+            with fresh_grads(targets):
+                run_step(model, args, kwargs, loss_fn, forward_context=log,
+                         on=lambda event: marks.__setitem__(event, clock.mark()))
         finally:
             for h in handles:
                 h.remove()
@@ -130,12 +135,16 @@ def time_units(
     # the step's own forward and backward, timed without hooks (their cost is not the model's)
     for _ in range(2):
         marks = {"start": clock.mark()}
-        run_step(model, args, kwargs, loss_fn, grad_of=targets, on=lambda event: marks.__setitem__(event, clock.mark()))
+        with fresh_grads(targets):
+            run_step(model, args, kwargs, loss_fn, on=lambda event: marks.__setitem__(event, clock.mark()))
         best["step_forward"] = min(best["step_forward"], clock.seconds(marks["start"], marks["loss"]))
         best["step_backward"] = min(best["step_backward"], clock.seconds(marks["loss"], marks["backward"]))
     # each operator's time again, warm (step 0's were the first calls): keep the lesser of the two
+    # (not for a model wrapped by FSDP2 or DDP: a forward without backward leaves FSDP2's parameters
+    # unsharded and DDP waiting for a reduction; its operator times only rank selective options, which the
+    # hooks path such models take does not offer)
     new_step()
-    warm = log_forward(lambda: loss_fn(model(*args, **kwargs)), device, pre)
+    warm = () if distributed else log_forward(lambda: loss_fn(model(*args, **kwargs)), device, pre)
     new_step()
     if [o.name for o in warm] == [o.name for o in forward_ops]:
         forward_ops = tuple(LoggedOp(a.name, a.sizes, min(a.seconds, b.seconds)) for a, b in zip(forward_ops, warm))

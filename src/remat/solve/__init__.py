@@ -10,12 +10,12 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from remat.costs import Profile, is_selective
 from remat.errors import InfeasibleBudgetError, InvalidInputError, UnsupportedError
 from remat.plan import Plan, fmt_bytes
-from remat.simulate import MemoryModel
+from remat.simulate import MemoryModel, WorstRankModel
 from remat.solve.ilp import min_peak, solve_ilp
 
 #: Note [Selective margin]: a selective unit's recompute time is derived (its operators' share of the
@@ -50,19 +50,23 @@ def chen_segments(n: int) -> list[tuple[int, int]]:
 class Planner:
     """Makes plans for one profile; the memory model and the least peak are computed once."""
 
-    def __init__(self, profile: Profile, *, time_limit_s: float | None = 60.0, granularity: str = "block") -> None:
+    def __init__(self, profile: Profile, *, time_limit_s: float | None = 60.0, granularity: str = "block",
+                 ranks: Sequence[Profile] | None = None) -> None:
         """``granularity``: "block" plans whole units only; "op" also lets units be checkpointed
         selectively (``name@ops<k>``: option k of the unit's menu of policies, which keep some
-        operators' outputs and recompute the rest)."""
+        operators' outputs and recompute the rest). ``ranks``: every rank's profile, in rank order, when
+        one plan must fit every rank (Note [One plan for every rank] in remat.distributed)."""
         if granularity not in ("block", "op"):
             raise InvalidInputError(f"granularity must be 'block' or 'op', got {granularity!r}")
         self.profile = profile
         self.granularity = granularity
         names = [u.name for u in profile.candidates() if granularity == "op" or not is_selective(u.name)]
-        self.model = MemoryModel(profile, names)
+        def model(candidates: list[str]) -> MemoryModel:
+            return MemoryModel(profile, candidates) if not ranks else WorstRankModel(list(ranks), candidates)
+
+        self.model = model(names)
         #: the block-level model, for Note [Selective margin]
-        self._block_model = self.model if granularity == "block" else \
-            MemoryModel(profile, [n for n in names if not is_selective(n)])
+        self._block_model = self.model if granularity == "block" else model([n for n in names if not is_selective(n)])
         self.time_limit_s = time_limit_s
         self.baseline_peak_bytes = self.model.peak_bytes(())
         t0 = time.perf_counter()

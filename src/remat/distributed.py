@@ -1,0 +1,147 @@
+"""Distributed training: one plan for every rank, under FSDP2 (``fully_shard``) or DDP.
+
+Note [One plan for every rank]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under FSDP2 every recomputation of a unit re-runs its forward where parameters are gathered; ranks
+that checkpoint different units run different collectives in different orders (a hang), and under any
+data parallelism the slowest rank sets the pace. So remat is called on every rank, on the model as it
+will train (after ``fully_shard`` or inside ``DistributedDataParallel``), and:
+
+* each rank profiles its own step (its shard, its batch) for real: the per-rank memory of sharded
+  parameters, all-gathered (unsharded) parameters, gradients and reduce-scatter buffers is what its
+  recording sees (Note [Sharded tensors] in remat.measure);
+* the profiles are gathered; every rank's memory rows constrain one ILP (the per-rank budget holds on
+  the worst rank), a unit's cost is its largest over ranks (``remat.simulate.WorstRankModel``);
+* every plan is rank 0's, broadcast; a checked step's peak is the largest over ranks; so every decision
+  is taken on numbers all ranks share, and all ranks run the same steps in the same order.
+
+Note [Collectives with a deadline]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Before its first collective, remat meets every rank on the process group's store with a deadline
+(``timeout_s``) and compares how each rank's model is wrapped: a rank that does not call remat, or
+calls it on a model wrapped differently, is a clear error on every rank that can see it, not a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from remat._compat import default_store, fsdp_modules
+from remat.errors import InvalidInputError
+
+T = TypeVar("T")
+
+#: seconds remat waits for every rank at its first collective (Note [Collectives with a deadline])
+DEFAULT_TIMEOUT_S = 300.0
+
+_calls = itertools.count()
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+@dataclass(frozen=True)
+class Wrapping:
+    """How a model is wrapped for distributed training, as remat plans for it."""
+
+    #: processes in the default group (1 without torch.distributed)
+    world_size: int = 1
+    #: "none", "ddp" or "fsdp2"
+    kind: str = "none"
+    #: for FSDP2: every module ``fully_shard`` manages (qualified name) and whether it reshards after forward
+    fsdp: tuple[tuple[str, bool], ...] = ()
+
+    def __str__(self) -> str:
+        if self.kind == "fsdp2":
+            reshard = sorted({r for _, r in self.fsdp})
+            how = "/".join("reshard_after_forward=" + str(r) for r in reshard)
+            return f"FSDP2 over {self.world_size} ranks ({len(self.fsdp)} sharded modules, {how})"
+        if self.kind == "ddp":
+            return f"DDP over {self.world_size} ranks"
+        return "one process" if self.world_size == 1 else f"not wrapped, {self.world_size} ranks"
+
+
+def wrapping_of(model: nn.Module) -> Wrapping:
+    """How ``model`` is wrapped: DistributedDataParallel, FSDP2 (``fully_shard``), or neither."""
+    dist = _dist()
+    world = dist.get_world_size() if dist is not None else 1
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return Wrapping(world, "ddp")
+    fsdp = tuple(fsdp_modules(model))
+    if fsdp:
+        return Wrapping(world, "fsdp2", fsdp)
+    return Wrapping(world)
+
+
+class Ranks:
+    """remat's collectives over the default process group, on a rank that called remat (Note [One plan for
+    every rank]). ``None`` stands for one process: :func:`ranks_for` returns None outside torch.distributed."""
+
+    def __init__(self, wrapping: Wrapping, timeout_s: float) -> None:
+        dist = _dist()
+        assert dist is not None
+        self.dist = dist
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.timeout_s = timeout_s
+        self.tag = f"remat/{next(_calls)}"
+        self._meet(wrapping)
+
+    def _meet(self, wrapping: Wrapping) -> None:
+        """Note [Collectives with a deadline]."""
+        store = default_store()
+        store.set(f"{self.tag}/rank{self.rank}", "1")
+        count = store.add(f"{self.tag}/arrived", 1)
+        deadline = time.monotonic() + self.timeout_s
+        while count < self.world_size:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if not store.check([f"{self.tag}/rank{r}"])]
+                raise InvalidInputError(
+                    f"remat was called on rank {self.rank} but rank(s) {missing} of {self.world_size} did not call "
+                    f"it within {self.timeout_s:.0f} s (call {self.tag}): call optimize_checkpointing (or apply_plan) "
+                    "on every rank, with the same arguments, in the same order (or raise timeout_s)"
+                )
+            time.sleep(0.01)
+            count = store.add(f"{self.tag}/arrived", 0)
+        seen = self.gather(wrapping)
+        if any(w != seen[0] for w in seen):
+            lines = "; ".join(f"rank {r}: {w}" for r, w in enumerate(seen))
+            raise InvalidInputError(
+                f"the model is wrapped differently on different ranks ({lines}): remat makes one plan for every "
+                "rank, so wrap the model the same way everywhere (the same fully_shard calls and "
+                "reshard_after_forward, or DDP on every rank)"
+            )
+
+    def gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, in rank order."""
+        out: list[Any] = [None] * self.world_size
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def max(self, n: int) -> int:
+        """The largest ``n`` over ranks."""
+        return max(self.gather(n))
+
+
+def ranks_for(model: nn.Module, timeout_s: float | None = None) -> tuple[Wrapping, Ranks | None]:
+    """The model's wrapping and, when several processes train it, the collectives remat uses (meeting
+    every rank first: Note [Collectives with a deadline])."""
+    wrapping = wrapping_of(model)
+    if wrapping.world_size == 1:
+        return wrapping, None
+    return wrapping, Ranks(wrapping, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
