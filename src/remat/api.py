@@ -87,13 +87,15 @@ def _make_profile(
     model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
     device: torch.device, output_alive: bool = True, wrapping: Wrapping | None = None,
 ) -> Profile:
-    wrapped = None if wrapping is None or wrapping.kind == "none" else f"the model is wrapped by {wrapping}"
+    wrapping = wrapping or Wrapping()
+    wrapped = None if wrapping.kind == "none" else f"the model is wrapped by {wrapping}"
     with preserved(model):
         remove_checkpointing(model)
         with stage("profile", model, args, kwargs, loss_fn):
             graph = capture(model, args, kwargs, untraceable=wrapped)
             return profile_model(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, graph=graph,
-                                 device=device, output_alive=output_alive, record_real=wrapped)
+                                 device=device, output_alive=output_alive, record_real=wrapped,
+                                 world_size=wrapping.world_size, wrapping=str(wrapping) if wrapping.world_size > 1 else "")
 
 
 @contextlib.contextmanager
@@ -218,8 +220,7 @@ def optimize_checkpointing(
                 plan = ranks.broadcast(plan) if ranks is not None else plan
             if ranks is not None:
                 notes += (f"one plan for every rank ({wrapping}): the per-rank budget holds on the worst rank",)
-            plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes,
-                                       world_size=wrapping.world_size, wrapping=str(wrapping))
+            plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)
             with stage("rewrite", model, args, kwargs, loss_fn):
                 remove_checkpointing(model)
                 checkpoint_plan(model, plan)
@@ -393,7 +394,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> None:
     if not isinstance(plan, Plan):
         raise PlanMismatchError(f"expected a remat.Plan, got {type(plan).__name__}")
     wrapping = wrapping_of(model)
-    if (plan.world_size, plan.wrapping or str(Wrapping(plan.world_size))) != (wrapping.world_size, str(wrapping)):
+    if (plan.world_size, plan.wrapping) != (wrapping.world_size, str(wrapping) if wrapping.world_size > 1 else ""):
         raise PlanMismatchError(
             f"this plan was made for {plan.wrapping or 'one process'} ({plan.world_size} rank(s)), but this model "
             f"is trained by {wrapping} ({wrapping.world_size} rank(s)): per-rank memory depends on both; run "

@@ -195,9 +195,10 @@ class Profile:
     #: bytes allocated during the step still alive once backward has returned (gradients, the output
     #: when the loop keeps it): what the optimizer step starts from; None: ``live_bytes[-1]``
     after_backward_bytes: int | None = None
-    #: memory allocated before the step that the step uses besides parameters, buffers, inputs and optimizer
-    #: state (DDP's gradient buckets; Note [Memory found] in remat.measure): alive all step
-    other_bytes: int = 0
+    #: processes training the model, and how it is wrapped for that ("" for one process): the profile is
+    #: this rank's (Note [One plan for every rank] in remat.distributed)
+    world_size: int = 1
+    wrapping: str = ""
     #: the training loop keeps the model's output referenced until the step ends (Note [Loop style] in
     #: remat.profile); False: it is dropped once the loss is computed
     output_alive: bool = True
@@ -205,8 +206,7 @@ class Profile:
     @property
     def fixed_bytes(self) -> int:
         """Memory alive during the whole step that no plan removes (bytes)."""
-        return self.params_bytes + self.buffers_bytes + self.inputs_bytes + self.optimizer_state_bytes + \
-            self.other_bytes
+        return self.params_bytes + self.buffers_bytes + self.inputs_bytes + self.optimizer_state_bytes
 
     @property
     def step_time_s(self) -> float:

@@ -85,6 +85,8 @@ class StorageRecord:
     alloc_index: int
     #: index of the first operator that ran after it died; None while alive
     free_index: int | None = None
+    #: first seen as an alias of an operator's input, not allocated by one (Note [Memory found])
+    found: bool = False
 
 
 #: operators that hand back a tensor just made outside the dispatcher (``torch.tensor(data)``): a new
@@ -122,8 +124,8 @@ class StorageTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self.records: list[StorageRecord] = []
-        #: storages allocated before tracking that the work wrote or viewed: key -> bytes (Note [Memory found])
-        self.found: dict[int, int] = {}
+        #: live bytes after each operator
+        self.timeline: list[int] = []
         self.by_key: dict[int, StorageRecord] = {}
         self._refs: dict[int, weakref.ref] = {}
         #: time each operator on this clock (``op_marks``); None: do not time
@@ -179,25 +181,27 @@ class StorageTracker(TorchDispatchMode):
             return rec
         return self._new_record(st, key, allocated_bytes(st.nbytes(), t.device))
 
-    def _found_storage(self, t: torch.Tensor) -> None:
-        """Note [Memory found]: a storage that an operator returns as an alias of one of its inputs (an
-        in-place write, a view) without the tracker having seen it allocated existed before tracking: DDP's
-        gradient buckets, a tensor a module keeps as a plain attribute. It was alive all along, so it counts
-        in ``found_bytes`` (added to every moment), never in the timeline."""
-        if self.device_type is not None and t.device.type != self.device_type:
-            return
-        if not self.count_fake and isinstance(t, FakeTensor):
-            return
-        t = local_tensor(t)
-        key = storage_key(t)
-        self.found[key] = allocated_bytes(t.untyped_storage().nbytes(), t.device)
-        self.ignored.add(key)
+    def held_before(self) -> list[StorageRecord]:
+        """Note [Memory found]: an operator may return, as an alias of one of its inputs (an in-place write,
+        a view), a storage the tracker never saw allocated. If it is still alive when tracking ends, it was
+        allocated before tracking began and lives on: DDP's gradient buckets, a tensor a module keeps as a
+        plain attribute; it was alive all along. (One that dies during the work was made during it where no
+        dispatch mode sees, as inside gloo's collectives: it counts from when it was first seen.)"""
+        return [r for r in self.records if r.found and r.free_index is None]
 
-    @property
-    def found_bytes(self) -> int:
-        """Bytes of storages allocated before tracking that the tracked work wrote or viewed (Note [Memory
-        found]): alive throughout, on top of ``live_bytes``."""
-        return sum(self.found.values())
+    def peak_with_held(self) -> int:
+        """``peak_bytes`` with the storages of :meth:`held_before` counted from the start."""
+        held = sorted((r.alloc_index, r.nbytes) for r in self.held_before())
+        if not held:
+            return self.peak_bytes
+        late = sum(b for _, b in held)  # bytes of held storages not yet seen after operator i
+        peak, k = 0, 0
+        for i, live in enumerate(self.timeline):
+            while k < len(held) and held[k][0] <= i:
+                late -= held[k][1]
+                k += 1
+            peak = max(peak, live + late)
+        return peak
 
     def _new_record(self, st: torch.UntypedStorage, key: int, nbytes: int) -> StorageRecord:
         rec = StorageRecord(key, nbytes, self.index)
@@ -232,11 +236,14 @@ class StorageTracker(TorchDispatchMode):
             if key not in self.by_key and key not in self.ignored:
                 if inputs is None:
                     inputs = {storage_key(x) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)}
-                if key in inputs and func not in _FRESH:  # Note [Memory found]: allocated before the step
-                    self._found_storage(t)
+                if key in inputs and func not in _FRESH:  # Note [Memory found]: perhaps allocated before
+                    rec = self.track(t)
+                    if rec is not None:
+                        rec.found = True
                     continue
             self.track(t)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.timeline.append(self.live_bytes)
         self.on_op(func, args, kwargs, out)
         self.index += 1
         return out
@@ -432,8 +439,8 @@ def measure_peak(work: Callable[[Callable[[], int]], Any], device: torch.device,
         return torch.cuda.max_memory_allocated(device) - other
     base = tensor_bytes(state, device)
     with StorageTracker(device, ignore=state) as tracker:
-        work(lambda: base + tracker.found_bytes + tracker.live_bytes)
-    return base + tracker.found_bytes + tracker.peak_bytes
+        work(lambda: base + tracker.live_bytes)
+    return base + tracker.peak_with_held()
 
 
 # -- real training steps of a copy ------------------------------------------------------------------

@@ -109,7 +109,6 @@ class Plan:
             ("optimizer_state_bytes", f"optimizer state [{self.optimizer or '?'}]"),
             ("buffers_bytes", "buffers"),
             ("inputs_bytes", "inputs"),
-            *([("other_bytes", "other (allocated before the step)")] if b.other_bytes else []),
             ("saved_activations_bytes", "saved activations"),
             ("temporaries_bytes", "temporaries"),
         ]:

@@ -100,9 +100,6 @@ class Recording:
     last_use: Mapping[int, int]
     #: per unit, floating-point operations of its forward (torch.utils.flop_counter)
     flops: Mapping[str, int]
-    #: storages allocated before the step that it wrote or viewed (DDP's gradient buckets): alive throughout
-    #: (Note [Memory found] in remat.measure)
-    found_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("spans", "calls", "inputs", "last_use", "flops"):

@@ -73,8 +73,6 @@ class PeakBreakdown:
     #: where in the step the peak happens, e.g. "backward" or "recompute of h.3"
     phase: str
     index: int
-    #: memory allocated before the step besides the categories above (DDP's gradient buckets)
-    other_bytes: int = 0
 
 
 class MemoryModel:
@@ -194,7 +192,6 @@ class MemoryModel:
             optimizer_state_bytes=p.optimizer_state_bytes,
             buffers_bytes=p.buffers_bytes,
             inputs_bytes=p.inputs_bytes,
-            other_bytes=p.other_bytes,
             saved_activations_bytes=saved,
             temporaries_bytes=temporaries,
             phase=phase,

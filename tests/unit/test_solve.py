@@ -162,7 +162,7 @@ def test_breakdown_adds_up():
     planner = Planner(random_chain_profile(7, seed=5))
     for plan in (planner.no_checkpointing(), planner.least_memory()):
         b = plan.breakdown
-        parts = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "buffers_bytes", "inputs_bytes", "other_bytes",
+        parts = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "buffers_bytes", "inputs_bytes",
                  "saved_activations_bytes", "temporaries_bytes")
         assert sum(getattr(b, k) for k in parts) == b.total_bytes == plan.predicted_peak_bytes
 

@@ -64,6 +64,8 @@ def profile_model(
     timing_steps: int = 4,
     output_alive: bool = True,
     record_real: str | None = None,
+    world_size: int = 1,
+    wrapping: str = "",
 ) -> Profile:
     """Measure ``model``'s training step on the example inputs. Leaves the model, its gradients and
     buffers, the optimizer and the RNG state as they were. ``record_real``: why memory must be recorded
@@ -169,7 +171,8 @@ def profile_model(
         grads_bytes=tensor_bytes(trainable_parameters(model)),
         buffers_bytes=tensor_bytes(model.buffers()),
         inputs_bytes=tensor_bytes(input_tensors(args, kwargs), device),
-        other_bytes=rec.found_bytes,
+        world_size=world_size,
+        wrapping=wrapping,
         optimizer_state_bytes=opt.state_bytes,
         optimizer_step_bytes=opt.step_bytes,
         forward_s=times.step_forward_s,

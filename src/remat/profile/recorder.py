@@ -126,7 +126,9 @@ class _Recorder(StorageTracker):
 
         return Recording(
             n_ops=n_ops, backward_start=backward_start, after_backward_bytes=after_backward_bytes,
-            storages=tuple(Storage(r.nbytes, r.alloc_index, r.free_index, id(r) in grads) for r in self.records),
+            # a storage held from before the step counts from its start (Note [Memory found] in remat.measure)
+            storages=tuple(Storage(r.nbytes, 0 if r.found and r.free_index is None else r.alloc_index, r.free_index,
+                                   id(r) in grads) for r in self.records),
             saved=tuple(SavedTensor(idx(p.rec), p.stack, p.calls, p.at, p.unpacked_at) for p in self.packs),
             forward_ops=tuple(ForwardOp(name, tuple(idx(r) for r in recs), random)
                               for name, recs, random in self.forward_ops),
@@ -136,7 +138,6 @@ class _Recorder(StorageTracker):
             inputs={u: tuple(tuple(index[id(r)] for r in call) for call in calls) for u, calls in self.inputs.items()},
             last_use={index[k]: v for k, v in self.last_use.items()},
             flops=dict(self.flops),
-            found_bytes=self.found_bytes,
         )
 
 

@@ -107,6 +107,8 @@ class Planner:
             device=p.device,
             optimizer=p.optimizer,
             output_alive=p.output_alive,
+            world_size=p.world_size,
+            wrapping=p.wrapping,
             notes=notes + p.notes,
             # every unit: one that mutates no buffer replays none (Note [Buffers replay] in remat.rewrite)
             mutated_buffers={u: p.unit(u).mutated_buffers for u in chosen},

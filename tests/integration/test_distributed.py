@@ -1,0 +1,79 @@
+"""One plan for every rank under FSDP2 and DDP (Note [One plan for every rank] in remat.distributed):
+two CPU processes with gloo, a GPT-style model with dropout and a ResNet with BatchNorm."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch built without torch.distributed", allow_module_level=True)
+
+import distributed_worker  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks")
+    torch.multiprocessing.spawn(distributed_worker.run, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+CASES = [f"{k}/{w}" for k in ("gpt", "resnet") for w in distributed_worker.WRAPPINGS]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_rank_checkpoints_the_same_units(ranks, case):
+    r0, r1 = ranks[0][case], ranks[1][case]
+    assert r0["plan"] == r1["plan"]
+    assert [row["units"] for row in r0["rows"]] == [row["units"] for row in r1["rows"]]
+    assert r0["rows"][0]["units"], "the least-memory plan checkpoints something"
+    assert r0["memory_recorded_with"] == "real" and r0["capture"] == "hooks"
+    assert r0["world"] == 2 and r0["wrapping"].startswith("FSDP2" if "fsdp2" in case else "DDP")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_per_rank_peak_meets_the_budget_and_matches_the_prediction(ranks, case):
+    for rank in ranks:
+        for row in rank[case]["rows"]:
+            # torch's own meter (FSDPMemTracker / MemTracker), on a real training step with the plan applied
+            assert row["measured"] <= row["budget"], row
+            assert abs(row["own_rank_predicted"] - row["measured"]) <= 0.05 * row["measured"], row
+            assert row["checked"] <= row["budget"]
+    if case.endswith("ddp"):  # rank 1's batch is twice rank 0's: the plan is predicted for the worst rank
+        worst = [max(ranks[0][case]["rows"][i]["own_rank_predicted"], ranks[1][case]["rows"][i]["own_rank_predicted"])
+                 for i in range(3)]
+        assert worst == [row["predicted"] for row in ranks[0][case]["rows"]]
+        assert ranks[1][case]["rows"][2]["own_rank_predicted"] > ranks[0][case]["rows"][2]["own_rank_predicted"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_and_buffers_are_bitwise_those_of_the_plain_wrapped_model(ranks, case):
+    for rank in ranks:
+        assert rank[case]["grad_mismatches"] == []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_saved_plan_applies_on_every_rank_and_refuses_another_wrapping(ranks, case):
+    for rank in ranks:
+        assert rank[case]["applied"] == sorted(rank[case]["plan"], key=rank[case]["applied"].index) or \
+            set(rank[case]["applied"]) == set(rank[case]["plan"])
+        assert "this plan was made for" in rank[case]["refused"]
+
+
+def test_mismatched_ranks_are_errors_not_hangs(ranks):
+    for r, rank in enumerate(ranks):
+        assert "wrapped differently on different ranks" in rank["mismatch"]["wrapped_differently"]
+    alone = ranks[0]["mismatch"]
+    assert "rank(s) [1] of 2 did not call it within 3 s" in alone["alone"]
+    assert alone["alone_s"] < 30
