@@ -95,7 +95,8 @@ def _make_profile(
             graph = capture(model, args, kwargs, untraceable=wrapped)
             return profile_model(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, graph=graph,
                                  device=device, output_alive=output_alive, record_real=wrapped,
-                                 world_size=wrapping.world_size, wrapping=str(wrapping) if wrapping.world_size > 1 else "")
+                                 world_size=wrapping.world_size, wrapping=str(wrapping) if wrapping.world_size > 1 else "",
+                                 sharded=tuple(name for name, _ in wrapping.fsdp))
 
 
 @contextlib.contextmanager

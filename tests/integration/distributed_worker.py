@@ -156,7 +156,8 @@ def case(kind: str, how: str, rank: int, out: Path) -> dict:
         refused = str(e)
     return dict(rows=rows, plan=list(plan.checkpointed), wrapping=plan.wrapping, world=plan.world_size,
                 grad_mismatches=diff, applied=remat.checkpointed_modules(again), refused=refused,
-                memory_recorded_with=profile.memory_recorded_with, capture=profile.capture_path)
+                memory_recorded_with=profile.memory_recorded_with, capture=profile.capture_path,
+                candidates=[u.name for u in profile.candidates()])
 
 
 def mismatch(rank: int) -> dict:

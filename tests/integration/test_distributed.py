@@ -42,6 +42,15 @@ def test_every_rank_checkpoints_the_same_units(ranks, case):
     assert r0["world"] == 2 and r0["wrapping"].startswith("FSDP2" if "fsdp2" in case else "DDP")
 
 
+def test_under_fsdp2_no_unit_recomputes_another_sharded_module(ranks):
+    """The ResNet's blocks are each fully_shard-ed: the container and its segments would recompute them
+    (gathering their parameters again in backward); under DDP they are candidates."""
+    fsdp = ranks[0]["resnet/fsdp2"]["candidates"]
+    assert "blocks.0" in fsdp and "blocks" not in fsdp and not any(u.startswith("blocks[") for u in fsdp)
+    ddp = ranks[0]["resnet/ddp"]["candidates"]
+    assert "module.blocks" in ddp and any(u.startswith("module.blocks[") for u in ddp)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_per_rank_peak_meets_the_budget_and_matches_the_prediction(ranks, case):
     for rank in ranks:

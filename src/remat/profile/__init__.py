@@ -66,10 +66,14 @@ def profile_model(
     record_real: str | None = None,
     world_size: int = 1,
     wrapping: str = "",
+    sharded: tuple[str, ...] = (),
 ) -> Profile:
     """Measure ``model``'s training step on the example inputs. Leaves the model, its gradients and
     buffers, the optimizer and the RNG state as they were. ``record_real``: why memory must be recorded
-    on a real step, not on fake tensors (a model wrapped for distributed training)."""
+    on a real step, not on fake tensors (a model wrapped for distributed training). ``sharded``: the modules
+    FSDP2 manages; a unit that contains one (other than itself) is not a candidate: recomputing it in
+    backward would run that module's FSDP hooks again, gathering its parameters a second time (checkpoint
+    inside each sharded module instead, as torchtitan does)."""
     notes: list[str] = []
     mods = dict(model.named_modules())
     sequentials = {
@@ -83,9 +87,10 @@ def profile_model(
         with preserved(model):
             rec = record_step(model, args, kwargs, loss_fn, device, hooked, fake=fake, output_alive=output_alive)
         # the units that ran, in forward order: by each unit's first operator
-        ran = sorted((u for u in graph.units if u in rec.spans), key=lambda u: (rec.first_span(u)[0],
-                                                                                 -rec.first_span(u)[1]))
-        return rec, ran, module_and_segment_specs(rec, ran, sequentials)
+        ran = sorted((u for u in graph.units if u in rec.spans and not _contains(u, (u,), sharded)),
+                     key=lambda u: (rec.first_span(u)[0], -rec.first_span(u)[1]))
+        specs = [s for s in module_and_segment_specs(rec, ran, sequentials) if not _contains(s.name, s.members, sharded)]
+        return rec, ran, specs
 
     reason = record_real
     if reason is not None:
@@ -184,6 +189,11 @@ def profile_model(
         optimizer=opt.label,
         notes=tuple(notes),
     )
+
+
+def _contains(name: str, members: tuple[str, ...], sharded: tuple[str, ...]) -> bool:
+    """Whether a unit (``members``: its modules) contains an FSDP2-managed module other than itself."""
+    return any(m != name and any(m == x or m.startswith(x + ".") for x in members) for m in sharded if m)
 
 
 def _autocast_enabled(device: torch.device) -> bool:

@@ -10,6 +10,7 @@ is the least of the timed steps.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import defaultdict
 from typing import Any
 
@@ -161,7 +162,14 @@ def checkpoint_overhead(device: torch.device, reps: int = 30) -> CheckpointOverh
     hooks) and per saved tensor (pack, unpack, recomputed-tensor checks), measured on this machine
     with tiny functions: checkpointed minus plain minus the recompute itself. On the 2-core CPU used
     here: about 120 us and 14 us, so a GPT block's checkpoint costs ~0.7 ms beyond its recompute. Also
-    what a selective policy adds per operator (:func:`selective_overhead`)."""
+    what a selective policy adds per operator (:func:`selective_overhead`). A property of the machine and
+    the torch build: measured once per process and device (0.3-1.6 s), then reused."""
+    return _checkpoint_overhead(str(device), reps)
+
+
+@functools.lru_cache(maxsize=None)
+def _checkpoint_overhead(device_name: str, reps: int) -> CheckpointOverhead:
+    device = torch.device(device_name)
     from torch.utils.checkpoint import checkpoint
 
     def chain(k):
