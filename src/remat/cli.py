@@ -7,12 +7,20 @@
 
 TARGET is a built-in example (gpt, unet), path/to/file.py:function or package.module:function.
 User mistakes print one line and exit with status 2; --debug shows the traceback.
+
+Under ``torchrun`` (WORLD_SIZE > 1) the command line joins the process group (gloo on CPU, nccl on GPUs,
+one GPU per LOCAL_RANK) before building the target, whose function wraps the model (``fully_shard``, DDP)
+as it will train; ``remat plan`` then makes one plan for every rank and prints each rank's measured peak.
+``tradeoff`` and ``verify`` measure deep copies of the model, which sharded models do not support: under
+torchrun they refuse (see benchmarks/distributed.py for the per-rank comparison with the hand rules).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import math
+import os
 import platform
 import sys
 from datetime import datetime, timezone
@@ -131,7 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _device(arg: str | None) -> torch.device:
     if arg == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu")
-    return torch.device(arg or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(arg or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per rank under torchrun
+    return device
+
+
+def _quiet(console):
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), stderr=console.stderr)
 
 
 def _console():
@@ -248,10 +265,31 @@ def cmd_plan(args, out, err) -> int:
     with err.status("profiling and solving"):
         plan = _optimize(args, model, inputs, loss_fn)
     out.print(str(plan), markup=False, highlight=False)
+    if plan.world_size > 1:
+        _per_rank_peaks(model, inputs, loss_fn, device, plan, out)
     if args.out:
         plan.save(args.out)
         out.print(f"plan written to {args.out} (apply it with remat.apply_plan(model, remat.Plan.load(path)))")
     return 0
+
+
+def _per_rank_peaks(model, inputs, loss_fn, device: torch.device, plan: Plan, out) -> None:
+    """Each rank's own peak of one real step with the plan (forward and backward measured, the optimizer as
+    predicted), printed by rank 0."""
+    import torch.distributed as dist
+
+    from remat.api import measure_checked_peak
+    from remat.measure import default_loss, split_inputs
+
+    a, k = split_inputs(inputs)
+    peak = measure_checked_peak(model, a, k, loss_fn or default_loss, device, output_alive=plan.output_alive,
+                                optimizer_state_bytes=plan.breakdown.optimizer_state_bytes)
+    peaks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    for r, p in enumerate(peaks):
+        met = "within" if plan.budget_bytes is None or p <= plan.budget_bytes else "OVER"
+        out.print(f"  rank {r}: peak {fmt_bytes(p)} measured (forward and backward; optimizer state as predicted), "
+                  f"{met} the budget {fmt_bytes(plan.budget_bytes)}")
 
 
 def cmd_profile(args, out, err) -> int:
@@ -314,10 +352,29 @@ def cmd_verify(args, out, err) -> int:
 COMMANDS = {"tradeoff": cmd_tradeoff, "plan": cmd_plan, "profile": cmd_profile, "verify": cmd_verify}
 
 
+def _join_ranks() -> int:
+    """Under torchrun, join the default process group (if the caller has not); returns this rank (0 alone)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return dist.get_rank()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out, err = _console()
     try:
+        if _join_ranks() != 0:  # one rank speaks for all
+            out, err = _quiet(out), _quiet(err)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.command in ("tradeoff", "verify"):
+            raise UsageError(f"remat {args.command} measures deep copies of the model, which a model sharded or "
+                             "replicated across ranks does not support: under torchrun use remat plan (one plan for "
+                             "every rank, each rank's measured peak) or benchmarks/distributed.py")
         return COMMANDS[args.command](args, out, err)
     except (UsageError, RematError) as e:
         if args.debug:

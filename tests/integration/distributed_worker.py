@@ -108,6 +108,7 @@ def run(rank: int, world: int, port: int, out: str) -> None:
     for kind in ("gpt", "resnet"):
         for how in WRAPPINGS:
             result[f"{kind}/{how}"] = case(kind, how, rank, Path(out))
+    result["cli"] = cli(rank)
     result["mismatch"] = mismatch(rank)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # no rank tears the group down while another still talks to it (a failing rank ends spawn)
@@ -157,6 +158,27 @@ def case(kind: str, how: str, rank: int, out: Path) -> dict:
                 grad_mismatches=diff, applied=remat.checkpointed_modules(again), refused=refused,
                 memory_recorded_with=profile.memory_recorded_with, capture=profile.capture_path,
                 candidates=[u.name for u in profile.candidates()])
+
+
+def cli_target():
+    """A command-line target: the GPT wrapped by FSDP2 on this rank (``remat plan FILE:cli_target``)."""
+    model, inputs, loss_fn, _ = build("gpt", "fsdp2", dist.get_rank())
+    return model, inputs, loss_fn
+
+
+def cli(rank: int) -> dict:
+    """``remat plan`` run on every rank, as torchrun would run it."""
+    import contextlib
+    import io
+
+    from remat.cli import main
+
+    os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(rank))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["plan", f"{__file__}:cli_target", "--budget", "0.0025", "--optimizer", "adamw"])
+    del os.environ["WORLD_SIZE"], os.environ["RANK"]
+    return dict(code=code, out=buf.getvalue())
 
 
 def mismatch(rank: int) -> dict:

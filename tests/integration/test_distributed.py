@@ -80,6 +80,15 @@ def test_a_saved_plan_applies_on_every_rank_and_refuses_another_wrapping(ranks, 
         assert "this plan was made for" in rank[case]["refused"]
 
 
+def test_the_command_line_plans_once_for_every_rank(ranks):
+    """``remat plan`` under torchrun: rank 0 prints the plan and every rank's measured peak; rank 1 is quiet."""
+    r0, r1 = ranks[0]["cli"], ranks[1]["cli"]
+    assert r0["code"] == 0 and r1["code"] == 0
+    assert "FSDP2 over 2 ranks" in r0["out"] and "checkpointed (" in r0["out"]
+    assert "rank 0: peak" in r0["out"] and "rank 1: peak" in r0["out"] and "OVER" not in r0["out"]
+    assert r1["out"] == ""
+
+
 def test_mismatched_ranks_are_errors_not_hangs(ranks):
     for r, rank in enumerate(ranks):
         assert "wrapped differently on different ranks" in rank["mismatch"]["wrapped_differently"]
