@@ -205,7 +205,9 @@ def optimize_checkpointing(
     """
     budget_bytes, args, kwargs, device = validate(model, budget_gb, example_inputs)
     loss_fn = loss_fn or default_loss
-    wrapping, ranks = ranks_for(model, timeout_s)
+    wrapping, ranks = ranks_for(model, timeout_s, same=dict(
+        budget_gb=budget_gb, granularity=granularity, output_alive=output_alive, check=check,
+        time_limit_s=time_limit_s, optimizer=None if optimizer is None else type(optimizer).__name__))
     notes, undo = prepare_hf_for_training(model)
     try:
         with preserved(model, on_success=False):

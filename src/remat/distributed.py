@@ -86,7 +86,7 @@ class Ranks:
     """remat's collectives over the default process group, on a rank that called remat (Note [One plan for
     every rank]). ``None`` stands for one process: :func:`ranks_for` returns None outside torch.distributed."""
 
-    def __init__(self, wrapping: Wrapping, timeout_s: float) -> None:
+    def __init__(self, wrapping: Wrapping, timeout_s: float, same: dict[str, Any] | None = None) -> None:
         dist = _dist()
         assert dist is not None
         self.dist = dist
@@ -94,10 +94,10 @@ class Ranks:
         self.world_size = dist.get_world_size()
         self.timeout_s = timeout_s
         self.tag = f"remat/{next(_calls)}"
-        self._meet(wrapping)
+        self._meet(wrapping, same or {})
 
-    def _meet(self, wrapping: Wrapping) -> None:
-        """Note [Collectives with a deadline]."""
+    def _meet(self, wrapping: Wrapping, same: dict[str, Any]) -> None:
+        """Note [Collectives with a deadline]. ``same``: arguments every rank must pass alike (the budget...)."""
         store = default_store()
         store.set(f"{self.tag}/rank{self.rank}", "1")
         count = store.add(f"{self.tag}/arrived", 1)
@@ -112,14 +112,21 @@ class Ranks:
                 )
             time.sleep(0.01)
             count = store.add(f"{self.tag}/arrived", 0)
-        seen = self.gather(wrapping)
-        if any(w != seen[0] for w in seen):
-            lines = "; ".join(f"rank {r}: {w}" for r, w in enumerate(seen))
+        seen = self.gather((wrapping, same))
+        if any(w != seen[0][0] for w, _ in seen):
+            lines = "; ".join(f"rank {r}: {w}" for r, (w, _) in enumerate(seen))
             raise InvalidInputError(
                 f"the model is wrapped differently on different ranks ({lines}): remat makes one plan for every "
                 "rank, so wrap the model the same way everywhere (the same fully_shard calls and "
                 "reshard_after_forward, or DDP on every rank)"
             )
+        for key in same:
+            values = [s.get(key) for _, s in seen]
+            if any(v != values[0] for v in values):
+                raise InvalidInputError(
+                    f"{key} differs between ranks ({', '.join(f'rank {r}: {v!r}' for r, v in enumerate(values))}): "
+                    f"remat makes one plan for every rank; pass the same {key} on every rank"
+                )
 
     def gather(self, obj: T) -> list[T]:
         """Every rank's ``obj``, in rank order."""
@@ -138,10 +145,11 @@ class Ranks:
         return max(self.gather(n))
 
 
-def ranks_for(model: nn.Module, timeout_s: float | None = None) -> tuple[Wrapping, Ranks | None]:
+def ranks_for(model: nn.Module, timeout_s: float | None = None,
+              same: dict[str, Any] | None = None) -> tuple[Wrapping, Ranks | None]:
     """The model's wrapping and, when several processes train it, the collectives remat uses (meeting
-    every rank first: Note [Collectives with a deadline])."""
+    every rank first: Note [Collectives with a deadline]; ``same``: arguments that must agree across ranks)."""
     wrapping = wrapping_of(model)
     if wrapping.world_size == 1:
         return wrapping, None
-    return wrapping, Ranks(wrapping, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    return wrapping, Ranks(wrapping, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, same)

@@ -24,6 +24,10 @@ from remat.measure import split_inputs
 from zoo import ResNet
 
 WRAPPINGS = ("fsdp2", "fsdp2-keep", "ddp")  # fsdp2-keep: reshard_after_forward=False
+#: FSDP2 with a mixed-precision policy ("fsdp2-bf16": bf16 parameters, fp32 reductions) is not among them:
+#: on CPU with gloo its per-rank memory varies from run to run (least peak 1.56-1.65 MiB over three
+#: profiles of the same tiny GPT), which a deterministic test cannot hold to 5%
+CASES = [f"{k}/{w}" for k in ("gpt", "resnet") for w in WRAPPINGS]
 
 
 def model_and_batch(kind: str, rank: int, batch_scale: int = 1):
@@ -44,10 +48,14 @@ def model_and_batch(kind: str, rank: int, batch_scale: int = 1):
 def wrap(model: torch.nn.Module, blocks: list, how: str) -> torch.nn.Module:
     if how == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if how == "fsdp2-bf16" \
+        else MixedPrecisionPolicy()
     for b in blocks:
-        fully_shard(b, mesh=mesh, reshard_after_forward=how == "fsdp2")
-    fully_shard(model, mesh=mesh, reshard_after_forward=how == "fsdp2")
+        fully_shard(b, mesh=mesh, reshard_after_forward=how != "fsdp2-keep", mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=how != "fsdp2-keep", mp_policy=mp)
     return model
 
 
@@ -105,9 +113,9 @@ def run(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     result: dict = {}
-    for kind in ("gpt", "resnet"):
-        for how in WRAPPINGS:
-            result[f"{kind}/{how}"] = case(kind, how, rank, Path(out))
+    for name in CASES:
+        kind, how = name.split("/")
+        result[name] = case(kind, how, rank, Path(out))
     result["cli"] = cli(rank)
     result["mismatch"] = mismatch(rank)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -125,7 +133,11 @@ def case(kind: str, how: str, rank: int, out: Path) -> dict:
     profile = remat.make_profile(model, inputs, loss_fn=loss_fn, optimizer=opt, output_alive=False)
     wrapping, ranks = ranks_for(model)
     planner = remat.Planner(profile, ranks=ranks.gather(profile))
-    lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
+    try:  # the least peak remat promises: measured on one real step (Note [Least peak is a promise])
+        plan_checked(model, args, kwargs, loss_fn, torch.device("cpu"), planner, 0, ranks=ranks)
+    except remat.InfeasibleBudgetError as e:
+        lo = e.min_feasible_bytes
+    hi = planner.baseline_peak_bytes
     rows = []
     for f in (0.0, 0.5, 0.9):
         budget = int(lo + f * (hi - lo)) + 4096
@@ -189,6 +201,11 @@ def mismatch(rank: int) -> dict:
         remat.optimize_checkpointing(model, 1.0, inputs, loss_fn=loss_fn, optimizer=opt, timeout_s=60)
     except remat.InvalidInputError as e:
         out["wrapped_differently"] = str(e)
+    model, inputs, loss_fn, opt = build("gpt", "fsdp2", rank)
+    try:  # the same wrapping, another budget on each rank
+        remat.optimize_checkpointing(model, 1.0 + rank, inputs, loss_fn=loss_fn, optimizer=opt, timeout_s=60)
+    except remat.InvalidInputError as e:
+        out["budgets_differ"] = str(e)
     dist.barrier()
     t0 = time.monotonic()
     if rank == 0:

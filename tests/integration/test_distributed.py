@@ -29,7 +29,7 @@ def ranks(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-CASES = [f"{k}/{w}" for k in ("gpt", "resnet") for w in distributed_worker.WRAPPINGS]
+CASES = distributed_worker.CASES
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -92,6 +92,7 @@ def test_the_command_line_plans_once_for_every_rank(ranks):
 def test_mismatched_ranks_are_errors_not_hangs(ranks):
     for r, rank in enumerate(ranks):
         assert "wrapped differently on different ranks" in rank["mismatch"]["wrapped_differently"]
+        assert "budget_gb differs between ranks (rank 0: 1.0, rank 1: 2.0)" in rank["mismatch"]["budgets_differ"]
     alone = ranks[0]["mismatch"]
     assert "rank(s) [1] of 2 did not call it within 3 s" in alone["alone"]
     assert alone["alone_s"] < 30
