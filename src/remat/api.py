@@ -16,7 +16,7 @@ from remat.capture import capture
 from remat.costs import Profile
 from remat.distributed import Ranks, Wrapping, ranks_for, wrapping_of
 from remat.errors import InternalError, InvalidInputError, PlanMismatchError, RematError
-from remat.measure import LossFn, default_loss, input_tensors, measure_peak, model_device, run_step, split_inputs, \
+from remat.measure import LossFn, default_loss, found_storages_are_fresh, input_tensors, measure_peak, model_device, run_step, split_inputs, \
     trainable_parameters
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.profile import profile_model
@@ -89,7 +89,7 @@ def _make_profile(
 ) -> Profile:
     wrapping = wrapping or Wrapping()
     wrapped = None if wrapping.kind == "none" else f"the model is wrapped by {wrapping}"
-    with preserved(model):
+    with preserved(model), found_storages_are_fresh(wrapping.kind == "fsdp2"):
         remove_checkpointing(model)
         with stage("profile", model, args, kwargs, loss_fn):
             graph = capture(model, args, kwargs, untraceable=wrapped)
@@ -298,6 +298,7 @@ def plan_checked(
     Leaves ``model`` without checkpointing; raises InfeasibleBudgetError when no plan fits."""
     agree = ranks.broadcast if ranks is not None else (lambda plan: plan)
     output_alive = planner.profile.output_alive
+    fsdp2 = wrapping_of(model).kind == "fsdp2"  # Note [Memory found] in remat.measure
     checked: dict[tuple[str, ...], int] = {}
 
     def check(plan: Plan) -> int:
@@ -305,10 +306,11 @@ def plan_checked(
             remove_checkpointing(model)
             checkpoint_plan(model, plan)
             try:
-                peak = measure_checked_peak(
-                    model, args, kwargs, loss_fn, device, output_alive=output_alive,
-                    optimizer_state_bytes=planner.profile.optimizer_state_bytes,
-                    optimizer_step_bytes=planner.profile.optimizer_step_bytes)
+                with found_storages_are_fresh(fsdp2):
+                    peak = measure_checked_peak(
+                        model, args, kwargs, loss_fn, device, output_alive=output_alive,
+                        optimizer_state_bytes=planner.profile.optimizer_state_bytes,
+                        optimizer_step_bytes=planner.profile.optimizer_step_bytes)
                 checked[plan.checkpointed] = ranks.max(peak) if ranks is not None else peak
             finally:
                 remove_checkpointing(model)

@@ -23,14 +23,16 @@ inputs) is counted separately by :func:`tensor_bytes`.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import random
 import statistics
+import threading
 import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -89,6 +91,20 @@ class StorageRecord:
     found: bool = False
 
 
+_FOUND_HELD: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_found_held", default=True)
+
+
+@contextlib.contextmanager
+def found_storages_are_fresh(fresh: bool = True) -> Iterator[None]:
+    """Within the block, storages first seen as aliases count from when they are seen, even if they outlive
+    the tracked work (Note [Memory found]; for models wrapped by FSDP2)."""
+    token = _FOUND_HELD.set(not fresh)
+    try:
+        yield
+    finally:
+        _FOUND_HELD.reset(token)
+
+
 #: operators that hand back a tensor just made outside the dispatcher (``torch.tensor(data)``): a new
 #: allocation, although the output aliases the input
 _FRESH = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default})
@@ -112,6 +128,7 @@ class StorageTracker(TorchDispatchMode):
     ) -> None:
         super().__init__()
         self.follow_resizes = follow_resizes
+        self._lock = threading.RLock()
         self._resizes: Any = None
         self._fake_on_entry: Any = None
         #: whether FakeTensors (which hold no memory) count; only for recording under FakeTensorMode
@@ -157,13 +174,16 @@ class StorageTracker(TorchDispatchMode):
             self._new_record(st, key, allocated_bytes(nbytes, st.device))
 
     def _freed(self, rec: StorageRecord) -> None:
-        if rec.free_index is not None:  # ended by a resize already
-            return
-        rec.free_index = self.index
-        self.live_bytes -= rec.nbytes
-        if self.by_key.get(rec.key) is rec:
-            del self.by_key[rec.key]
-            self._refs.pop(rec.key, None)
+        # Note [Frees on other threads]: a storage dies where its last reference goes, which may be a
+        # collective's worker thread (gloo, nccl) finishing asynchronously: the counters are shared
+        with self._lock:
+            if rec.free_index is not None:  # ended by a resize already
+                return
+            rec.free_index = self.index
+            self.live_bytes -= rec.nbytes
+            if self.by_key.get(rec.key) is rec:
+                del self.by_key[rec.key]
+                self._refs.pop(rec.key, None)
 
     def track(self, t: torch.Tensor) -> StorageRecord | None:
         """Start following the storage behind ``t`` if it is new and on the tracked device."""
@@ -186,7 +206,12 @@ class StorageTracker(TorchDispatchMode):
         a view), a storage the tracker never saw allocated. If it is still alive when tracking ends, it was
         allocated before tracking began and lives on: DDP's gradient buckets, a tensor a module keeps as a
         plain attribute; it was alive all along. (One that dies during the work was made during it where no
-        dispatch mode sees, as inside gloo's collectives: it counts from when it was first seen.)"""
+        dispatch mode sees, as inside gloo's collectives: it counts from when it was first seen.) Not under
+        FSDP2 (:func:`found_storages_are_fresh`): its own buffers persist by resizing, which the tracker
+        follows, and what its collectives still hold when a step ends (the last reduce-scatter's input)
+        was made during the step."""
+        if not _FOUND_HELD.get():
+            return []
         return [r for r in self.records if r.found and r.free_index is None]
 
     def peak_with_held(self) -> int:
@@ -204,12 +229,13 @@ class StorageTracker(TorchDispatchMode):
         return peak
 
     def _new_record(self, st: torch.UntypedStorage, key: int, nbytes: int) -> StorageRecord:
-        rec = StorageRecord(key, nbytes, self.index)
-        self.records.append(rec)
-        self.by_key[key] = rec
-        self._refs[key] = weakref.ref(st, lambda _, rec=rec: self._freed(rec))
-        self.live_bytes += rec.nbytes
-        return rec
+        with self._lock:  # Note [Frees on other threads]
+            rec = StorageRecord(key, nbytes, self.index)
+            self.records.append(rec)
+            self.by_key[key] = rec
+            self._refs[key] = weakref.ref(st, lambda _, rec=rec: self._freed(rec))
+            self.live_bytes += rec.nbytes
+            return rec
 
     def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:  # pragma: no cover - hook
         pass

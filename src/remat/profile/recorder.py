@@ -120,6 +120,7 @@ class _Recorder(StorageTracker):
         """The immutable Recording of what was seen, up to timeline index ``n_ops``; ``grads``: ids of
         the records of the parameters' gradients."""
         index = {id(r): i for i, r in enumerate(self.records)}
+        held = {id(r) for r in self.held_before()}
 
         def idx(r: StorageRecord | None) -> int | None:
             return None if r is None else index[id(r)]
@@ -127,7 +128,7 @@ class _Recorder(StorageTracker):
         return Recording(
             n_ops=n_ops, backward_start=backward_start, after_backward_bytes=after_backward_bytes,
             # a storage held from before the step counts from its start (Note [Memory found] in remat.measure)
-            storages=tuple(Storage(r.nbytes, 0 if r.found and r.free_index is None else r.alloc_index, r.free_index,
+            storages=tuple(Storage(r.nbytes, 0 if id(r) in held else r.alloc_index, r.free_index,
                                    id(r) in grads) for r in self.records),
             saved=tuple(SavedTensor(idx(p.rec), p.stack, p.calls, p.at, p.unpacked_at) for p in self.packs),
             forward_ops=tuple(ForwardOp(name, tuple(idx(r) for r in recs), random)
