@@ -104,6 +104,9 @@ def policy_menu(rec: Recording, start: int, end: int) -> list[frozenset[int]]:
     total = sum(t for _, _, t in ops)
     menu: list[frozenset[int]] = []
     for share in POLICY_TIME_SHARES:
+        if share >= 1.0:  # every keepable operator (not cut by the rounding of a float sum)
+            menu.append(frozenset(i for i, _, _ in ops))
+            continue
         acc, kept = 0.0, []
         for i, _, t in ranked:
             if acc >= share * total and kept:
