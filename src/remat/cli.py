@@ -10,9 +10,9 @@ User mistakes print one line and exit with status 2; --debug shows the traceback
 
 Under ``torchrun`` (WORLD_SIZE > 1) the command line joins the process group (gloo on CPU, nccl on GPUs,
 one GPU per LOCAL_RANK) before building the target, whose function wraps the model (``fully_shard``, DDP)
-as it will train; ``remat plan`` then makes one plan for every rank and prints each rank's measured peak.
-``tradeoff`` and ``verify`` measure deep copies of the model, which sharded models do not support: under
-torchrun they refuse (see benchmarks/distributed.py for the per-rank comparison with the hand rules).
+as it will train; ``remat plan`` then makes one plan for every rank and prints each rank's measured peak; ``remat tradeoff``
+plans for every rank and measures each plan on the target's model itself (it trains it; sharded models
+cannot be deep-copied), with a column of per-rank peaks. ``verify`` compares deep copies: it refuses.
 """
 
 from __future__ import annotations
@@ -145,6 +145,12 @@ def _device(arg: str | None) -> torch.device:
     return device
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _quiet(console):
     from rich.console import Console
 
@@ -173,7 +179,7 @@ def _profile(args, model, inputs, loss_fn, device, status):
     optimizer = factory(model.parameters()) if factory else None
     validate(model, 1.0, inputs)  # the user's mistakes before the warm-up runs the model
     warmup_s = getattr(args, "warmup", 0.0)
-    if warmup_s > 0:
+    if warmup_s > 0 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # (a deep copy: not for sharded models)
         # Note [Warm-up] in remat.report: a fresh process runs its first steps slow, and profiling
         # measures times too. Warm up with the top-level composite modules checkpointed (little memory).
         status("warming up")
@@ -213,6 +219,9 @@ def cmd_tradeoff(args, out, err) -> int:
                       ("step time\npredicted", "right"), ("step time\nmeasured", "right"),
                       ("overhead\nmeasured", "right"), ("solve\ntime", "right")]:
         table.add_column(col, justify=just, no_wrap=True)
+    per_rank = any(r.measured_peak_per_rank_bytes for r in rows)
+    if per_rank:
+        table.add_column("peak measured\nper rank (MiB)", justify="right", no_wrap=True)
     for r in rows:
         ms = (lambda s: "-" if s is None else f"{s * 1e3:.1f} ms")
         table.add_row(
@@ -224,24 +233,27 @@ def cmd_tradeoff(args, out, err) -> int:
             ms(r.predicted_step_time_s), ms(r.measured_step_time_s),
             "-" if r.measured_overhead is None else f"{r.measured_overhead:+.1%}",
             "-" if r.solve_time_s is None else f"{r.solve_time_s:.2f} s",
+            *([" / ".join(f"{p / 2**20:.2f}" for p in r.measured_peak_per_rank_bytes) or "-"] if per_rank else []),
         )
     out.print(table)
     out.print(f"predicted: remat's memory model over one profile (capture: {profile.capture_path}, memory "
               f"recorded on {profile.memory_recorded_with} tensors); measured: real training steps, peak as "
               f"{'the CUDA allocator' if device.type == 'cuda' else 'live tensor storages (CPU)'}, step time the "
-              f"median of {2 * args.repeats if device.type == 'cpu' else args.repeats} steps"
-              f"{' (plans interleaved round-robin, each on its own copy)' if device.type == 'cpu' else ''}. "
-              f"Least achievable peak (predicted): {fmt_bytes(planner_min)}."
+              + (f"median of {args.repeats} steps, the slowest rank's, each plan measured in place on every rank "
+                 f"(the target's model is trained by these steps). " if per_rank else
+                 f"median of {2 * args.repeats if device.type == 'cpu' else args.repeats} steps"
+                 f"{' (plans interleaved round-robin, each on its own copy)' if device.type == 'cpu' else ''}. ")
+              + f"Least achievable peak (predicted): {fmt_bytes(planner_min)}."
               + (" remat-op: remat's plan with selective units allowed; (k @ops): k units checkpointed "
                  "selectively (keeping some operators' outputs)." if any(r.strategy == "remat-op" for r in rows)
                  else ""))
     meta = dict(target=desc, device=str(device), optimizer=args.optimizer, torch=torch.__version__,
                 remat=__version__, machine=platform.platform(), date=datetime.now(timezone.utc).isoformat(),
                 capture_path=profile.capture_path, memory_recorded_with=profile.memory_recorded_with)
-    if args.json:
+    if args.json and _rank() == 0:
         args.json.write_text(rows_to_json(rows, meta))
         out.print(f"rows written to {args.json}")
-    if args.plot:
+    if args.plot and _rank() == 0:
         try:
             plot_rows(rows, args.plot, f"{desc} on {device}")
         except ImportError:
@@ -267,7 +279,7 @@ def cmd_plan(args, out, err) -> int:
     out.print(str(plan), markup=False, highlight=False)
     if plan.world_size > 1:
         _per_rank_peaks(model, inputs, loss_fn, device, plan, out)
-    if args.out:
+    if args.out and _rank() == 0:
         plan.save(args.out)
         out.print(f"plan written to {args.out} (apply it with remat.apply_plan(model, remat.Plan.load(path)))")
     return 0
@@ -321,7 +333,7 @@ def cmd_profile(args, out, err) -> int:
     out.print(table)
     for n in profile.notes:
         out.print(f"note: {n}")
-    if args.json:
+    if args.json and _rank() == 0:  # (under torchrun: rank 0's profile)
         args.json.write_text(profile.to_json())
         out.print(f"profile written to {args.json}")
     return 0
@@ -371,10 +383,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if _join_ranks() != 0:  # one rank speaks for all
             out, err = _quiet(out), _quiet(err)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.command in ("tradeoff", "verify"):
-            raise UsageError(f"remat {args.command} measures deep copies of the model, which a model sharded or "
-                             "replicated across ranks does not support: under torchrun use remat plan (one plan for "
-                             "every rank, each rank's measured peak) or benchmarks/distributed.py")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.command == "verify":
+            raise UsageError("remat verify compares deep copies of the model, which a model sharded or replicated "
+                             "across ranks does not support: under torchrun use remat plan or remat tradeoff (each "
+                             "rank's measured peak), and tests/integration/test_distributed.py for gradients")
         return COMMANDS[args.command](args, out, err)
     except (UsageError, RematError) as e:
         if args.debug:

@@ -507,8 +507,29 @@ def measure_step(
     Trains a deep copy (``model`` is not modified) with ``optimizer_factory(params)`` (None: no optimizer
     step; gradients are set to None after each step). Runs ``warmup`` untimed steps (which create the
     optimizer state), ``repeats`` timed steps, then one step under :func:`measure_peak`."""
-    loss_fn = loss_fn or default_loss
     m, opt = _trainee(model, optimizer_factory)
+    return _measured_steps(m, opt, example_inputs, loss_fn or default_loss, warmup=warmup, repeats=repeats,
+                           measure_memory=measure_memory, output_alive=output_alive)
+
+
+def measure_step_in_place(
+    model: nn.Module, example_inputs: Any, *, loss_fn: LossFn | None = None,
+    optimizer_factory: OptimizerFactory | None = None, warmup: int = 1, repeats: int = 3,
+    measure_memory: bool = True, output_alive: bool = True,
+) -> StepMeasurement:
+    """:func:`measure_step` on ``model`` itself, for models that cannot be deep-copied (sharded by FSDP2,
+    replicated by DDP): it **trains** ``model`` (its parameters change) with a new optimizer; for throwaway
+    models such as the command line's targets under torchrun. Every rank must call it alike."""
+    model.zero_grad(set_to_none=True)
+    opt = optimizer_factory(model.parameters()) if optimizer_factory else None
+    return _measured_steps(model, opt, example_inputs, loss_fn or default_loss, warmup=warmup, repeats=repeats,
+                           measure_memory=measure_memory, output_alive=output_alive)
+
+
+def _measured_steps(m: nn.Module, opt: torch.optim.Optimizer | None, example_inputs: Any, loss_fn: LossFn, *,
+                    warmup: int, repeats: int, measure_memory: bool, output_alive: bool) -> StepMeasurement:
+    from remat.distributed import wrapping_of
+
     args, kwargs = split_inputs(example_inputs)
     device = model_device(m)
     clock = Clock(device)
@@ -527,7 +548,8 @@ def measure_step(
     state = [*m.parameters(), *m.buffers(), *input_tensors(args, kwargs)]
     if opt is not None:
         state += [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    peak = measure_peak(lambda live_now: step(), device, state)
+    with found_storages_are_fresh(wrapping_of(m).kind == "fsdp2"):  # Note [Memory found]
+        peak = measure_peak(lambda live_now: step(), device, state)
     return StepMeasurement(peak, median, tuple(times),
                            "cuda allocator" if device.type == "cuda" else "live tensor storages (CPU)")
 

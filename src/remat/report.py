@@ -21,8 +21,9 @@ from torch import nn
 from remat.api import plan_checked, prepare_hf_for_training
 from remat.costs import Profile
 from remat.errors import InfeasibleBudgetError
-from remat.measure import OptimizerFactory, default_loss, measure_step, model_device, split_inputs, \
-    time_interleaved, warm_up
+from remat.distributed import ranks_for
+from remat.measure import OptimizerFactory, default_loss, measure_step, measure_step_in_place, model_device, \
+    split_inputs, time_interleaved, warm_up
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
@@ -50,6 +51,8 @@ class TradeoffRow:
     note: str = ""
     #: every timed step (seconds); with interleaved timing, entry i of every row is from round i
     measured_step_times_s: tuple[float, ...] = ()
+    #: under torch.distributed, each rank's measured peak (``measured_peak_bytes`` is the largest)
+    measured_peak_per_rank_bytes: tuple[int, ...] = ()
 
     @property
     def units(self) -> int:
@@ -110,9 +113,65 @@ def tradeoff(
         undo()
 
 
+def _tradeoff_ranks(model, inputs, profile, ranks, planners, sweep, plans, *, loss_fn, optimizer_factory, warmup,
+                    repeats, granularities, say) -> list[TradeoffRow]:
+    """Note [Tradeoff on every rank]."""
+    args, kwargs = split_inputs(inputs)
+    loss_fn = loss_fn or default_loss
+    device = model_device(model)
+    for b in sweep:
+        say(f"planning for {fmt_bytes(b)}")
+        for gran in granularities:
+            try:
+                plans.append((plan_checked(model, args, kwargs, loss_fn, device, planners[gran], b, ranks=ranks), b, ""))
+            except InfeasibleBudgetError as e:
+                plans.append((_Infeasible("ilp" if gran == "block" else "ilp-op"), b,
+                              f"below the least achievable peak {fmt_bytes(e.min_feasible_bytes)}"))
+    distinct: dict[frozenset[str], Plan] = {}
+    for plan, _, _ in plans:
+        if not isinstance(plan, _Infeasible) and plan.solver_status != "infeasible":
+            distinct.setdefault(frozenset(plan.checkpointed), plan)
+    measured: dict[frozenset[str], tuple[tuple[int, ...], tuple[float, ...]]] = {}
+    for i, (key, plan) in enumerate(distinct.items()):
+        say(f"measuring {plan.strategy} ({len(plan.checkpointed)} units) on every rank [{i + 1}/{len(distinct)}]")
+        checkpoint_plan(model, plan)
+        try:
+            m = measure_step_in_place(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
+                                      warmup=warmup, repeats=repeats, output_alive=profile.output_alive)
+        finally:
+            remove_checkpointing(model)
+        peaks = tuple(ranks.gather(m.peak_bytes))
+        times = ranks.gather(m.step_times_s)
+        measured[key] = (peaks, tuple(max(ts) for ts in zip(*times)))  # the slowest rank's step sets the pace
+    plain_time = statistics.median(measured[frozenset()][1]) if frozenset() in measured else None
+    rows = []
+    for plan, budget, note in plans:
+        if isinstance(plan, _Infeasible):
+            rows.append(TradeoffRow(_STRATEGY.get(plan.strategy, plan.strategy), budget, (), None, None, None, None,
+                                    None, None, "infeasible", None, note))
+            continue
+        peaks, times = measured[frozenset(plan.checkpointed)]
+        step_s = statistics.median(times) if times else None
+        rows.append(TradeoffRow(
+            strategy=_STRATEGY.get(plan.strategy, plan.strategy), budget_bytes=budget, checkpointed=plan.checkpointed,
+            predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=max(peaks),
+            predicted_step_time_s=plan.predicted_step_time_s, measured_step_time_s=step_s,
+            measured_overhead=step_s / plain_time - 1 if step_s is not None and plain_time else None,
+            solve_time_s=plan.solve_time_s if plan.strategy in _STRATEGY else None, status=plan.solver_status,
+            budget_met=None if budget is None else max(peaks) <= budget, note=note, measured_step_times_s=times,
+            measured_peak_per_rank_bytes=peaks,
+        ))
+    return rows
+
+
 def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, points, warmup, repeats, warmup_s,
               planner, hand_rules, greedy, interleave, granularities, progress) -> list[TradeoffRow]:
-    planner = planner or Planner(profile)
+    # Note [Tradeoff on every rank]: a model trained by several processes (FSDP2, DDP) is planned for every
+    # rank at once (gathered profiles, rank 0's plans) and measured in place, not on deep copies (which
+    # sharded models do not support): it is trained by the measured steps; peaks are per rank
+    wrapping, ranks = ranks_for(model, same=dict(budgets=budgets, points=points, granularities=granularities))
+    profiles = ranks.gather(profile) if ranks is not None else None
+    planner = planner or Planner(profile, ranks=profiles)
     sweep = budgets if budgets is not None else budget_sweep(planner, points)
     say = progress or (lambda msg: None)
     rules = planner.baselines() if hand_rules is None else hand_rules
@@ -120,7 +179,11 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
     args, kwargs = split_inputs(inputs)
     planners = {"block": planner}
     if "op" in granularities:
-        planners["op"] = Planner(profile, granularity="op")
+        planners["op"] = Planner(profile, granularity="op", ranks=profiles)
+    if ranks is not None:
+        return _tradeoff_ranks(model, inputs, profile, ranks, planners, sweep, plans, loss_fn=loss_fn,
+                               optimizer_factory=optimizer_factory, warmup=warmup, repeats=repeats,
+                               granularities=granularities, say=say)
     for b in sweep:
         say(f"planning for {fmt_bytes(b)}")
         for gran in granularities:

@@ -186,11 +186,14 @@ def cli(rank: int) -> dict:
     from remat.cli import main
 
     os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(rank))
-    buf = io.StringIO()
+    buf, table = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(buf):
         code = main(["plan", f"{__file__}:cli_target", "--budget", "0.0025", "--optimizer", "adamw"])
+    with contextlib.redirect_stdout(table):
+        table_code = main(["tradeoff", f"{__file__}:cli_target", "--budgets", "0.0025", "--repeats", "1",
+                           "--optimizer", "adamw"])
     del os.environ["WORLD_SIZE"], os.environ["RANK"]
-    return dict(code=code, out=buf.getvalue())
+    return dict(code=code, out=buf.getvalue(), table_code=table_code, table=table.getvalue())
 
 
 def mismatch(rank: int) -> dict:

@@ -87,6 +87,10 @@ def test_the_command_line_plans_once_for_every_rank(ranks):
     assert "FSDP2 over 2 ranks" in r0["out"] and "checkpointed (" in r0["out"]
     assert "rank 0: peak" in r0["out"] and "rank 1: peak" in r0["out"] and "OVER" not in r0["out"]
     assert r1["out"] == ""
+    # remat tradeoff: the hand rules and remat's plans, each measured on every rank (in place)
+    assert r0["table_code"] == 0 and r1["table"] == ""
+    assert "every_block" in r0["table"] and "remat-op" in r0["table"] and "per rank" in r0["table"]
+    assert "measured in place on every rank" in r0["table"] and "infeasible" not in r0["table"]
 
 
 def test_mismatched_ranks_are_errors_not_hangs(ranks):

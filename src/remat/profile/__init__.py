@@ -112,6 +112,10 @@ def profile_model(
     if reason is not None:
         notes.append(f"memory recorded on a real step ({reason}); profiling needed the plain step's peak")
         rec, ran, specs = record(fake=False)
+        if record_real is not None:
+            # a model wrapped for distributed training sets itself up in its first step (FSDP2's lazy
+            # initialisation, the process group's first buffers): record the second step, as training runs
+            rec, ran, specs = record(fake=False)
         recorded = "real"
     memory = {c.name: c for c in unit_costs(rec, specs[:len(ran)])}
 
