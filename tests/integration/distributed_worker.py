@@ -34,9 +34,11 @@ def model_and_batch(kind: str, rank: int, batch_scale: int = 1):
     """The same initial model on every rank; each rank its own batch (``batch_scale`` times the size)."""
     g = torch.Generator().manual_seed(100 + rank)
     if kind == "gpt":
-        model, _, _ = make_gpt(layers=2, batch_size=4, seq_len=32, d_model=64, vocab=256, seed=0)
-        n = 4 * batch_scale
-        idx, targets = (torch.randint(0, 256, (n, 32), generator=g) for _ in range(2))
+        # activations large against one block's gradient buffers, whose asynchronous release by gloo's threads
+        # moves the peak by up to one such buffer from step to step (94 KiB: 4.4% of a 4 x 32-token batch)
+        model, _, _ = make_gpt(layers=2, batch_size=8, seq_len=64, d_model=64, vocab=256, seed=0)
+        n = 8 * batch_scale
+        idx, targets = (torch.randint(0, 256, (n, 64), generator=g) for _ in range(2))
         return model, (idx, targets), remat.default_loss, list(model.h)
     torch.manual_seed(0)
     model = ResNet().train()
@@ -140,7 +142,7 @@ def case(kind: str, how: str, rank: int, out: Path) -> dict:
     hi = planner.baseline_peak_bytes
     rows = []
     for f in (0.0, 0.5, 0.9):
-        budget = int(lo + f * (hi - lo)) + 4096
+        budget = int(lo + f * (hi - lo)) + max(4096, lo // 50)  # 2% for the asynchronous frees (see above)
         plan = plan_checked(model, args, kwargs, loss_fn, torch.device("cpu"), planner, budget, ranks=ranks)
         fresh, inputs2, loss2, opt2 = build(kind, how, rank, scale)
         remat.apply_plan(fresh, plan)
@@ -188,9 +190,9 @@ def cli(rank: int) -> dict:
     os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(rank))
     buf, table = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(buf):
-        code = main(["plan", f"{__file__}:cli_target", "--budget", "0.0025", "--optimizer", "adamw"])
+        code = main(["plan", f"{__file__}:cli_target", "--budget", "0.0075", "--optimizer", "adamw"])
     with contextlib.redirect_stdout(table):
-        table_code = main(["tradeoff", f"{__file__}:cli_target", "--budgets", "0.0025", "--repeats", "1",
+        table_code = main(["tradeoff", f"{__file__}:cli_target", "--budgets", "0.0075", "--repeats", "1",
                            "--optimizer", "adamw"])
     del os.environ["WORLD_SIZE"], os.environ["RANK"]
     return dict(code=code, out=buf.getvalue(), table_code=table_code, table=table.getvalue())
