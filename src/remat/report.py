@@ -113,20 +113,32 @@ def tradeoff(
         undo()
 
 
+def _checked_plans(model, inputs, loss_fn, planners, granularities, budget: int, ranks) -> list:
+    """remat's checked plan for ``budget`` at each granularity, or a stand-in saying why there is none."""
+    args, kwargs = split_inputs(inputs)
+    out: list = []
+    for gran in granularities:
+        try:
+            out.append((plan_checked(model, args, kwargs, loss_fn, model_device(model), planners[gran], budget,
+                                     ranks=ranks), budget, ""))
+        except InfeasibleBudgetError as e:
+            out.append((_Infeasible("ilp" if gran == "block" else "ilp-op"), budget,
+                        f"below the least achievable peak {fmt_bytes(e.min_feasible_bytes)}"))
+    return out
+
+
+def _infeasible_row(plan: "_Infeasible", budget: int | None, note: str) -> TradeoffRow:
+    return TradeoffRow(_STRATEGY.get(plan.strategy, plan.strategy), budget, (), None, None, None, None, None, None,
+                       "infeasible", None, note)
+
+
 def _tradeoff_ranks(model, inputs, profile, ranks, planners, sweep, plans, *, loss_fn, optimizer_factory, warmup,
                     repeats, granularities, say) -> list[TradeoffRow]:
     """Note [Tradeoff on every rank]."""
-    args, kwargs = split_inputs(inputs)
     loss_fn = loss_fn or default_loss
-    device = model_device(model)
     for b in sweep:
         say(f"planning for {fmt_bytes(b)}")
-        for gran in granularities:
-            try:
-                plans.append((plan_checked(model, args, kwargs, loss_fn, device, planners[gran], b, ranks=ranks), b, ""))
-            except InfeasibleBudgetError as e:
-                plans.append((_Infeasible("ilp" if gran == "block" else "ilp-op"), b,
-                              f"below the least achievable peak {fmt_bytes(e.min_feasible_bytes)}"))
+        plans += _checked_plans(model, inputs, loss_fn, planners, granularities, b, ranks)
     distinct: dict[frozenset[str], Plan] = {}
     for plan, _, _ in plans:
         if not isinstance(plan, _Infeasible) and plan.solver_status != "infeasible":
@@ -147,8 +159,7 @@ def _tradeoff_ranks(model, inputs, profile, ranks, planners, sweep, plans, *, lo
     rows = []
     for plan, budget, note in plans:
         if isinstance(plan, _Infeasible):
-            rows.append(TradeoffRow(_STRATEGY.get(plan.strategy, plan.strategy), budget, (), None, None, None, None,
-                                    None, None, "infeasible", None, note))
+            rows.append(_infeasible_row(plan, budget, note))
             continue
         peaks, times = measured[frozenset(plan.checkpointed)]
         step_s = statistics.median(times) if times else None
@@ -176,7 +187,6 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
     say = progress or (lambda msg: None)
     rules = planner.baselines() if hand_rules is None else hand_rules
     plans: list[tuple[Plan | None, int | None, str]] = [(p, None, "") for p in rules]
-    args, kwargs = split_inputs(inputs)
     planners = {"block": planner}
     if "op" in granularities:
         planners["op"] = Planner(profile, granularity="op", ranks=profiles)
@@ -186,13 +196,7 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
                                granularities=granularities, say=say)
     for b in sweep:
         say(f"planning for {fmt_bytes(b)}")
-        for gran in granularities:
-            try:
-                plans.append((plan_checked(model, args, kwargs, loss_fn or default_loss, model_device(model),
-                                           planners[gran], b), b, ""))
-            except InfeasibleBudgetError as e:
-                plans.append((_Infeasible("ilp" if gran == "block" else "ilp-op"), b,
-                              f"below the least achievable peak {fmt_bytes(e.min_feasible_bytes)}"))
+        plans += _checked_plans(model, inputs, loss_fn or default_loss, planners, granularities, b, None)
         if greedy:
             g = planner.greedy(b)
             plans.append((g, b, "" if g.solver_status != "infeasible" else "greedy found no plan within the budget"))
@@ -247,8 +251,7 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
     rows = []
     for plan, budget, note in plans:
         if isinstance(plan, _Infeasible):
-            rows.append(TradeoffRow(_STRATEGY.get(plan.strategy, plan.strategy), budget, (), None, None, None, None,
-                                    None, None, "infeasible", None, note))
+            rows.append(_infeasible_row(plan, budget, note))
             continue
         name = _STRATEGY.get(plan.strategy, plan.strategy)
         if plan.strategy == "greedy" and plan.solver_status == "infeasible":
