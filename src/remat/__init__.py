@@ -12,6 +12,8 @@ The pipeline, one module (or package) per stage, each handing a frozen dataclass
     solve/     Profile + budget         -> Plan         ILP (PuLP/CBC) and the hand rules
     rewrite    Plan                     -> the model, checkpointed in place (reversible)
     measure    one training step, one clock, one peak meter, used by every stage that runs the model
+    steps      real steps measured (peak, step time) on copies, or in place for sharded models
+    distributed  one plan for every rank under FSDP2 / DDP
     verify     plain vs checkpointed    -> EquivalenceReport
 
 Entry points: :func:`optimize_checkpointing` (all of it, in place), :func:`make_profile` with
@@ -32,7 +34,8 @@ from remat.errors import (
     SolverError,
     UnsupportedError,
 )
-from remat.measure import StepMeasurement, default_loss, measure_step
+from remat.measure import default_loss
+from remat.steps import StepMeasurement, measure_step
 from remat.plan import Plan
 from remat.report import TradeoffRow, tradeoff
 from remat.rewrite import checkpointed_modules, remove_checkpointing

@@ -44,7 +44,7 @@ from remat import (
 from remat.api import validate
 from remat.capture import composite_modules
 from remat.costs import is_selective
-from remat.measure import warm_up
+from remat.steps import warm_up
 from remat.plan import GiB, fmt_bytes, policy_summary
 from remat.report import plot_rows, rows_to_json, tradeoff
 from remat.rewrite import checkpoint_modules

@@ -3,7 +3,7 @@
 ``tradeoff`` profiles once, makes remat's plan at every budget plus the usual hand rules,
 applies each distinct plan to the model, measures real training steps (peak memory and median
 step time) and returns one :class:`TradeoffRow` per (strategy, budget). Predicted figures come
-from the simulator; measured ones from :func:`remat.measure.measure_step`.
+from the simulator; measured ones from :func:`remat.steps.measure_step`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from remat.api import plan_checked, prepare_hf_for_training
 from remat.costs import Profile
 from remat.errors import InfeasibleBudgetError
 from remat.distributed import ranks_for
-from remat.measure import OptimizerFactory, default_loss, measure_step, measure_step_in_place, model_device, \
-    split_inputs, time_interleaved, warm_up
+from remat.measure import OptimizerFactory, default_loss, model_device, split_inputs
+from remat.steps import measure_step, measure_step_in_place, time_interleaved, warm_up
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
