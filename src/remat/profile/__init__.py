@@ -93,13 +93,11 @@ def profile_model(
         return rec, ran, specs
 
     reason = record_real
-    if reason is not None:
-        pass
-    elif _autocast_enabled(device):
+    if reason is None and _autocast_enabled(device):
         # Note [Autocast and fake tensors]: the autocast cache does not hold casts of fake weights,
         # so a fake recording casts weights again at every use where the real step reuses them.
         reason = "autocast is on"
-    else:
+    if reason is None:
         try:
             with quiet_loggers("torch._subclasses.fake_tensor"):  # a failure here is expected and handled
                 rec, ran, specs = record(fake=True)
@@ -138,6 +136,7 @@ def profile_model(
                      "memory recorded on a real step; profiling needed the plain step's peak")
         rec, ran, specs = record(fake=False)
         recorded = "real"
+        memory = {c.name: c for c in unit_costs(rec, specs[:len(ran)])}
     rec = rec.with_op_seconds({i: forward_ops[j].seconds for i, j in align_forward(rec, forward_ops).items()})
     if recorded == "fake":
         # sizes from the plain forward (the same operators as the recording, one for one, when it took the
@@ -155,7 +154,8 @@ def profile_model(
                      "operator sequence may depend on the data), so policies naming operators by position "
                      "are not offered (" + "; ".join(graph.failures) + ")")
     else:
-        selective = selective_specs(rec, unit_costs(rec, specs[:len(ran)]))
+        # the module units' spans, exclusions and drops do not depend on the sizes calibrated above
+        selective = selective_specs(rec, list(memory.values()))
     specs = specs[:len(ran)] + selective + specs[len(ran):]
     opt = optimizer_costs(optimizer, device)
     if optimizer is None:
