@@ -71,3 +71,21 @@ def test_the_clock_measures_intervals_on_cpu():
     a = clock.mark()
     b = clock.mark()
     assert clock.seconds(a, b) >= 0 and clock.time(lambda: None) >= 0
+
+
+def test_memory_allocated_before_and_written_during_the_work_counts_from_the_start():
+    """Note [Memory found]: a storage the work writes in place that the tracker never saw allocated, and that
+    outlives the work (DDP's gradient buckets), was alive all along; under FSDP2 (found_storages_are_fresh)
+    it counts from when it is seen."""
+    from remat.measure import found_storages_are_fresh
+
+    held = torch.zeros(1024)  # 4 KiB, allocated before the work and not passed as state
+
+    def work(live_now):
+        temp = torch.ones(2048)  # 8 KiB, freed before the held storage is first touched
+        del temp
+        held.add_(1)
+
+    assert measure_peak(work, torch.device("cpu"), []) == 8192 + 4096
+    with found_storages_are_fresh():
+        assert measure_peak(work, torch.device("cpu"), []) == 8192
