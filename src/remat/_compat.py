@@ -188,3 +188,14 @@ def default_store():
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile(model)`` wraps (``OptimizedModule._orig_mod``; checked on 2.11, 2.13), or
+    ``model`` itself. remat profiles and rewrites that module; the compiled wrapper recompiles on its next
+    call (its guards see the new ``forward`` attributes), so plans work however the user compiled."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    while isinstance(model, OptimizedModule):
+        model = model._orig_mod
+    return model

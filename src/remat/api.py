@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from remat._compat import uncompiled
 from remat.capture import capture
 from remat.costs import Profile
 from remat.distributed import Ranks, Wrapping, ranks_for, wrapping_of
@@ -73,6 +74,7 @@ def make_profile(
     ``optimizer`` (never called) and the RNG state. The step is profiled as remat will run it: without a
     KV cache or the model's own gradient checkpointing (Note [Hugging Face]), which are given back
     afterwards."""
+    model = uncompiled(model)
     _, args, kwargs, device = validate(model, 1.0, example_inputs)
     loss_fn = loss_fn or default_loss
     _, undo = prepare_hf_for_training(model)
@@ -199,10 +201,14 @@ def optimize_checkpointing(
     as they were. Raises ``InfeasibleBudgetError`` (with the least achievable peak) when no
     plan fits, ``InvalidInputError`` for bad arguments.
 
+    A model compiled with ``torch.compile`` is profiled and checkpointed eagerly (the module it wraps),
+    and recompiles on its next call (Note [Under torch.compile] in remat.rewrite).
+
     Distributed training (FSDP2 ``fully_shard``, DDP): call it on every rank, on the model as it will
     train; ``budget_gb`` is per rank. Every rank gets the same plan (Note [One plan for every rank] in
     remat.distributed); ``timeout_s`` bounds the wait for the other ranks (default 300 s).
     """
+    model = uncompiled(model)
     budget_bytes, args, kwargs, device = validate(model, budget_gb, example_inputs)
     loss_fn = loss_fn or default_loss
     wrapping, ranks = ranks_for(model, timeout_s, same=dict(
@@ -267,6 +273,7 @@ def checked_plan(model: nn.Module, example_inputs: Any, planner: Planner, budget
     :func:`make_profile` of this model, with the same ``loss_fn``), checked on one real step (Note [Checked
     plans]), without applying it: the model, its checkpointing, gradients, buffers and RNG state are left as
     they were. Raises InfeasibleBudgetError (with the least measured peak) when no plan fits."""
+    model = uncompiled(model)
     _, args, kwargs, device = validate(model, max(budget_bytes, 1) / GiB, example_inputs)
     _, undo = prepare_hf_for_training(model)
     try:
@@ -398,6 +405,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> None:
     every rank of the same set-up)."""
     if not isinstance(plan, Plan):
         raise PlanMismatchError(f"expected a remat.Plan, got {type(plan).__name__}")
+    model = uncompiled(model)
     wrapping = wrapping_of(model)
     if (plan.world_size, plan.wrapping) != (wrapping.world_size, str(wrapping) if wrapping.world_size > 1 else ""):
         raise PlanMismatchError(

@@ -48,11 +48,28 @@ when unknown (a unit checkpointed by hand), every buffer of the unit is snapshot
 unit the replay's clones and copies run outside the dispatch modes (selective checkpointing's cache
 refuses, during the recomputation, operators the forward did not run: the crash of a selective unit
 on a module that merely owned a read-only buffer).
+
+Note [Under torch.compile]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Dynamo turns ``checkpoint`` into a higher-order operator whose body must be free of Python side effects,
+and accepts as ``context_fn`` only a function or a ``functools.partial``. So when the installed forward
+runs under compilation (``torch.compiler.is_compiling()``: the whole model compiled, or each block after
+checkpointing, torchtitan's order) it calls ``checkpoint`` on the module's own forward: no call counter,
+no buffer replay, and the selective policy as ``functools.partial(keep_ops_contexts, saved_ops)``, which
+counts operators afresh on each call (each trace). Compile needs no replay: the recomputation is part of
+the compiled backward graph, a pure function of the forward's inputs, and buffer updates are applied once,
+in the forward graph; random operators in a checkpointed region are replayed by inductor's RNG
+functionalization (with ``torch._inductor.config.fallback_random`` it saves their outputs instead).
+What compile keeps is decided by its partitioner from these tags, and it traces some operators otherwise
+than eager does (dropout as one ``native_dropout`` where eager CPU runs four operators, the SDPA math
+path's order), so a selective policy, named by positions in the eager forward, may keep other operators
+there: gradients are unaffected (tested), memory is compile's (``benchmarks/compile.py`` measures it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from collections import defaultdict
@@ -62,7 +79,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from remat._compat import argument, outside_dispatch_modes
+from remat._compat import argument, outside_dispatch_modes, uncompiled
 from remat.costs import SELECTIVE, is_selective, op_key
 from remat.errors import InvalidInputError, PlanMismatchError
 from remat.plan import Plan
@@ -81,30 +98,31 @@ def draws_random(func, args: tuple, kwargs: dict) -> bool:
     return p is missing or p is None or float(p) != 0.0
 
 
-class KeepOps:
-    """The ``context_fn`` of a selective checkpoint: keep the outputs of the operators in
-    ``saved_ops`` (``"aten.addmm.default#1"``: the 2nd call of that overload in the unit's forward),
-    recompute the rest. Picklable; each checkpointed call counts its own operators."""
+def keep_ops_contexts(saved_ops: tuple[str, ...]):
+    """The ``context_fn`` of a selective checkpoint, bound as ``functools.partial(keep_ops_contexts, saved_ops)``:
+    keep the outputs of the operators in ``saved_ops`` (``"aten.addmm.default#1"``: the 2nd call of that
+    overload in the unit's forward), recompute the rest. Each call (one per checkpointed call of the unit,
+    or one per trace under torch.compile) counts its operators from 0 (Note [Under torch.compile])."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    def __init__(self, saved_ops: Iterable[str]) -> None:
-        self.saved_ops = frozenset(saved_ops)
+    keep, counts = frozenset(saved_ops), defaultdict(int)
 
-    def __call__(self):
-        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    def policy(ctx, func, *args, **kwargs):
+        # older torch versions also ask the policy during the recomputation (ctx.is_recompute), which
+        # must count its operators from 0 again; torch 2.13 asks only in forward
+        key = (bool(getattr(ctx, "is_recompute", False)), func)
+        k = counts[key]
+        counts[key] = k + 1
+        if op_key(str(func), k) in keep and not draws_random(func, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
-        keep, counts = self.saved_ops, defaultdict(int)
+    return create_selective_checkpoint_contexts(policy)
 
-        def policy(ctx, func, *args, **kwargs):
-            # older torch versions also ask the policy during the recomputation (ctx.is_recompute), which
-            # must count its operators from 0 again; torch 2.13 asks only in forward
-            key = (bool(getattr(ctx, "is_recompute", False)), func)
-            k = counts[key]
-            counts[key] = k + 1
-            if op_key(str(func), k) in keep and not draws_random(func, args, kwargs):
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
 
-        return create_selective_checkpoint_contexts(policy)
+def keep_ops(saved_ops: Iterable[str]) -> Callable:
+    """The ``context_fn`` that keeps ``saved_ops`` (a function, as torch.compile requires)."""
+    return functools.partial(keep_ops_contexts, tuple(saved_ops))
 
 
 def segment_name(container: str, start: int, stop: int) -> str:
@@ -124,6 +142,9 @@ def parse_unit(name: str) -> tuple[str, tuple[int, int] | None]:
 def _checkpointed_call(fn: Callable, args: tuple, kwargs: dict, buffers: list[torch.Tensor],
                        preserve_rng_state: bool, timer, saved_ops: tuple[str, ...] | None = None) -> object:
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint, replaying ``buffers`` (Note [Buffers replay])."""
+    options = {} if saved_ops is None else {"context_fn": keep_ops(saved_ops)}
+    if torch.compiler.is_compiling():  # Note [Under torch.compile]
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options, **kwargs)
     before = [b.detach().clone() for b in buffers]
     calls = 0
     # a selective recomputation runs under its cache's dispatch mode, which refuses operators the forward
@@ -154,10 +175,7 @@ def _checkpointed_call(fn: Callable, args: tuple, kwargs: dict, buffers: list[to
                 return replay(*a, **kw)
         return replay(*a, **kw)
 
-    if saved_ops is not None:
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
-                          context_fn=KeepOps(saved_ops), **kwargs)
-    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options, **kwargs)
 
 
 class _RematForward:
@@ -281,7 +299,7 @@ def is_checkpointed(module: nn.Module) -> bool:
 def checkpointed_modules(model: nn.Module) -> list[str]:
     """The units remat has checkpointed in ``model`` (module names and segments), in module order."""
     out = []
-    for name, m in model.named_modules():
+    for name, m in uncompiled(model).named_modules():
         f = m.__dict__.get("forward")
         if isinstance(f, _RematForward):
             out += f.unit_names(name)
@@ -366,7 +384,7 @@ def checkpoint_plan(model: nn.Module, plan: Plan) -> None:
 def remove_checkpointing(model: nn.Module) -> list[str]:
     """Undo remat's checkpointing everywhere in ``model`` (mutates it). Returns the units it undid."""
     undone = []
-    for name, m in model.named_modules():
+    for name, m in uncompiled(model).named_modules():
         f = m.__dict__.get("forward")
         if isinstance(f, _RematForward):
             if f.previous is not None:

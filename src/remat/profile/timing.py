@@ -23,7 +23,7 @@ from remat.measure import Clock, LossFn, input_tensors, median_time, new_step, r
 from remat.profile.calibrate import LoggedOp, ForwardLog, log_forward
 from remat.profile.recorder import grad_targets, hook_units
 from remat.recording import CheckpointOverhead, UnitTimes
-from remat.rewrite import KeepOps, checkpoint_modules
+from remat.rewrite import checkpoint_modules, keep_ops
 from remat.state import fresh_grads
 
 
@@ -222,7 +222,7 @@ def selective_overhead(device: torch.device, reps: int = 30) -> float:
         if i % 2 == 0:
             keys.append(op_key(op, seen[op]))
         seen[op] += 1
-    policy = KeepOps(keys)
+    policy = keep_ops(keys)
     runs = {
         False: lambda: checkpoint(f, x, use_reentrant=False).sum().backward(),
         True: lambda: checkpoint(f, x, use_reentrant=False, context_fn=policy).sum().backward(),
