@@ -7,7 +7,7 @@ breaks here with a message that says which, instead of deep inside a stage.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401 - checked on 2.11, 2.13
@@ -199,3 +199,22 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, OptimizedModule):
         model = model._orig_mod
     return model
+
+
+def profiler_memory_peak(work: Callable[[], object], device: torch.device) -> int:
+    """The most bytes allocated on ``device`` above what was allocated when ``work()`` started, by the
+    profiler's memory events (``torch.profiler.profile(profile_memory=True)``, read from
+    ``prof.profiler.kineto_results``; checked on 2.11, 2.13): allocator-level, so it also sees what
+    compiled kernels allocate, which a dispatch-level tracker cannot."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        work()
+    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type().name.lower() == device.type]
+    run = peak = 0
+    for _, nbytes in sorted(events):
+        run += nbytes
+        peak = max(peak, run)
+    return peak

@@ -64,7 +64,7 @@ def validate(model: Any, budget_gb: Any, example_inputs: Any) -> tuple[int, tupl
 
 def make_profile(
     model: nn.Module, example_inputs: Any, *, loss_fn: LossFn | None = None,
-    optimizer: torch.optim.Optimizer | None = None, output_alive: bool = True,
+    optimizer: torch.optim.Optimizer | None = None, output_alive: bool = True, grad_accumulation: bool = False,
 ) -> Profile:
     """Capture and profile one training step of ``model`` on ``example_inputs`` (a tensor, a tuple of
     positional arguments or a dict of keyword arguments), for :class:`remat.Planner`: the measured
@@ -79,8 +79,9 @@ def make_profile(
     loss_fn = loss_fn or default_loss
     _, undo = prepare_hf_for_training(model)
     try:
-        return _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
-                             output_alive=output_alive, wrapping=wrapping_of(model))
+        profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
+                                output_alive=output_alive, wrapping=wrapping_of(model))
+        return profile.with_held_grads() if grad_accumulation else profile
     finally:
         undo()
 
@@ -167,6 +168,7 @@ def optimize_checkpointing(
     check: bool = True,
     granularity: str = "op",
     output_alive: bool = True,
+    grad_accumulation: bool = False,
     timeout_s: float | None = None,
 ) -> Plan:
     """Checkpoint ``model``'s submodules in place so a training step fits ``budget_gb``.
@@ -184,7 +186,10 @@ def optimize_checkpointing(
     (``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``: nanoGPT, most hand-written
     loops, Lightning's ``training_step`` when it returns the output), False when only the loss
     survives the forward (Hugging Face Trainer's ``compute_loss``, torchtitan's ``del pred``). For
-    language models the output (logits) is often the largest single tensor.
+    language models the output (logits) is often the largest single tensor. ``grad_accumulation``: the
+    loop accumulates gradients over several micro-batches before each optimizer step, so every micro-step
+    but the first starts with all gradients allocated; the plan is made and checked for that micro-step
+    (Note [Accumulated gradients] in remat.costs).
 
     With ``check`` (the default) the plan is run once for real before it is returned (Note [Checked
     plans]) and tightened if its measured peak exceeds the budget. ``granularity="op"`` (the default)
@@ -213,12 +218,14 @@ def optimize_checkpointing(
     loss_fn = loss_fn or default_loss
     wrapping, ranks = ranks_for(model, timeout_s, same=dict(
         budget_gb=budget_gb, granularity=granularity, output_alive=output_alive, check=check,
+        grad_accumulation=grad_accumulation,
         time_limit_s=time_limit_s, optimizer=None if optimizer is None else type(optimizer).__name__))
     notes, undo = prepare_hf_for_training(model)
     try:
         with preserved(model, on_success=False):
             profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
                                     output_alive=output_alive, wrapping=wrapping)
+            profile = profile.with_held_grads() if grad_accumulation else profile
             planner = Planner(profile, time_limit_s=time_limit_s, granularity=granularity,
                               ranks=ranks.gather(profile) if ranks is not None else None)
             if check:
@@ -244,18 +251,22 @@ def optimize_checkpointing(
 def measure_checked_peak(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, *,
     output_alive: bool = True, optimizer_state_bytes: int = 0, optimizer_step_bytes: int = 0,
+    grads_held: bool = False,
 ) -> int:
     """The peak memory (bytes) of one training step of ``model`` as it is (checkpointed or not): forward,
     loss and ``loss.backward()`` run for real, as the loop runs them (Note [Loop style] in remat.profile:
     gradients start as None, the output is dropped after the loss unless ``output_alive``), measured
     with the parameters, buffers and the batch; the optimizer, which remat never steps (Note [Never call
     the user's optimizer]), is added as predicted: its state all step long, its step's temporaries on
-    top of what is alive once backward has returned.
+    top of what is alive once backward has returned. With ``grads_held`` (gradient accumulation: Note
+    [Accumulated gradients] in remat.costs) every trainable parameter has a gradient (zeros) when the
+    step starts, counted from the start, and backward adds into it.
 
     The model's gradients (``.grad`` objects and values), buffers and the RNG state are as they were."""
     inputs = input_tensors(args, kwargs)
     state = [*model.parameters(), *model.buffers(), *inputs]
-    leaves = trainable_parameters(model) + [t for t in inputs if t.requires_grad and t.is_leaf]
+    trainable = trainable_parameters(model)
+    leaves = trainable + [t for t in inputs if t.requires_grad and t.is_leaf]
     after_backward: list[int] = []
 
     def work(live_now: Callable[[], int]) -> None:
@@ -263,6 +274,10 @@ def measure_checked_peak(
                  on=lambda event: after_backward.append(live_now()) if event == "backward" else None)
 
     with preserved(model), fresh_grads(leaves):
+        if grads_held:
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
+            state += [p.grad for p in trainable]
         peak = measure_peak(work, device, state)
     return max(peak, after_backward[0] + optimizer_step_bytes) + optimizer_state_bytes
 
@@ -316,6 +331,7 @@ def plan_checked(
                 with found_storages_are_fresh(fsdp2):
                     peak = measure_checked_peak(
                         model, args, kwargs, loss_fn, device, output_alive=output_alive,
+                        grads_held=planner.profile.grads_held,
                         optimizer_state_bytes=planner.profile.optimizer_state_bytes,
                         optimizer_step_bytes=planner.profile.optimizer_step_bytes)
                 checked[plan.checkpointed] = ranks.max(peak) if ranks is not None else peak

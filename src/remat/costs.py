@@ -4,6 +4,17 @@
 the step's Recording by ``remat.effects``); the simulator, the solver and the report read it. Bytes are integers, times are seconds, and a *timeline index*
 is the position of an operator in the step's sequence of dispatched operators
 (forward first, then backward); see Note [Timeline] in ``remat.profile.recorder``.
+
+Note [Accumulated gradients]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With gradient accumulation (Hugging Face's ``gradient_accumulation_steps``, Lightning's
+``accumulate_grad_batches``) every micro-batch after the first runs forward and backward with all
+gradients already allocated: the forward peak grows by their size, and in backward each new gradient
+is a temporary until ``AccumulateGrad`` adds it in place (in the first micro-step it *becomes* the
+``.grad``, with no copy). ``Profile.with_held_grads`` turns the recorded first step into such a
+micro-step: after operator ``i``, every gradient plus those operator ``i`` created; the plan is then
+made for the worst micro-step, and the checked step runs with gradients present
+(``remat.api.measure_checked_peak``).
 """
 
 from __future__ import annotations
@@ -202,6 +213,9 @@ class Profile:
     #: the training loop keeps the model's output referenced until the step ends (Note [Loop style] in
     #: remat.profile); False: it is dropped once the loss is computed
     output_alive: bool = True
+    #: the loop accumulates gradients over micro-batches: every trainable parameter's gradient exists
+    #: when the step starts (Note [Accumulated gradients])
+    grads_held: bool = False
 
     @property
     def fixed_bytes(self) -> int:
@@ -221,6 +235,26 @@ class Profile:
 
         raise InvalidInputError(f"no unit named {name!r} in this profile; its units: "
                                 f"{[u.name for u in self.units][:8]}{' ...' if len(self.units) > 8 else ''}")
+
+    def with_held_grads(self) -> "Profile":
+        """This step as a micro-step of gradient accumulation (Note [Accumulated gradients])."""
+        if self.grads_held:
+            return self
+        held = self.grads_bytes
+
+        def shift(series: tuple[int, ...]) -> tuple[int, ...]:
+            # after operator i: every gradient held, plus those created by operator i until they are added
+            return tuple(b + held - (self.grad_bytes[i - 1] if i > 0 else 0) for i, b in enumerate(series))
+
+        return dataclasses.replace(
+            self, live_bytes=shift(self.live_bytes), grad_bytes=tuple(held for _ in self.grad_bytes),
+            before_bytes=None if self.before_bytes is None else tuple(
+                b + held - (self.grad_bytes[i - 1] if i > 0 else 0) for i, b in enumerate(self.before_bytes)),
+            grads_held=True,
+            # the optimizer step starts once backward has returned: every gradient made and added
+            after_backward_bytes=self.after_backward_bytes if self.after_backward_bytes is not None or not self.live_bytes
+            else self.live_bytes[-1],
+            notes=self.notes + (f"gradient accumulation: every gradient ({held} bytes) held from the step's start",))
 
     def candidates(self) -> tuple[UnitCost, ...]:
         """Units that may be checkpointed and would free something."""

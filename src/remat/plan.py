@@ -73,6 +73,9 @@ class Plan:
     #: the training loop it was planned for keeps the model's output until the step ends (False: drops
     #: it after the loss; Note [Loop style] in remat.profile)
     output_alive: bool = True
+    #: planned for gradient accumulation: gradients held from the start of every micro-step (Note
+    #: [Accumulated gradients] in remat.costs)
+    grads_held: bool = False
     #: processes the plan was made for (one plan for every rank; checked by apply_plan)
     world_size: int = 1
     #: how the model was wrapped for distributed training, e.g. "FSDP2 over 2 ranks (...)" ("" for one process)
@@ -100,7 +103,8 @@ class Plan:
             f"  predicted step time:  {self.predicted_step_time_s * 1e3:.1f} ms"
             f"  (measured without checkpointing: {self.baseline_step_time_s * 1e3:.1f} ms, "
             f"{self.predicted_overhead:+.1%})",
-            f"  training loop:        {'output kept until the step ends' if self.output_alive else 'output dropped after the loss'}",
+            f"  training loop:        {'output kept until the step ends' if self.output_alive else 'output dropped after the loss'}"
+            f"{'; gradients accumulated (held from the start of each micro-step)' if self.grads_held else ''}",
             f"  peak breakdown (predicted, at {b.phase}):",
         ]
         for key, label in [

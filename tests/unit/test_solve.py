@@ -291,3 +291,28 @@ def test_time_limit_reached_with_a_solution_says_so(monkeypatch):
     assert plan.solver_status == "feasible (time limit reached)"
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     assert ilp.EXACT_UNITS  # the module under test
+
+
+def test_held_gradients_shift_every_row_by_the_gradients_not_yet_made():
+    """Note [Accumulated gradients]: after operator i, every gradient is held plus those operator i created
+    (a temporary until it is added in place); the optimizer row, which starts with every gradient, is the
+    same."""
+    import dataclasses
+
+    p = chain_profile([4 * MiB, 4 * MiB], [MiB, MiB], [1.0, 1.0])
+    n = len(p.live_bytes)
+    grads = [0] * p.backward_start + [MiB * (i - p.backward_start) // 2 for i in range(p.backward_start, n)]
+    p = dataclasses.replace(p, grad_bytes=tuple(grads), grads_bytes=grads[-1], live_bytes=tuple(
+        b + g for b, g in zip(p.live_bytes, grads)))
+    held = p.with_held_grads()
+    assert held.grads_held and held.with_held_grads() is held
+    for i in range(n):
+        made_now = grads[i] - (grads[i - 1] if i else 0)
+        assert held.live_bytes[i] == p.live_bytes[i] - grads[i] + p.grads_bytes + made_now
+    single, micro = MemoryModel(p), MemoryModel(held)
+    assert micro.peak_bytes([]) - single.peak_bytes([]) <= p.grads_bytes
+    assert [r.const_bytes for r in micro.rows if r.phase == "optimizer"] == \
+        [r.const_bytes for r in single.rows if r.phase == "optimizer"]
+    forward = [r for r in micro.rows if r.phase == "forward"]
+    assert forward and all(r.const_bytes == s.const_bytes + p.grads_bytes
+                           for r, s in zip(forward, (r for r in single.rows if r.phase == "forward")))

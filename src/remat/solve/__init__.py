@@ -107,6 +107,7 @@ class Planner:
             device=p.device,
             optimizer=p.optimizer,
             output_alive=p.output_alive,
+            grads_held=p.grads_held,
             world_size=p.world_size,
             wrapping=p.wrapping,
             notes=notes + p.notes,
