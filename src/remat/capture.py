@@ -55,9 +55,20 @@ def composite_modules(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if name and any(True for _ in m.children())]
 
 
-def _units_from_graph(graph: torch.fx.Graph, possible: set[str]) -> list[str]:
+def _nodes(gm: torch.fx.GraphModule):
+    """The nodes of ``gm``'s graph in order, with those of the subgraphs its higher-order operators call
+    (an autocast region inside the forward, as accelerate's mixed precision wraps it, is one) where they run."""
+    for node in gm.graph.nodes:
+        for arg in node.args:
+            if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and \
+                    isinstance(sub := getattr(gm, str(arg.target), None), torch.fx.GraphModule):
+                yield from _nodes(sub)
+        yield node
+
+
+def _units_from_graph(gm: torch.fx.GraphModule, possible: set[str]) -> list[str]:
     """The possible units a graph's nodes ran inside, in order of their first node."""
-    return list(dict.fromkeys(n for node in graph.nodes for n in module_stack(node) if n in possible))
+    return list(dict.fromkeys(n for node in _nodes(gm) for n in module_stack(node) if n in possible))
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, untraceable: str | None = None) -> ModelGraph:
@@ -71,7 +82,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, untraceabl
     failures: list[str] = []
     try:
         gm = torch.fx.symbolic_trace(model)
-        return ModelGraph("fx", tuple(_units_from_graph(gm.graph, possible)))
+        return ModelGraph("fx", tuple(_units_from_graph(gm, possible)))
     except Exception as e:  # noqa: BLE001 - any tracing failure sends us to the next path
         failures.append(f"fx.symbolic_trace: {type(e).__name__}: {_first_line(e)}")
         log.info("torch.fx.symbolic_trace failed (%s); trying torch.export (non-strict)", _first_line(e))
@@ -80,7 +91,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, untraceabl
         with quiet_loggers("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export"), \
                 contextlib.redirect_stderr(io.StringIO()):
             ep = torch.export.export(model, args, kwargs, strict=False)
-        return ModelGraph("export", tuple(_units_from_graph(ep.graph, possible)), tuple(failures))
+        return ModelGraph("export", tuple(_units_from_graph(ep.graph_module, possible)), tuple(failures))
     except Exception as e:  # noqa: BLE001
         failures.append(f"torch.export(strict=False): {type(e).__name__}: {_first_line(e)}")
         log.info("torch.export failed (%s); recording units with module hooks instead", _first_line(e))

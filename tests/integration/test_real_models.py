@@ -214,3 +214,18 @@ def test_autocast_predicted_for_the_amp_loop():
         remat.api.prepare_hf_for_training(fresh)
         measured = _amp_loop_peak(fresh, inputs, plan)
         assert abs(plan.predicted_peak_bytes - measured) <= 0.03 * measured, (plan.checkpointed, measured)
+
+
+def test_units_found_inside_an_autocast_wrapped_forward():
+    """accelerate's mixed precision replaces ``model.forward`` by an autocast-wrapped one; export then puts
+    the whole forward in a higher-order operator's subgraph, and remat found no units in it (a Trainer
+    with ``bf16=True`` got no plan below the no-checkpointing peak)."""
+    from remat.capture import capture
+    from remat.examples import make_gpt
+
+    model, inputs, _ = make_gpt(layers=2, batch_size=2, seq_len=8, d_model=16, heads=2, vocab=32)
+    plain = capture(model, inputs, {})
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    wrapped = capture(model, inputs, {})
+    assert wrapped.capture_path == "export"  # fx cannot trace through the autocast decorator
+    assert wrapped.units == plain.units and len(plain.units) == 6
