@@ -166,6 +166,25 @@ def storage_resizes_reported(callback) -> Iterator[None]:
         torch.UntypedStorage.resize_ = original
 
 
+@contextlib.contextmanager
+def rng_states_reported(callback) -> Iterator[None]:
+    """Call ``callback(state)`` with every tensor ``torch.get_rng_state()`` returns: the CPU RNG state that
+    ``torch.utils.checkpoint`` saves per checkpointed call (5 KB) is made outside the dispatcher, where no
+    dispatch mode sees it (``torch.get_rng_state`` patched for the duration; checked on 2.11, 2.13)."""
+    original = torch.get_rng_state
+
+    def get_rng_state():
+        state = original()
+        callback(state)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
 def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, bool]]:
     """The modules ``fully_shard`` manages, by qualified name, with whether each reshards its parameters
     after forward (``FSDPModule._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info``; checked on

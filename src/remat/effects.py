@@ -147,11 +147,14 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
             recompute_s *= _recompute_share(rec, start, head.recompute_end, spec.keep)
         backward_s = None if spec.segment else times.backward_s.get(spec.name)
     # what the checkpoint itself holds per call (Note [Checkpoint holds its inputs]): the snapshot of the
-    # buffers it replays (Note [Buffers replay] in remat.rewrite). (The CPU RNG state it saves, 5 KB, is
-    # made outside the dispatcher: neither counted here nor by the CPU measurement.)
+    # buffers it replays (Note [Buffers replay] in remat.rewrite) and the RNG state it saves (the CPU's, 5 KB,
+    # on a CPU device: made outside the dispatcher, counted by the CPU measurement through
+    # remat._compat.rng_states_reported)
     held = sum(buffer_bytes.get(spec.scope + b, 0) for b in mutated)
     if held:
         keeps += (Keep(held, start, head.release),)
+    if overhead is not None and overhead.held_bytes:  # one RNG state per checkpointed call
+        keeps += tuple(Keep(overhead.held_bytes, s, e.release) for e, (s, _) in zip(effects, spans))
     if overhead is not None:
         overhead_s = overhead.per_call_s * forward_calls + \
             overhead.per_saved_tensor_s * sum(e.saved_count for e in effects)

@@ -42,6 +42,7 @@ from remat._compat import (
     is_dtensor_class,
     local_tensor,
     storage_key,
+    rng_states_reported,
     storage_resizes_reported,
     tree_flatten,
 )
@@ -126,7 +127,7 @@ class StorageTracker(TorchDispatchMode):
         super().__init__()
         self.follow_resizes = follow_resizes
         self._lock = threading.RLock()
-        self._resizes: Any = None
+        self._patches = contextlib.ExitStack()
         self._fake_on_entry: Any = None
         #: whether FakeTensors (which hold no memory) count; only for recording under FakeTensorMode
         self.count_fake = count_fake
@@ -149,18 +150,18 @@ class StorageTracker(TorchDispatchMode):
 
     def __enter__(self):
         self._fake_on_entry = active_fake_mode()
+        self._patches = contextlib.ExitStack()
         if self.follow_resizes:
-            self._resizes = storage_resizes_reported(self._resized)
-            self._resizes.__enter__()
+            self._patches.enter_context(storage_resizes_reported(self._resized))
+        # the CPU RNG state torch.utils.checkpoint saves per call is made where no dispatch mode sees it
+        self._patches.enter_context(rng_states_reported(self.track))
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            if self._resizes is not None:
-                self._resizes.__exit__(*exc)
-                self._resizes = None
+            self._patches.__exit__(*exc)
 
     def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
         key = st._cdata

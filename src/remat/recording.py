@@ -189,3 +189,6 @@ class CheckpointOverhead:
     per_saved_tensor_s: float
     #: what a selective policy adds per operator of the unit
     per_selective_op_s: float
+    #: bytes on the device each checkpointed call holds outside the dispatcher until its recomputation: the
+    #: CPU RNG state (5 KB) when the device is the CPU (on CUDA the saved RNG states live in host memory)
+    held_bytes: int = 0

@@ -190,7 +190,10 @@ def _checkpoint_overhead(device_name: str, reps: int) -> CheckpointOverhead:
             median_time(fn, device, reps)  # warm up
         overhead[k] = median_time(ckpt, device, reps) - median_time(plain, device, reps) - median_time(fwd, device, reps)
     per_tensor = max((overhead[16] - overhead[1]) / 15, 0.0)
-    return CheckpointOverhead(max(overhead[1] - per_tensor, 0.0), per_tensor, selective_overhead(device, reps))
+    # the CPU RNG state each call saves (preserve_rng_state) is device memory only when the device is the CPU
+    held = torch.get_rng_state().untyped_storage().nbytes() if torch.device(device).type == "cpu" else 0
+    return CheckpointOverhead(max(overhead[1] - per_tensor, 0.0), per_tensor, selective_overhead(device, reps),
+                              held_bytes=held)
 
 
 def selective_overhead(device: torch.device, reps: int = 30) -> float:
