@@ -29,6 +29,7 @@ from remat.errors import (
     InfeasibleBudgetError,
     InternalError,
     InvalidInputError,
+    MissingDependencyError,
     PlanMismatchError,
     RematError,
     SolverError,
@@ -73,4 +74,5 @@ __all__ = [
     "SolverError",
     "UnsupportedError",
     "EquivalenceError",
+    "MissingDependencyError",
 ]

@@ -45,3 +45,8 @@ class PlanMismatchError(RematError):
 
 class EquivalenceError(RematError, AssertionError):
     """Checkpointed and plain training steps differ (raised by ``assert_equivalent``)."""
+
+
+class MissingDependencyError(RematError, ImportError):
+    """An optional part of remat was used without the package it needs; the message names the extra
+    to install (``pip install 'remat[hf]'``)."""

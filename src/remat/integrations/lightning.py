@@ -1,0 +1,132 @@
+"""remat for Lightning (``lightning.Trainer`` or ``pytorch_lightning.Trainer``): ``pip install 'remat[lightning]'``.
+
+    from remat.integrations.lightning import RematCallback
+    trainer = lightning.Trainer(max_steps=1000, precision="bf16-mixed", callbacks=[RematCallback(budget_gb=20)])
+
+The callback plans in ``on_train_batch_start`` of the first training batch (Note [Plan on the first batch]
+in remat.integrations.first_step): the training step remat profiles is your ``training_step`` on that batch
+(its returned loss, or ``loss`` of the dict it returns), under the Trainer's precision context
+(``precision="bf16-mixed"``, ``"16-mixed"``), with the Trainer's optimizer (never called) and its
+``accumulate_grad_batches``. While remat profiles, ``self.log``/``self.log_dict`` of the module do nothing (a
+profiling step is not a training step). The plan is logged (``remat/*`` metrics and an info line) and kept
+in ``callback.plan``; its unit names are the LightningModule's own, so ``plan.save(path)`` and
+``RematCallback(plan=path)`` (or ``remat.apply_plan(module, plan)``) reuse it. Manual optimization is not
+supported (the training step runs its own backward).
+
+``RematCallback`` derives from ``lightning.pytorch.Callback`` when the ``lightning`` package is installed,
+otherwise from ``pytorch_lightning.Callback``; ``PLRematCallback`` is the ``pytorch_lightning`` one when both are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from remat.errors import UnsupportedError
+from remat.integrations.first_step import FirstStep, missing_framework
+from remat.plan import Plan
+
+log = logging.getLogger(__name__)
+
+try:
+    import lightning.pytorch as _lightning
+except ImportError:
+    _lightning = None
+try:
+    import pytorch_lightning as _pytorch_lightning
+except ImportError:
+    _pytorch_lightning = None
+if _lightning is None and _pytorch_lightning is None:  # pragma: no cover - exercised without lightning
+    raise missing_framework("lightning", "lightning (or pytorch_lightning)", ImportError("No module named 'lightning'"))
+
+PREFIX = "module."
+
+
+class _TrainingStep(nn.Module):
+    """The LightningModule's ``training_step`` on one batch, as the model remat profiles: its units are the
+    module's submodules under ``module.`` (stripped from the plan given back: ``_own_names``)."""
+
+    def __init__(self, module: nn.Module, batch_idx: int) -> None:
+        super().__init__()
+        self.module = module
+        self.batch_idx = batch_idx
+
+    def forward(self, batch):
+        return self.module.training_step(batch, self.batch_idx)
+
+
+def _own_names(plan: Plan) -> Plan:
+    """``plan`` with unit and parameter names relative to the LightningModule (``module.h.0`` -> ``h.0``)."""
+    def own(name: str) -> str:
+        return name[len(PREFIX):] if name.startswith(PREFIX) else ("" if name == PREFIX[:-1] else name)
+
+    return dataclasses.replace(
+        plan, checkpointed=tuple(own(n) for n in plan.checkpointed),
+        saved_ops={own(k): v for k, v in plan.saved_ops.items()},
+        mutated_buffers={own(k): v for k, v in plan.mutated_buffers.items()},
+        model_signature=tuple((own(n), s) for n, s in plan.model_signature))
+
+
+class _RematLightning:
+    """Plan activation checkpointing for ``budget_gb`` GiB per training step on the first training batch and
+    apply it before the first step (or apply ``plan``: a Plan or a saved plan's path).
+
+    ``loss_fn(output)`` maps what ``training_step`` returns to the loss (default: the tensor itself, or its
+    ``"loss"`` entry); ``granularity`` and ``check`` as in ``remat.optimize_checkpointing``."""
+
+    def __init__(self, budget_gb: float | None = None, *, plan: Plan | str | None = None,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None, granularity: str = "op",
+                 check: bool = True) -> None:
+        super().__init__()
+        self.first = FirstStep(budget_gb, plan, loss_fn, granularity, check)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan applied (None until the first training batch)."""
+        return self.first.applied
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.first.applied is not None:
+            return
+        if not pl_module.automatic_optimization:
+            raise UnsupportedError(
+                "remat's Lightning callback needs automatic optimization: with automatic_optimization = False your "
+                "training_step runs backward itself, so remat cannot run it as a forward; call "
+                "remat.optimize_checkpointing(model, budget_gb, batch, optimizer=...) on the module yourself")
+        if self.first.plan is not None:
+            self.first.run(pl_module, None, optimizer=None, output_alive=True, grad_accumulation=False)
+        else:
+            optimizers = trainer.optimizers
+            step = _TrainingStep(pl_module, batch_idx)
+            quiet = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
+            pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None
+            try:
+                plan = self.first.run(step, (batch,), optimizer=optimizers[0] if len(optimizers) == 1 else None,
+                                      output_alive=True, grad_accumulation=trainer.accumulate_grad_batches > 1,
+                                      autocast=trainer.precision_plugin.forward_context())
+            finally:
+                for name, value in quiet.items():
+                    if value is None:
+                        pl_module.__dict__.pop(name, None)
+                    else:
+                        pl_module.__dict__[name] = value
+            self.first.applied = _own_names(plan)
+        log.info(self.first.summary())
+        if trainer.logger is not None:
+            pl_module.log_dict(self.first.metrics(), on_step=True, on_epoch=False, batch_size=1)
+
+
+if _lightning is not None:
+    class RematCallback(_RematLightning, _lightning.Callback):
+        __doc__ = _RematLightning.__doc__
+
+if _pytorch_lightning is not None:
+    class PLRematCallback(_RematLightning, _pytorch_lightning.Callback):
+        __doc__ = _RematLightning.__doc__ + "\n\nFor ``pytorch_lightning.Trainer``."
+
+    if _lightning is None:
+        RematCallback = PLRematCallback  # noqa: F811

@@ -1,0 +1,87 @@
+"""remat for the Hugging Face ``Trainer`` (and accelerate under it): ``pip install 'remat[hf]'``.
+
+    from remat.integrations.transformers import RematCallback
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[RematCallback(budget_gb=20)])
+    trainer.train()
+
+The callback plans on the first training batch (Note [Plan on the first batch] in
+remat.integrations.first_step): its shapes, the Trainer's optimizer (never called), its loss (the model's
+``loss`` from ``labels``, or ``loss_fn``), the output dropped after the loss as ``compute_loss`` does, bf16
+or fp16 autocast as accelerate applies it, and ``gradient_accumulation_steps``. It takes over from
+``gradient_checkpointing=True`` (remat's plan replaces the model's own checkpointing; a warning says so).
+The plan is logged (the ``transformers`` logger, and ``remat/*`` entries in ``trainer.state.log_history``)
+and kept in ``callback.plan``; ``plan=`` applies a saved plan instead (``plan.save(path)``).
+
+Under distributed training (accelerate's DDP: ``torchrun ... train.py``) every rank plans on its own
+first batch and all ranks agree on one plan (Note [One plan for every rank] in remat.distributed); the
+plan is made on the unwrapped model, so DDP's gradient buckets are not in the prediction.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from remat.integrations.first_step import FirstStep, missing_framework
+from remat.plan import Plan
+
+try:
+    from transformers import TrainerCallback
+    from transformers.utils import logging as hf_logging
+except ImportError as e:  # pragma: no cover - exercised without transformers installed
+    raise missing_framework("hf", "transformers", e) from e
+
+logger = hf_logging.get_logger(__name__)
+
+
+class RematCallback(TrainerCallback):
+    """Plan activation checkpointing for ``budget_gb`` GiB per training step on the Trainer's first batch
+    and apply it before the first step (or apply ``plan``, a Plan or a saved plan's path).
+
+    ``loss_fn(output)`` as in ``remat.optimize_checkpointing`` (default: the model's ``loss``); ``granularity``
+    and ``check`` too."""
+
+    def __init__(self, budget_gb: float | None = None, *, plan: Plan | str | None = None,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None, granularity: str = "op",
+                 check: bool = True) -> None:
+        self.first = FirstStep(budget_gb, plan, loss_fn, granularity, check)
+        self._handle = None
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan applied (None until the first training batch)."""
+        return self.first.applied
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.first.applied is not None or model is None:
+            return
+        if getattr(args, "gradient_checkpointing", False):
+            logger.warning("remat: gradient_checkpointing=True is taken over by remat's plan (the model's own "
+                           "checkpointing is turned off when the plan is applied); leave it False with RematCallback")
+        accumulating = getattr(args, "gradient_accumulation_steps", 1) > 1
+
+        def first_forward(module, fwd_args, fwd_kwargs):
+            if not (module.training and torch.is_grad_enabled()):
+                return None  # an evaluation forward: wait for training
+            self._remove_hook()
+            # the Trainer calls model(**inputs): the same keyword arguments are the example batch
+            inputs = dict(fwd_kwargs)
+            if fwd_args:  # a subclass's compute_loss calling model(x, ...): name them as the forward does
+                inputs = dict(inspect.signature(module.forward).bind(*fwd_args, **fwd_kwargs).arguments)
+            self.first.run(module, inputs, optimizer=optimizer, output_alive=False,
+                           grad_accumulation=accumulating)
+            logger.warning(self.first.summary())
+            state.log_history.append({**self.first.metrics(), "step": state.global_step})
+            return None
+
+        self._handle = model.register_forward_pre_hook(first_forward, with_kwargs=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._remove_hook()
+
+    def _remove_hook(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
