@@ -65,6 +65,7 @@ def validate(model: Any, budget_gb: Any, example_inputs: Any) -> tuple[int, tupl
 def make_profile(
     model: nn.Module, example_inputs: Any, *, loss_fn: LossFn | None = None,
     optimizer: torch.optim.Optimizer | None = None, output_alive: bool = True, grad_accumulation: bool = False,
+    zero_grad_after_forward: bool = False,
 ) -> Profile:
     """Capture and profile one training step of ``model`` on ``example_inputs`` (a tensor, a tuple of
     positional arguments or a dict of keyword arguments), for :class:`remat.Planner`: the measured
@@ -81,7 +82,7 @@ def make_profile(
     try:
         profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
                                 output_alive=output_alive, wrapping=wrapping_of(model))
-        return profile.with_held_grads() if grad_accumulation else profile
+        return loop_grads(profile, grad_accumulation, zero_grad_after_forward)
     finally:
         undo()
 
@@ -100,6 +101,13 @@ def _make_profile(
                                  device=device, output_alive=output_alive, record_real=wrapped,
                                  world_size=wrapping.world_size, wrapping=str(wrapping) if wrapping.world_size > 1 else "",
                                  sharded=tuple(name for name, _ in wrapping.fsdp))
+
+
+def loop_grads(profile: Profile, grad_accumulation: bool, zero_grad_after_forward: bool) -> Profile:
+    """``profile`` for the loop's gradients (Note [Accumulated gradients] in remat.costs)."""
+    if grad_accumulation:
+        return profile.with_held_grads()
+    return profile.with_held_grads(through_backward=False) if zero_grad_after_forward else profile
 
 
 @contextlib.contextmanager
@@ -169,6 +177,7 @@ def optimize_checkpointing(
     granularity: str = "op",
     output_alive: bool = True,
     grad_accumulation: bool = False,
+    zero_grad_after_forward: bool = False,
     timeout_s: float | None = None,
 ) -> Plan:
     """Checkpoint ``model``'s submodules in place so a training step fits ``budget_gb``.
@@ -189,7 +198,9 @@ def optimize_checkpointing(
     language models the output (logits) is often the largest single tensor. ``grad_accumulation``: the
     loop accumulates gradients over several micro-batches before each optimizer step, so every micro-step
     but the first starts with all gradients allocated; the plan is made and checked for that micro-step
-    (Note [Accumulated gradients] in remat.costs).
+    (Note [Accumulated gradients] in remat.costs). ``zero_grad_after_forward``: the loop calls
+    ``zero_grad()`` between the forward and the backward (Lightning's automatic optimization), so the
+    previous step's gradients are alive through the forward.
 
     With ``check`` (the default) the plan is run once for real before it is returned (Note [Checked
     plans]) and tightened if its measured peak exceeds the budget. ``granularity="op"`` (the default)
@@ -218,14 +229,14 @@ def optimize_checkpointing(
     loss_fn = loss_fn or default_loss
     wrapping, ranks = ranks_for(model, timeout_s, same=dict(
         budget_gb=budget_gb, granularity=granularity, output_alive=output_alive, check=check,
-        grad_accumulation=grad_accumulation,
+        grad_accumulation=grad_accumulation, zero_grad_after_forward=zero_grad_after_forward,
         time_limit_s=time_limit_s, optimizer=None if optimizer is None else type(optimizer).__name__))
     notes, undo = prepare_hf_for_training(model)
     try:
         with preserved(model, on_success=False):
             profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
                                     output_alive=output_alive, wrapping=wrapping)
-            profile = profile.with_held_grads() if grad_accumulation else profile
+            profile = loop_grads(profile, grad_accumulation, zero_grad_after_forward)
             planner = Planner(profile, time_limit_s=time_limit_s, granularity=granularity,
                               ranks=ranks.gather(profile) if ranks is not None else None)
             if check:
@@ -251,16 +262,17 @@ def optimize_checkpointing(
 def measure_checked_peak(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, *,
     output_alive: bool = True, optimizer_state_bytes: int = 0, optimizer_step_bytes: int = 0,
-    grads_held: bool = False,
+    grads_held: bool = False, grads_held_in_forward: bool = False,
 ) -> int:
     """The peak memory (bytes) of one training step of ``model`` as it is (checkpointed or not): forward,
     loss and ``loss.backward()`` run for real, as the loop runs them (Note [Loop style] in remat.profile:
     gradients start as None, the output is dropped after the loss unless ``output_alive``), measured
     with the parameters, buffers and the batch; the optimizer, which remat never steps (Note [Never call
     the user's optimizer]), is added as predicted: its state all step long, its step's temporaries on
-    top of what is alive once backward has returned. With ``grads_held`` (gradient accumulation: Note
-    [Accumulated gradients] in remat.costs) every trainable parameter has a gradient (zeros) when the
-    step starts, counted from the start, and backward adds into it.
+    top of what is alive once backward has returned. With ``grads_held`` (gradient accumulation) every
+    trainable parameter has a gradient (zeros) when the step starts and backward adds into it; with
+    ``grads_held_in_forward`` (zero_grad after the forward) they are set to None once the loss exists
+    (Note [Accumulated gradients] in remat.costs).
 
     The model's gradients (``.grad`` objects and values), buffers and the RNG state are as they were."""
     inputs = input_tensors(args, kwargs)
@@ -269,15 +281,20 @@ def measure_checked_peak(
     leaves = trainable + [t for t in inputs if t.requires_grad and t.is_leaf]
     after_backward: list[int] = []
 
-    def work(live_now: Callable[[], int]) -> None:
-        run_step(model, args, kwargs, loss_fn, output_alive=output_alive,
-                 on=lambda event: after_backward.append(live_now()) if event == "backward" else None)
+    def on(event: str, live_now: Callable[[], int]) -> None:
+        if event == "loss" and grads_held_in_forward and not grads_held:
+            for p in trainable:
+                p.grad = None
+        if event == "backward":
+            after_backward.append(live_now())
 
-    with preserved(model), fresh_grads(leaves):
-        if grads_held:
+    def work(live_now: Callable[[], int]) -> None:
+        if grads_held or grads_held_in_forward:  # allocated in the work: the meter sees them come and go
             for p in trainable:
                 p.grad = torch.zeros_like(p)
-            state += [p.grad for p in trainable]
+        run_step(model, args, kwargs, loss_fn, output_alive=output_alive, on=lambda event: on(event, live_now))
+
+    with preserved(model), fresh_grads(leaves):
         peak = measure_peak(work, device, state)
     return max(peak, after_backward[0] + optimizer_step_bytes) + optimizer_state_bytes
 
@@ -332,6 +349,7 @@ def plan_checked(
                     peak = measure_checked_peak(
                         model, args, kwargs, loss_fn, device, output_alive=output_alive,
                         grads_held=planner.profile.grads_held,
+                        grads_held_in_forward=planner.profile.grads_held_in_forward,
                         optimizer_state_bytes=planner.profile.optimizer_state_bytes,
                         optimizer_step_bytes=planner.profile.optimizer_step_bytes)
                 checked[plan.checkpointed] = ranks.max(peak) if ranks is not None else peak

@@ -76,6 +76,9 @@ class Plan:
     #: planned for gradient accumulation: gradients held from the start of every micro-step (Note
     #: [Accumulated gradients] in remat.costs)
     grads_held: bool = False
+    #: planned for a loop that zeroes gradients after the forward (Lightning): the previous step's gradients
+    #: alive through the forward
+    grads_held_in_forward: bool = False
     #: processes the plan was made for (one plan for every rank; checked by apply_plan)
     world_size: int = 1
     #: how the model was wrapped for distributed training, e.g. "FSDP2 over 2 ranks (...)" ("" for one process)
@@ -104,7 +107,8 @@ class Plan:
             f"  (measured without checkpointing: {self.baseline_step_time_s * 1e3:.1f} ms, "
             f"{self.predicted_overhead:+.1%})",
             f"  training loop:        {'output kept until the step ends' if self.output_alive else 'output dropped after the loss'}"
-            f"{'; gradients accumulated (held from the start of each micro-step)' if self.grads_held else ''}",
+            f"{'; gradients accumulated (held from the start of each micro-step)' if self.grads_held else ''}"
+            f"{'; zero_grad after the forward (last step gradients alive in it)' if self.grads_held_in_forward else ''}",
             f"  peak breakdown (predicted, at {b.phase}):",
         ]
         for key, label in [

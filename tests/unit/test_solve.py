@@ -316,3 +316,21 @@ def test_held_gradients_shift_every_row_by_the_gradients_not_yet_made():
     forward = [r for r in micro.rows if r.phase == "forward"]
     assert forward and all(r.const_bytes == s.const_bytes + p.grads_bytes
                            for r, s in zip(forward, (r for r in single.rows if r.phase == "forward")))
+
+
+def test_gradients_held_through_the_forward_only():
+    """A loop that zeroes gradients between forward and backward (Lightning) holds the previous step's
+    gradients in forward rows only; backward rows are the plain step's."""
+    import dataclasses
+
+    p = chain_profile([4 * MiB, 4 * MiB], [MiB, MiB], [1.0, 1.0])
+    n = len(p.live_bytes)
+    grads = [0] * p.backward_start + [MiB * (i - p.backward_start) // 2 for i in range(p.backward_start, n)]
+    p = dataclasses.replace(p, grad_bytes=tuple(grads), grads_bytes=grads[-1], live_bytes=tuple(
+        b + g for b, g in zip(p.live_bytes, grads)))
+    held = p.with_held_grads(through_backward=False)
+    assert held.grads_held_in_forward and not held.grads_held
+    assert held.live_bytes[:p.backward_start] == tuple(b + p.grads_bytes for b in p.live_bytes[:p.backward_start])
+    assert held.live_bytes[p.backward_start:] == p.live_bytes[p.backward_start:]
+    both = held.with_held_grads()  # accumulation on top holds them through backward too, counted once
+    assert both.grads_held and both.live_bytes == p.with_held_grads().live_bytes

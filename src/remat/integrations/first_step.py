@@ -24,8 +24,12 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
+from torch.utils._pytree import tree_flatten
+
 from remat.api import apply_plan, optimize_checkpointing
 from remat.errors import InvalidInputError, MissingDependencyError
+from remat.measure import model_device
+from remat.steps import StepMeter
 from remat.plan import GiB, Plan
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,9 @@ class FirstStep:
     check: bool = True
     #: the plan applied, once the first batch has been seen
     applied: Plan | None = field(default=None, init=False)
+    #: the measured peak of the second training step with the plan applied (Note [The first step measured])
+    measured_peak_bytes: int | None = field(default=None, init=False)
+    _meter: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if (self.budget_gb is None) == (self.plan is None):
@@ -68,7 +75,8 @@ class FirstStep:
             self.plan = Plan.load(self.plan)
 
     def run(self, model: nn.Module, example_inputs: Any, *, optimizer: Any, output_alive: bool,
-            grad_accumulation: bool, autocast: ContextManager | None = None) -> Plan:
+            grad_accumulation: bool, zero_grad_after_forward: bool = False,
+            autocast: ContextManager | None = None) -> Plan:
         """Plan ``model`` on ``example_inputs`` (or apply the saved plan) and remember the plan."""
         if self.plan is not None:
             apply_plan(model, self.plan)
@@ -78,8 +86,30 @@ class FirstStep:
             self.applied = optimize_checkpointing(
                 model, self.budget_gb, example_inputs, loss_fn=self.loss_fn,
                 optimizer=underlying_optimizer(optimizer), check=self.check, granularity=self.granularity,
-                output_alive=output_alive, grad_accumulation=grad_accumulation)
+                output_alive=output_alive, grad_accumulation=grad_accumulation,
+                zero_grad_after_forward=zero_grad_after_forward)
         return self.applied
+
+    def start_measuring(self, model: nn.Module, optimizer: Any, example_inputs: Any) -> None:
+        """Note [The first step measured]: the framework's second optimizer step (the first that starts with
+        the optimizer's state, as the budget assumes; the first creates it) runs, with the plan applied, every
+        micro-batch of it and the optimizer step, under remat's memory meter
+        (``remat.steps.StepMeter``: the same count as remat's checked step; the previous step's gradients
+        followed until the loop frees them); its peak, with what was alive when it began (parameters,
+        buffers, gradients, optimizer state, the batch), is ``measured_peak_bytes``: the loop's own step,
+        measured, next to the prediction (None when training stops after one step)."""
+        opt = underlying_optimizer(optimizer)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        state = [*model.parameters(), *model.buffers(),
+                 *(t for s in (opt.state.values() if opt is not None else ()) for t in s.values() if torch.is_tensor(t)),
+                 *(t for t in tree_flatten(example_inputs)[0] if torch.is_tensor(t))]
+        self._meter = StepMeter(model_device(model))
+        self._meter.start(state, follow=grads)
+
+    def stop_measuring(self) -> None:
+        if self._meter is not None:
+            self.measured_peak_bytes = self._meter.stop()
+            self._meter = None
 
     def metrics(self) -> dict[str, float]:
         """The applied plan as numbers for the framework's logger."""
@@ -92,6 +122,8 @@ class FirstStep:
             out["remat/budget_gb"] = p.budget_bytes / GiB
         if p.checked_peak_bytes is not None:
             out["remat/checked_peak_gb"] = p.checked_peak_bytes / GiB
+        if self.measured_peak_bytes is not None:
+            out["remat/measured_peak_gb"] = self.measured_peak_bytes / GiB
         return out
 
     def summary(self) -> str:
@@ -99,6 +131,8 @@ class FirstStep:
         if p is None:
             return "remat: no plan yet"
         checked = "" if p.checked_peak_bytes is None else f", checked {p.checked_peak_bytes / GiB:.3f} GiB"
+        if self.measured_peak_bytes is not None:
+            checked += f", measured on the first training step {self.measured_peak_bytes / GiB:.3f} GiB"
         budget = "" if p.budget_bytes is None else f"budget {p.budget_bytes / GiB:.3f} GiB, "
         return (f"remat: checkpointing {len(p.checkpointed)} units ({', '.join(p.checkpointed[:6])}"
                 f"{', ...' if len(p.checkpointed) > 6 else ''}); {budget}predicted peak "

@@ -7,9 +7,11 @@ The callback plans in ``on_train_batch_start`` of the first training batch (Note
 in remat.integrations.first_step): the training step remat profiles is your ``training_step`` on that batch
 (its returned loss, or ``loss`` of the dict it returns), under the Trainer's precision context
 (``precision="bf16-mixed"``, ``"16-mixed"``), with the Trainer's optimizer (never called) and its
-``accumulate_grad_batches``. While remat profiles, ``self.log``/``self.log_dict`` of the module do nothing (a
+``accumulate_grad_batches``, and its ``zero_grad`` between the forward and the backward (the previous
+step's gradients are alive through the forward). While remat profiles, ``self.log``/``self.log_dict`` of the module do nothing (a
 profiling step is not a training step). The plan is logged (``remat/*`` metrics and an info line) and kept
-in ``callback.plan``; its unit names are the LightningModule's own, so ``plan.save(path)`` and
+in ``callback.plan``, with the measured peak of the second optimizer step (the first with the optimizer's state) in
+``callback.measured_peak_bytes``; its unit names are the LightningModule's own, so ``plan.save(path)`` and
 ``RematCallback(plan=path)`` (or ``remat.apply_plan(module, plan)``) reuse it. Manual optimization is not
 supported (the training step runs its own backward).
 
@@ -89,8 +91,16 @@ class _RematLightning:
         """The plan applied (None until the first training batch)."""
         return self.first.applied
 
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        """The measured peak of the second optimizer step (the first with the optimizer's state) with the plan
+        applied; None until it ends."""
+        return self.first.measured_peak_bytes
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.first.applied is not None:
+            if self._measuring(trainer, batch_idx)[0]:
+                self.first.start_measuring(pl_module, trainer.optimizers[0] if trainer.optimizers else None, batch)
             return
         if not pl_module.automatic_optimization:
             raise UnsupportedError(
@@ -107,6 +117,8 @@ class _RematLightning:
             try:
                 plan = self.first.run(step, (batch,), optimizer=optimizers[0] if len(optimizers) == 1 else None,
                                       output_alive=True, grad_accumulation=trainer.accumulate_grad_batches > 1,
+                                      # Lightning's closure: training_step, zero_grad, backward
+                                      zero_grad_after_forward=True,
                                       autocast=trainer.precision_plugin.forward_context())
             finally:
                 for name, value in quiet.items():
@@ -118,6 +130,19 @@ class _RematLightning:
         log.info(self.first.summary())
         if trainer.logger is not None:
             pl_module.log_dict(self.first.metrics(), on_step=True, on_epoch=False, batch_size=1)
+
+    def _measuring(self, trainer, batch_idx: int) -> tuple[bool, bool]:
+        """Whether ``batch_idx`` starts / ends the second optimizer step (Note [The first step measured])."""
+        k = trainer.accumulate_grad_batches
+        return batch_idx == k, batch_idx == 2 * k - 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.first._meter is not None and self._measuring(trainer, batch_idx)[1]:
+            self.first.stop_measuring()
+            log.info(self.first.summary())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.first.stop_measuring()
 
 
 if _lightning is not None:

@@ -10,7 +10,9 @@ remat.integrations.first_step): its shapes, the Trainer's optimizer (never calle
 or fp16 autocast as accelerate applies it, and ``gradient_accumulation_steps``. It takes over from
 ``gradient_checkpointing=True`` (remat's plan replaces the model's own checkpointing; a warning says so).
 The plan is logged (the ``transformers`` logger, and ``remat/*`` entries in ``trainer.state.log_history``)
-and kept in ``callback.plan``; ``plan=`` applies a saved plan instead (``plan.save(path)``).
+and kept in ``callback.plan``, with the measured peak of the second training step (the first with the optimizer's state: all its
+micro-batches and the optimizer step, measured as remat measures its checked step) in
+``callback.measured_peak_bytes``; ``plan=`` applies a saved plan instead (``plan.save(path)``).
 
 Under distributed training (accelerate's DDP: ``torchrun ... train.py``) every rank plans on its own
 first batch and all ranks agree on one plan (Note [One plan for every rank] in remat.distributed); the
@@ -48,11 +50,20 @@ class RematCallback(TrainerCallback):
                  check: bool = True) -> None:
         self.first = FirstStep(budget_gb, plan, loss_fn, granularity, check)
         self._handle = None
+        self._entry: dict = {}
+        self._steps_done = 0
+        self._planning = False
 
     @property
     def plan(self) -> Plan | None:
         """The plan applied (None until the first training batch)."""
         return self.first.applied
+
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        """The measured peak of the second training step (the first with the optimizer's state) with the plan
+        applied; None until it ends."""
+        return self.first.measured_peak_bytes
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.first.applied is not None or model is None:
@@ -62,24 +73,40 @@ class RematCallback(TrainerCallback):
                            "checkpointing is turned off when the plan is applied); leave it False with RematCallback")
         accumulating = getattr(args, "gradient_accumulation_steps", 1) > 1
 
-        def first_forward(module, fwd_args, fwd_kwargs):
-            if not (module.training and torch.is_grad_enabled()):
-                return None  # an evaluation forward: wait for training
-            self._remove_hook()
+        def training_forward(module, fwd_args, fwd_kwargs):
+            if self._planning or not (module.training and torch.is_grad_enabled()):
+                return None  # remat's own profiling steps, or an evaluation forward: wait for training
             # the Trainer calls model(**inputs): the same keyword arguments are the example batch
             inputs = dict(fwd_kwargs)
             if fwd_args:  # a subclass's compute_loss calling model(x, ...): name them as the forward does
                 inputs = dict(inspect.signature(module.forward).bind(*fwd_args, **fwd_kwargs).arguments)
-            self.first.run(module, inputs, optimizer=optimizer, output_alive=False,
-                           grad_accumulation=accumulating)
-            logger.warning(self.first.summary())
-            state.log_history.append({**self.first.metrics(), "step": state.global_step})
+            if self.first.applied is None:  # the first step: plan, then let it run
+                self._planning = True
+                try:
+                    self.first.run(module, inputs, optimizer=optimizer, output_alive=False,
+                                   grad_accumulation=accumulating)
+                finally:
+                    self._planning = False
+                logger.warning(self.first.summary())
+                self._entry = {**self.first.metrics(), "step": state.global_step}
+                state.log_history.append(self._entry)
+            elif self._steps_done >= 1:  # the second step's first forward (Note [The first step measured])
+                self._remove_hook()
+                self.first.start_measuring(module, optimizer, inputs)
             return None
 
-        self._handle = model.register_forward_pre_hook(first_forward, with_kwargs=True)
+        self._handle = model.register_forward_pre_hook(training_forward, with_kwargs=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._steps_done += 1
+        if self.first._meter is not None:  # Note [The first step measured] in remat.integrations.first_step
+            self.first.stop_measuring()
+            self._entry.update(self.first.metrics())
+            logger.warning(self.first.summary())
 
     def on_train_end(self, args, state, control, **kwargs):
         self._remove_hook()
+        self.first.stop_measuring()
 
     def _remove_hook(self) -> None:
         if self._handle is not None:

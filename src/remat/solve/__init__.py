@@ -108,6 +108,7 @@ class Planner:
             optimizer=p.optimizer,
             output_alive=p.output_alive,
             grads_held=p.grads_held,
+            grads_held_in_forward=p.grads_held_in_forward,
             world_size=p.world_size,
             wrapping=p.wrapping,
             notes=notes + p.notes,
