@@ -14,9 +14,8 @@ after a warm-up):
   chen_sqrt        checkpoint_sequential's sqrt(n) segments, where the blocks sit in an nn.Sequential
   greedy           most freed bytes per second of recompute first, until the budget is met
   torch.compile    with torch._functorch.config.activation_memory_budget at the same fraction of the
-                   way from the least to the full activation memory (--compile; slow on CPU). On CPU
-                   its peak cannot be measured (compiled kernels allocate outside the dispatcher), so
-                   its saved-for-backward bytes are reported instead.
+                   way from the least to the full activation memory (--compile; slow on CPU), its peak
+                   by the profiler's allocator-level memory events on CPU (benchmarks/compiled.py).
   sac_milp         PyTorch's own module-level ILP (torch.distributed._tools.sac_ilp), where it runs.
 
 Writes benchmarks/results/<model>-<device>.md and .png and SUMMARY-<device>.md, and prints the summary.
@@ -40,13 +39,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import remat  # noqa: E402
 from remat import Planner, make_profile  # noqa: E402
-from remat.measure import split_inputs  # noqa: E402
 from remat.costs import is_selective  # noqa: E402
 from remat.examples import make_gpt, make_unet  # noqa: E402
-from remat.measure import outside_autocast  # noqa: E402
+from compiled import measure_compiled  # noqa: E402
 from remat.plan import fmt_bytes  # noqa: E402
 from remat.report import TradeoffRow, budget_sweep, plot_rows, tradeoff  # noqa: E402
 
@@ -92,70 +91,15 @@ def adamw(params):
 
 def compile_rows(factory, planner: Planner, budgets: list[int], device: torch.device, repeats: int) -> list[dict]:
     """torch.compile with activation_memory_budget at the budget's fraction of the activation range."""
-    import torch._functorch.config as fconfig
-
     rows = []
     lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
     for b in budgets:
         frac = min(max((b - lo) / (hi - lo), 0.0), 1.0) if hi > lo else 1.0
         model, inputs, loss_fn = factory()
-        loss_fn = loss_fn or remat.default_loss
-        args, kwargs = split_inputs(inputs)
-        torch._dynamo.reset()
-        old = fconfig.activation_memory_budget
-        fconfig.activation_memory_budget = frac
-        try:
-            compiled = torch.compile(model)
-            opt = adamw(model.parameters())
-            saved: dict[int, int] = {}
-
-            def pack(t):
-                saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-                return t
-
-            def step(record=False):
-                ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if record else _null()
-                with ctx:
-                    loss = loss_fn(compiled(*args, **kwargs))
-                with outside_autocast():
-                    loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            t0 = time.perf_counter()
-            step()  # compiles
-            compile_s = time.perf_counter() - t0
-            step(record=True)
-            for _ in range(2):
-                step()
-            times = []
-            peak = None
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            for _ in range(repeats):
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            if device.type == "cuda":
-                peak = torch.cuda.max_memory_allocated()
-            rows.append(dict(budget=b, fraction=frac, step_s=statistics.median(times), peak=peak,
-                             saved_bytes=sum(saved.values()), compile_s=compile_s))
-        finally:
-            fconfig.activation_memory_budget = old
+        r = measure_compiled(model, inputs, loss_fn or remat.default_loss, device, repeats, memory_budget=frac)
+        rows.append(dict(budget=b, fraction=frac, step_s=r["step_s"], peak=r["peak"], saved_bytes=r["saved"],
+                         compile_s=r["compile_s"]))
     return rows
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 SAC_PROBE = r"""

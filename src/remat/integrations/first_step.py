@@ -132,7 +132,7 @@ class FirstStep:
             return "remat: no plan yet"
         checked = "" if p.checked_peak_bytes is None else f", checked {p.checked_peak_bytes / GiB:.3f} GiB"
         if self.measured_peak_bytes is not None:
-            checked += f", measured on the first training step {self.measured_peak_bytes / GiB:.3f} GiB"
+            checked += f", measured on the second training step {self.measured_peak_bytes / GiB:.3f} GiB"
         budget = "" if p.budget_bytes is None else f"budget {p.budget_bytes / GiB:.3f} GiB, "
         return (f"remat: checkpointing {len(p.checkpointed)} units ({', '.join(p.checkpointed[:6])}"
                 f"{', ...' if len(p.checkpointed) > 6 else ''}); {budget}predicted peak "
