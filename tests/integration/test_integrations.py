@@ -110,8 +110,9 @@ def test_hf_trainer_callback(tmp_path, accumulate, bf16):
     entry = [h for h in trainer.state.log_history if "remat/units" in h]
     assert entry and entry[0]["remat/predicted_peak_gb"] == plan.predicted_peak_bytes / 2**30
     assert trainer_step_peak(trainer, accumulate) <= budget
-    # the callback's own measurement of the first step (Note [The first step measured])
+    # the callback's own measurement of the second step (Note [The first step measured])
     assert callback.measured_peak_bytes <= budget
+    assert entry[0]["remat/measured_peak_gb"] == callback.measured_peak_bytes / 2**30
 
 
 def test_hf_trainer_callback_takes_over_gradient_checkpointing_and_applies_a_saved_plan(tmp_path):
@@ -180,7 +181,7 @@ def lightning_batches(n: int = 24, seq: int = 32):
     return torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
 
 
-def lightning_train(L, callbacks, accumulate: int, bf16: bool):
+def lightning_train(L, callbacks, accumulate: int, bf16: bool, logger=False):
     losses, rates = [], []
 
     class Record(L.Callback):
@@ -192,7 +193,7 @@ def lightning_train(L, callbacks, accumulate: int, bf16: bool):
     module = lightning_module(L)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=accumulate,
                         precision="bf16-mixed" if bf16 else "32-true", callbacks=[*callbacks, Record()],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        logger=logger, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(module, torch.utils.data.DataLoader(lightning_batches(), batch_size=4, shuffle=False))
     return trainer, module, losses, rates
@@ -227,7 +228,7 @@ def lightning_step_peak(trainer, module, accumulate: int, bf16: bool) -> int:
 
 
 @pytest.mark.parametrize("accumulate,bf16", LOOPS, ids=LOOP_IDS)
-def test_lightning_callback(accumulate, bf16):
+def test_lightning_callback(tmp_path, accumulate, bf16):
     L = pytest.importorskip("lightning.pytorch")
     from remat.integrations.lightning import RematCallback
 
@@ -242,7 +243,9 @@ def test_lightning_callback(accumulate, bf16):
 
     _, _, ref_losses, ref_rates = lightning_train(L, [], accumulate, bf16)
     callback = RematCallback(budget_gb=budget / 2**30)
-    trainer, trained, losses, rates = lightning_train(L, [callback], accumulate, bf16)
+    from lightning.pytorch.loggers import CSVLogger
+
+    trainer, trained, losses, rates = lightning_train(L, [callback], accumulate, bf16, logger=CSVLogger(tmp_path))
     plan = callback.plan
     assert plan.checkpointed and remat.checkpointed_modules(trained) == list(plan.checkpointed)
     assert all(n.startswith("gpt.") for n in plan.checkpointed)  # the module's own names
@@ -251,3 +254,6 @@ def test_lightning_callback(accumulate, bf16):
     assert rates == ref_rates  # the scheduler stepped as often as without remat
     assert lightning_step_peak(trainer, trained, accumulate, bf16) <= budget
     assert callback.measured_peak_bytes <= budget
+    logged_gb = trainer.logged_metrics  # the plan and the measured step through Lightning's logging
+    assert logged_gb["remat/predicted_peak_gb"].item() == pytest.approx(plan.predicted_peak_bytes / 2**30)
+    assert logged_gb["remat/measured_peak_gb"].item() == pytest.approx(callback.measured_peak_bytes / 2**30)

@@ -140,6 +140,9 @@ class _RematLightning:
         if self.first._meter is not None and self._measuring(trainer, batch_idx)[1]:
             self.first.stop_measuring()
             log.info(self.first.summary())
+            if trainer.logger is not None:
+                pl_module.log("remat/measured_peak_gb", self.first.measured_peak_bytes / 2**30, on_step=True,
+                              on_epoch=False, batch_size=1)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.first.stop_measuring()

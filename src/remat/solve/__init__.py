@@ -47,6 +47,12 @@ def chen_segments(n: int) -> list[tuple[int, int]]:
     return [(s, s + size) for s in range(0, size * (k - 1), size)] if size >= 1 else []
 
 
+#: Note [Under torch.compile] in remat.rewrite; figures from benchmarks/compiled.py (GPT, CPU)
+UNDER_COMPILE = ("predicted for eager execution: under torch.compile the partitioner decides what compiled code "
+                 "keeps (on the built-in GPT, CPU, compiled peaks were 0.87-1.23x remat's eager prediction; "
+                 "benchmarks/compiled.py)")
+
+
 class Planner:
     """Makes plans for one profile; the memory model and the least peak are computed once."""
 
@@ -111,7 +117,7 @@ class Planner:
             grads_held_in_forward=p.grads_held_in_forward,
             world_size=p.world_size,
             wrapping=p.wrapping,
-            notes=notes + p.notes,
+            notes=notes + p.notes + ((UNDER_COMPILE,) if chosen else ()),
             # every unit: one that mutates no buffer replays none (Note [Buffers replay] in remat.rewrite)
             mutated_buffers={u: p.unit(u).mutated_buffers for u in chosen},
             saved_ops={u: p.unit(u).saved_ops for u in chosen if p.unit(u).saved_ops},
