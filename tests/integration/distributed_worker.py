@@ -69,9 +69,16 @@ def build(kind: str, how: str, rank: int, batch_scale: int = 1):
 
 def independent_peak(model, inputs, loss_fn, opt, how: str) -> int:
     """One training step's peak on this rank by torch's own meters (FSDPMemTracker, MemTracker): the second
-    of two steps (the first creates the optimizer state), output dropped after the loss."""
+    of two steps (the first creates the optimizer state), output dropped after the loss. Those meters do not
+    see the CPU RNG state each checkpointed call saves (``torch.get_rng_state``, outside the dispatcher):
+    the states made in the measured step are added (each lives until its unit's backward, so all of them
+    can be alive at a forward-end peak)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
+
+    from remat._compat import rng_states_reported
+
+    rng_states: list[int] = []
 
     if how == "ddp":
         tracker = MemTracker()
@@ -80,14 +87,15 @@ def independent_peak(model, inputs, loss_fn, opt, how: str) -> int:
         tracker = FSDPMemTracker(model, opt)
     with tracker:
         for step in range(2):
-            loss = loss_fn(model(*inputs))
-            loss.backward()
+            with rng_states_reported(lambda t: rng_states.append(t.untyped_storage().nbytes()) if step else None):
+                loss = loss_fn(model(*inputs))
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             del loss
             if step == 0:
                 tracker.reset_mod_stats()
-    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]) + sum(rng_states)
 
 
 def one_step(model, inputs, loss_fn, seed: int):

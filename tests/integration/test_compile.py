@@ -43,13 +43,13 @@ def gpt_with_mixed_plan():
     return model, inputs, loss_fn, units, {selective.name: selective.saved_ops}
 
 
-def sequential_with_batchnorm():
+def sequential_with_batchnorm(batch: int = 8):
     torch.manual_seed(0)
     layers = []
     for _ in range(3):
         layers += [nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Dropout(0.1)]
     model = nn.Sequential(*layers, nn.Linear(16, 4))
-    return model, torch.randn(8, 16), lambda out: out.square().mean(), ["[0:4]", "[4:8]"], {}
+    return model, torch.randn(batch, 16), lambda out: out.square().mean(), ["[0:4]", "[4:8]"], {}
 
 
 def train(model, inputs, loss_fn, steps=STEPS):
@@ -147,8 +147,9 @@ def test_per_block_compile_after_checkpointing():
 
 def test_optimize_checkpointing_on_a_compiled_model():
     """A model already wrapped by torch.compile is planned on the module it wraps (profiled eagerly) and
-    recompiles with the plan; names stay those of the user's model."""
-    model, inputs, loss_fn, _, _ = sequential_with_batchnorm()
+    recompiles with the plan; names stay those of the user's model. (A batch large enough that checkpointing
+    frees more than the 5 KB RNG state each checkpointed call saves.)"""
+    model, inputs, loss_fn, _, _ = sequential_with_batchnorm(batch=512)
     plain = torch.compile(copy.deepcopy(model))
     compiled = torch.compile(model)
     planner = remat.Planner(remat.make_profile(compiled, inputs, loss_fn=loss_fn), granularity="block")
