@@ -139,6 +139,27 @@ class FirstStep:
                 f"{p.predicted_peak_bytes / GiB:.3f} GiB{checked} (no checkpointing: {p.baseline_peak_bytes / GiB:.3f} GiB)")
 
 
+class RematCallbackBase:
+    """What both framework callbacks share: their arguments, ``plan`` and ``measured_peak_bytes``."""
+
+    def __init__(self, budget_gb: float | None = None, *, plan: Plan | str | Path | None = None,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None, granularity: str = "op",
+                 check: bool = True) -> None:
+        super().__init__()
+        self.first = FirstStep(budget_gb, plan, loss_fn, granularity, check)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan applied (None until the first training batch)."""
+        return self.first.applied
+
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        """The measured peak of the second training step (the first with the optimizer's state) with the plan
+        applied (Note [The first step measured]); None until it ends."""
+        return self.first.measured_peak_bytes
+
+
 def missing_framework(extra: str, package: str, error: ImportError) -> MissingDependencyError:
     return MissingDependencyError(f"remat.integrations.{extra if extra != 'hf' else 'transformers'} needs {package}, "
                                   f"which is not installed: pip install 'remat[{extra}]' ({error})")

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from remat.errors import UnsupportedError
-from remat.integrations.first_step import FirstStep, missing_framework
+from remat.integrations.first_step import RematCallbackBase, missing_framework
 from remat.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -73,29 +71,12 @@ def _own_names(plan: Plan) -> Plan:
         model_signature=tuple((own(n), s) for n, s in plan.model_signature))
 
 
-class _RematLightning:
+class _RematLightning(RematCallbackBase):
     """Plan activation checkpointing for ``budget_gb`` GiB per training step on the first training batch and
     apply it before the first step (or apply ``plan``: a Plan or a saved plan's path).
 
     ``loss_fn(output)`` maps what ``training_step`` returns to the loss (default: the tensor itself, or its
     ``"loss"`` entry); ``granularity`` and ``check`` as in ``remat.optimize_checkpointing``."""
-
-    def __init__(self, budget_gb: float | None = None, *, plan: Plan | str | None = None,
-                 loss_fn: Callable[[Any], torch.Tensor] | None = None, granularity: str = "op",
-                 check: bool = True) -> None:
-        super().__init__()
-        self.first = FirstStep(budget_gb, plan, loss_fn, granularity, check)
-
-    @property
-    def plan(self) -> Plan | None:
-        """The plan applied (None until the first training batch)."""
-        return self.first.applied
-
-    @property
-    def measured_peak_bytes(self) -> int | None:
-        """The measured peak of the second optimizer step (the first with the optimizer's state) with the plan
-        applied; None until it ends."""
-        return self.first.measured_peak_bytes
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.first.applied is not None:

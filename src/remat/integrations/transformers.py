@@ -22,12 +22,11 @@ plan is made on the unwrapped model, so DDP's gradient buckets are not in the pr
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from remat.integrations.first_step import FirstStep, missing_framework
-from remat.plan import Plan
+from remat.integrations.first_step import RematCallbackBase, missing_framework
 
 try:
     from transformers import TrainerCallback
@@ -38,32 +37,19 @@ except ImportError as e:  # pragma: no cover - exercised without transformers in
 logger = hf_logging.get_logger(__name__)
 
 
-class RematCallback(TrainerCallback):
+class RematCallback(RematCallbackBase, TrainerCallback):
     """Plan activation checkpointing for ``budget_gb`` GiB per training step on the Trainer's first batch
     and apply it before the first step (or apply ``plan``, a Plan or a saved plan's path).
 
     ``loss_fn(output)`` as in ``remat.optimize_checkpointing`` (default: the model's ``loss``); ``granularity``
     and ``check`` too."""
 
-    def __init__(self, budget_gb: float | None = None, *, plan: Plan | str | None = None,
-                 loss_fn: Callable[[Any], torch.Tensor] | None = None, granularity: str = "op",
-                 check: bool = True) -> None:
-        self.first = FirstStep(budget_gb, plan, loss_fn, granularity, check)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._handle = None
         self._entry: dict = {}
         self._steps_done = 0
         self._planning = False
-
-    @property
-    def plan(self) -> Plan | None:
-        """The plan applied (None until the first training batch)."""
-        return self.first.applied
-
-    @property
-    def measured_peak_bytes(self) -> int | None:
-        """The measured peak of the second training step (the first with the optimizer's state) with the plan
-        applied; None until it ends."""
-        return self.first.measured_peak_bytes
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.first.applied is not None or model is None:
