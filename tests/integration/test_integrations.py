@@ -257,3 +257,16 @@ def test_lightning_callback(tmp_path, accumulate, bf16):
     logged_gb = trainer.logged_metrics  # the plan and the measured step through Lightning's logging
     assert logged_gb["remat/predicted_peak_gb"].item() == pytest.approx(plan.predicted_peak_bytes / 2**30)
     assert logged_gb["remat/measured_peak_gb"].item() == pytest.approx(callback.measured_peak_bytes / 2**30)
+
+
+def test_pytorch_lightning_package_callback():
+    """``pytorch_lightning.Trainer`` takes ``PLRematCallback`` (its own Callback class) the same way."""
+    PL = pytest.importorskip("pytorch_lightning")
+    from remat.integrations.lightning import PLRematCallback
+
+    _, _, ref_losses, _ = lightning_train(PL, [], 1, False)
+    callback = PLRematCallback(budget_gb=0.0028)
+    trainer, trained, losses, _ = lightning_train(PL, [callback], 1, False)
+    assert isinstance(callback, PL.Callback) and callback.plan.checkpointed
+    assert remat.checkpointed_modules(trained) == list(callback.plan.checkpointed)
+    assert losses == ref_losses and callback.measured_peak_bytes <= callback.plan.budget_bytes
