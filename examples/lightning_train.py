@@ -90,7 +90,9 @@ def main() -> None:
     print(f"\nLightning {L.__version__}, GPT 4 x 128, batch {args.batch_size} x {SEQ} tokens, AdamW, "
           f"accumulation {args.accumulate}, {'bf16-mixed' if args.bf16 else '32-true'}, torch {torch.__version__}")
     print(f"  checkpointed ({len(plan.checkpointed)}): {', '.join(plan.checkpointed)}")
-    print(f"  budget            {fmt_bytes(plan.budget_bytes)}")
+    print(f"  budget            {fmt_bytes(budget_gb * 2**30)}" + (
+        f" ({fmt_bytes(callback.reserved_bytes)} of it set aside for DDP's gradient buckets)"
+        if callback.reserved_bytes else ""))
     print(f"  no checkpointing  {fmt_bytes(plan.baseline_peak_bytes)} (predicted)")
     print(f"  predicted peak    {fmt_bytes(plan.predicted_peak_bytes)}")
     print(f"  checked peak      {fmt_bytes(plan.checked_peak_bytes)} (one real step while planning)")

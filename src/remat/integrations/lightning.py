@@ -100,7 +100,8 @@ class _RematLightning(RematCallbackBase):
                                       output_alive=True, grad_accumulation=trainer.accumulate_grad_batches > 1,
                                       # Lightning's closure: training_step, zero_grad, backward
                                       zero_grad_after_forward=True,
-                                      autocast=trainer.precision_plugin.forward_context())
+                                      autocast=trainer.precision_plugin.forward_context(),
+                                      ddp=type(trainer.strategy).__name__ == "DDPStrategy")
             finally:
                 for name, value in quiet.items():
                     if value is None:

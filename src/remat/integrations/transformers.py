@@ -16,7 +16,8 @@ micro-batches and the optimizer step, measured as remat measures its checked ste
 
 Under distributed training (accelerate's DDP: ``torchrun ... train.py``) every rank plans on its own
 first batch and all ranks agree on one plan (Note [One plan for every rank] in remat.distributed); the
-plan is made on the unwrapped model, so DDP's gradient buckets are not in the prediction.
+plan is made on the unwrapped model with DDP's gradient buckets set aside from the budget (Note [DDP
+buckets reserved] in remat.integrations.first_step).
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ except ImportError as e:  # pragma: no cover - exercised without transformers in
     raise missing_framework("hf", "transformers", e) from e
 
 logger = hf_logging.get_logger(__name__)
+
+
+def trains_in_ddp(args) -> bool:
+    """Whether the Trainer wraps the model in DistributedDataParallel (launched distributed, neither FSDP nor
+    DeepSpeed), read from its arguments."""
+    from transformers.training_args import ParallelMode
+
+    return (getattr(args, "parallel_mode", None) == ParallelMode.DISTRIBUTED and not getattr(args, "fsdp", None)
+            and not getattr(args, "deepspeed", None))
 
 
 class RematCallback(RematCallbackBase, TrainerCallback):
@@ -70,7 +80,7 @@ class RematCallback(RematCallbackBase, TrainerCallback):
                 self._planning = True
                 try:
                     self.first.run(module, inputs, optimizer=optimizer, output_alive=False,
-                                   grad_accumulation=accumulating)
+                                   grad_accumulation=accumulating, ddp=trains_in_ddp(args))
                 finally:
                     self._planning = False
                 logger.warning(self.first.summary())
