@@ -220,39 +220,22 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-class AllocatorMeter:
-    """The most bytes allocated on ``device`` between :meth:`start` and :meth:`stop` above what was allocated
-    at :meth:`start`, by the profiler's memory events (``torch.profiler.profile(profile_memory=True)``, read
-    from ``prof.profiler.kineto_results``; checked on 2.11, 2.13): allocator-level, so it also sees what
-    compiled kernels and code outside the dispatcher allocate, which a dispatch-level tracker cannot."""
-
-    def __init__(self, device: torch.device) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
-        self.device = torch.device(device)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        self._prof = profile(activities=activities, profile_memory=True)
-
-    def start(self) -> None:
-        self._prof.start()
-
-    def stop(self) -> int:
-        self._prof.stop()
-        events = [(e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events()
-                  if e.name() == "[memory]" and e.device_type().name.lower() == self.device.type]
-        run = peak = 0
-        for _, nbytes in sorted(events):
-            run += nbytes
-            peak = max(peak, run)
-        return peak
-
-
 def profiler_memory_peak(work: Callable[[], object], device: torch.device) -> int:
-    """:class:`AllocatorMeter`'s peak while ``work()`` runs."""
-    meter = AllocatorMeter(device)
-    meter.start()
-    try:
+    """The most bytes allocated on ``device`` while ``work()`` runs, above what was allocated when it began,
+    by the profiler's memory events (``torch.profiler.profile(profile_memory=True)``, read from
+    ``prof.profiler.kineto_results``; checked on 2.11, 2.13): allocator-level, so it also sees what compiled
+    kernels and code outside the dispatcher allocate, which a dispatch-level tracker cannot. Frees of memory
+    allocated before it started are not reported by the profiler: allocate what the work frees inside it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, profile_memory=True) as prof:
         work()
-    finally:
-        peak = meter.stop()
+    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type().name.lower() == device.type]
+    run = peak = 0
+    for _, nbytes in sorted(events):
+        run += nbytes
+        peak = max(peak, run)
     return peak

@@ -448,20 +448,53 @@ def run_step(
 
 
 # -- peak memory ------------------------------------------------------------------------------------
+class StepMeter:
+    """Peak memory on ``device`` between :meth:`start` and :meth:`stop` (one thread): ``state`` (alive all
+    along: parameters, buffers, optimizer state, inputs), all allocated after ``start``, and ``follow`` (alive
+    at ``start``, maybe freed during the step: the gradients Lightning frees after the forward) until it dies.
+    On CUDA, the allocator's peak less what else is on the device. For :func:`measure_peak` and across two
+    callbacks of a framework's loop (Note [The first step measured] in remat.integrations.first_step)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._tracker: StorageTracker | None = None
+        self._base = 0
+
+    def start(self, state: Sequence[torch.Tensor], follow: Sequence[torch.Tensor] = ()) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device) - tensor_bytes([*state, *follow], self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self._base = tensor_bytes(state, self.device)
+        self._tracker = StorageTracker(self.device, ignore=state)
+        self._tracker.__enter__()
+        for t in follow:
+            self._tracker.track(t)
+
+    def live_bytes(self) -> int:
+        """Bytes alive now, on the same count."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) - self._base
+        return self._base + self._tracker.live_bytes
+
+    def stop(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self._base
+        tracker, self._tracker = self._tracker, None
+        tracker.__exit__(None, None, None)
+        return self._base + tracker.peak_with_held()
+
+
 def measure_peak(work: Callable[[Callable[[], int]], Any], device: torch.device,
                  state: Sequence[torch.Tensor]) -> int:
-    """Peak bytes on ``device`` while ``work(live_now)`` runs: the storages in ``state`` (parameters,
-    buffers, optimizer state, inputs: alive before the work starts) plus everything the work allocates.
-    ``live_now()`` gives the bytes alive at the moment it is called, on the same count. On CUDA memory
-    on the device that is not in ``state`` and exists before the work is left out."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        other = torch.cuda.memory_allocated(device) - tensor_bytes(state, device)
-        torch.cuda.reset_peak_memory_stats(device)
-        work(lambda: torch.cuda.memory_allocated(device) - other)
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - other
-    base = tensor_bytes(state, device)
-    with StorageTracker(device, ignore=state) as tracker:
-        work(lambda: base + tracker.live_bytes)
-    return base + tracker.peak_with_held()
+    """Peak bytes on ``device`` while ``work(live_now)`` runs (:class:`StepMeter`); ``live_now()`` gives the
+    bytes alive at the moment it is called, on the same count."""
+    meter = StepMeter(device)
+    meter.start(state)
+    try:
+        work(meter.live_bytes)
+    finally:
+        peak = meter.stop()
+    return peak

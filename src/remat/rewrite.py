@@ -63,7 +63,7 @@ functionalization (with ``torch._inductor.config.fallback_random`` it saves thei
 What compile keeps is decided by its partitioner from these tags, and it traces some operators otherwise
 than eager does (dropout as one ``native_dropout`` where eager CPU runs four operators, the SDPA math
 path's order), so a selective policy, named by positions in the eager forward, may keep other operators
-there: gradients are unaffected (tested), memory is compile's (``benchmarks/compile.py`` measures it).
+there: gradients are unaffected (tested), memory is compile's (``benchmarks/compiled.py`` measures it).
 """
 
 from __future__ import annotations

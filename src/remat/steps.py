@@ -17,7 +17,6 @@ from torch import nn
 
 from remat.measure import (
     Clock,
-    StorageTracker,
     LossFn,
     OptimizerFactory,
     default_loss,
@@ -27,7 +26,6 @@ from remat.measure import (
     model_device,
     run_step,
     split_inputs,
-    tensor_bytes,
 )
 from remat.state import keeps_rng
 
@@ -173,37 +171,3 @@ def time_interleaved(
 
 
 
-
-class StepMeter:
-    """The peak memory of a step that someone else's loop runs, between :meth:`start` and :meth:`stop` called
-    from two of its callbacks on the same thread (the Trainer and Lightning callbacks: Note [The first step
-    measured] in remat.integrations.first_step), on the same count as :func:`remat.measure.measure_peak`:
-    ``state`` (alive throughout: parameters, buffers, optimizer state, the batch) plus everything allocated
-    after ``start``, plus ``follow`` (alive at ``start`` but possibly freed during the step: the previous
-    step's gradients, which Lightning frees between forward and backward), followed until they die. On
-    CUDA, the allocator's peak less what else is on the device."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device)
-        self._tracker: StorageTracker | None = None
-        self._base = 0
-
-    def start(self, state: list[torch.Tensor], follow: list[torch.Tensor] = ()) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self._base = torch.cuda.memory_allocated(self.device) - tensor_bytes([*state, *follow], self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        self._base = tensor_bytes(state, self.device)
-        self._tracker = StorageTracker(self.device, ignore=state)
-        self._tracker.__enter__()
-        for t in follow:
-            self._tracker.track(t)
-
-    def stop(self) -> int:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device) - self._base
-        tracker, self._tracker = self._tracker, None
-        tracker.__exit__(None, None, None)
-        return self._base + tracker.peak_with_held()

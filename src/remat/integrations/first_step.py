@@ -24,12 +24,9 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
-from torch.utils._pytree import tree_flatten
-
 from remat.api import apply_plan, optimize_checkpointing
 from remat.errors import InvalidInputError, MissingDependencyError
-from remat.measure import model_device, tensor_bytes
-from remat.steps import StepMeter
+from remat.measure import StepMeter, input_tensors, model_device, tensor_bytes
 from remat.plan import GiB, Plan
 
 log = logging.getLogger(__name__)
@@ -103,7 +100,7 @@ class FirstStep:
         """Note [The first step measured]: the framework's second optimizer step (the first that starts with
         the optimizer's state, as the budget assumes; the first creates it) runs, with the plan applied, every
         micro-batch of it and the optimizer step, under remat's memory meter
-        (``remat.steps.StepMeter``: the same count as remat's checked step; the previous step's gradients
+        (``remat.measure.StepMeter``: the same count as remat's checked step; the previous step's gradients
         followed until the loop frees them); its peak, with what was alive when it began (parameters,
         buffers, gradients, optimizer state, the batch), is ``measured_peak_bytes``: the loop's own step,
         measured, next to the prediction (None when training stops after one step)."""
@@ -111,7 +108,7 @@ class FirstStep:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         state = [*model.parameters(), *model.buffers(),
                  *(t for s in (opt.state.values() if opt is not None else ()) for t in s.values() if torch.is_tensor(t)),
-                 *(t for t in tree_flatten(example_inputs)[0] if torch.is_tensor(t))]
+                 *input_tensors((example_inputs,), {})]
         self._meter = StepMeter(model_device(model))
         self._meter.start(state, follow=grads)
 
