@@ -40,6 +40,17 @@ def op_key(op: str, k: int) -> str:
     return f"{op}#{k}"
 
 
+def nest_key(outer: str, inner: str) -> str:
+    """The name of the choice "checkpoint ``inner`` inside checkpointed ``outer``" (Note [Nested
+    checkpoints] in remat.simulate): ``nest_key("h.3", "h.3.mlp") == "h.3/h.3.mlp"``."""
+    return f"{outer}/{inner}"
+
+
+def inner_unit(variable: str) -> str:
+    """The unit a plan variable checkpoints: ``inner_unit("h.3/h.3.mlp") == "h.3.mlp"``, ``"h.3"`` for ``"h.3"``."""
+    return variable.rpartition("/")[2]
+
+
 def is_selective(name: str) -> bool:
     """Whether unit ``name`` is a selective (op-level) unit, e.g. ``h.3@ops2``."""
     return SELECTIVE in name

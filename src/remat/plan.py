@@ -70,6 +70,9 @@ class Plan:
     #: per selective unit (``h.3@ops2``), the operators whose outputs its policy keeps (Note [Selective
     #: checkpointing] in remat.rewrite)
     saved_ops: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: per unit checkpointed inside another checkpointed unit, that unit (Note [Nested checkpoints] in
+    #: remat.simulate): recomputed within the outer unit's recomputation, and again in its own backward
+    nested_in: dict[str, str] = field(default_factory=dict)
     #: the training loop it was planned for keeps the model's output until the step ends (False: drops
     #: it after the loss; Note [Loop style] in remat.profile)
     output_alive: bool = True
@@ -122,7 +125,8 @@ class Plan:
         ]:
             lines.append(f"    {label:<32}{fmt_bytes(getattr(b, key))}")
         if self.checkpointed:
-            lines.append(f"  checkpointed ({len(self.checkpointed)}): " + ", ".join(self.checkpointed))
+            lines.append(f"  checkpointed ({len(self.checkpointed)}): " + ", ".join(
+                f"{u} (inside {self.nested_in[u]})" if u in self.nested_in else u for u in self.checkpointed))
             for unit, ops in self.saved_ops.items():
                 lines.append(f"    {unit}: selective, {policy_summary(ops)}; recomputes the rest")
         else:
@@ -145,6 +149,7 @@ class Plan:
         d["notes"] = tuple(d.get("notes", ()))
         d["mutated_buffers"] = {k: tuple(v) for k, v in d.get("mutated_buffers", {}).items()}
         d["saved_ops"] = {k: tuple(v) for k, v in d.get("saved_ops", {}).items()}
+        d["nested_in"] = dict(d.get("nested_in", {}))
         d["breakdown"] = PeakBreakdown(**d["breakdown"])
         return cls(**d)
 

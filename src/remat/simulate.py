@@ -22,8 +22,9 @@ A module called more than once per step is checkpointed call by call: each call'
 until its own recomputation (``Drop.until_index``) and each call adds its own recompute row
 (Note [Reused modules] in remat.effects).
 
-Units chosen together never nest, so their effects add up: the predicted memory
-at every timeline index is a *linear* function of the 0/1 choices. This module
+Units chosen together either are disjoint or nest (Note [Nested checkpoints]); either way their
+effects add up: the predicted memory at every timeline index is a *linear* function of the 0/1
+choices, one per unit checkpointed at the top level and one per (outer, inner) pair. This module
 turns that function into a list of :class:`Row` (constant + coefficients); the
 simulator takes their maximum for one plan and the ILP requires each to stay
 within the budget, so both agree by construction. Between two consecutive
@@ -38,8 +39,32 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from remat.costs import Profile, UnitCost
+from remat.costs import Profile, UnitCost, inner_unit, is_selective, nest_key
 from remat.errors import InvalidInputError
+
+# Note [Nested checkpoints]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Non-reentrant checkpoints nest: a unit ``v`` checkpointed inside a checkpointed unit ``u`` saves its
+# inputs through ``u``'s hooks (torch's ``_NoopSaveInputs``), so in the forward ``u`` drops everything
+# either would (``v``'s drops are among ``u``'s). When ``u``'s backward starts, ``u``'s forward runs again,
+# and inside it ``v`` is a checkpoint again: ``v``'s saved tensors are dropped once more as that
+# recomputation passes ``v``, and come back only when ``v``'s own backward recomputes ``v`` (recomputation
+# within recomputation, each level with its own early stop). So a nested pair ``u/v`` (``nest_key``)
+# is one more 0/1 variable, allowed only with ``u`` chosen, whose effect is
+#
+# * in the forward and in backward before ``u``'s recomputation: nothing beyond ``u``'s, except what
+#   ``v``'s checkpoint itself holds (``v.keeps``: counted, an over-estimate of a few bytes);
+# * from ``u``'s recomputation to ``v``'s: ``v``'s drops stay absent (what the unit alone would do
+#   from its forward on);
+# * during ``u``'s recomputation: the replayed forward grows memory by ``live[t] - live[start - 1]``
+#   at each replayed operator ``t``, less ``v``'s drops already freed at ``t`` (a row per segment of
+#   ``u``'s forward, instead of one row at ``u.recompute_peak_bytes``);
+# * at ``v``'s recomputation: ``v.recompute_peak_bytes`` on top, and when ``v``'s backward is where
+#   ``u``'s starts (``v`` ends ``u``), ``u``'s recomputed tensors are back already.
+#
+# Two levels: a unit is checkpointed at the top level or inside one top-level unit. Recompute time adds
+# up per level (``v`` runs in ``u``'s recomputation and again in its own); ``u``'s early stop before a
+# nested ``v`` at its end is not credited (time and memory predicted high, never low).
 
 
 @dataclass(frozen=True)
@@ -78,10 +103,18 @@ class PeakBreakdown:
 class MemoryModel:
     """Predicted memory of every plan over one step, built once from a :class:`Profile`."""
 
-    def __init__(self, profile: Profile, candidates: Iterable[str] | None = None) -> None:
+    def __init__(self, profile: Profile, candidates: Iterable[str] | None = None, *, nesting: bool = False) -> None:
+        """``nesting``: also offer units checkpointed inside a checkpointed unit (Note [Nested checkpoints])."""
         self.profile = profile
         names = [u.name for u in profile.candidates()] if candidates is None else list(candidates)
         self.units: dict[str, UnitCost] = {n: profile.unit(n) for n in names}
+        #: per unit, the units that may be checkpointed inside it when it is checkpointed (Note [Nested
+        #: checkpoints]); empty without nesting
+        self.inner: dict[str, tuple[str, ...]] = self._inner_units() if nesting else {}
+        #: the 0/1 choices of a plan: a unit checkpointed at the top level (its name) or inside another
+        #: (``nest_key(outer, inner)``)
+        self.variables: tuple[str, ...] = tuple(names) + tuple(
+            nest_key(u, v) for u, inner in self.inner.items() for v in inner)
         #: per unit, per recomputation index (``until``): sorted ``free_from`` and prefix sums of bytes
         self._drops: dict[str, list[tuple[int, list[int], list[int]]]] = {}
         for name, u in self.units.items():
@@ -110,12 +143,92 @@ class MemoryModel:
         """Bytes that checkpointing ``unit`` keeps alive at timeline ``index`` beyond the plain step."""
         return sum(k.nbytes for k in self.units[unit].keeps if k.from_index <= index < k.until_index)
 
+    def effect_bytes(self, unit: str, index: int) -> int:
+        """Change in bytes at timeline ``index`` when ``unit`` is checkpointed at the top level."""
+        return self.kept_bytes(unit, index) - self.dropped_bytes(unit, index)
+
     def _coefs(self, index: int) -> dict[str, int]:
         out = {}
         for name in self.units:
-            b = self.kept_bytes(name, index) - self.dropped_bytes(name, index)
+            b = self.effect_bytes(name, index)
             if b:
                 out[name] = b
+        for outer, inner in self.inner.items():
+            before = index < self.units[outer].recompute_at  # Note [Nested checkpoints]
+            for v in inner:
+                b = self.kept_bytes(v, index) if before else self.effect_bytes(v, index)
+                if b:
+                    out[nest_key(outer, v)] = b
+        return out
+
+    # -- nesting ------------------------------------------------------------------------------
+    def _inner_units(self) -> dict[str, tuple[str, ...]]:
+        """Per unit checkpointed once per step, the whole units called once whose forward lies strictly
+        inside its forward: what may be checkpointed inside it."""
+        def nestable(u: UnitCost) -> bool:
+            return not is_selective(u.name) and u.calls == 1 and u.recompute_at is not None
+
+        out = {}
+        for u in self.units.values():
+            if not nestable(u):
+                continue
+            inner = tuple(v.name for v in self.units.values() if nestable(v) and v.name != u.name
+                          and u.forward_start <= v.forward_start and v.forward_end <= u.forward_end
+                          and (v.forward_start, v.forward_end) != (u.forward_start, u.forward_end))
+            if inner:
+                out[u.name] = inner
+        return out
+
+    def outer_of(self, plan: Iterable[str]) -> dict[str, str]:
+        """For a plan (unit names), each unit checkpointed inside another and that other unit. Raises
+        InvalidInputError for units that overlap without nesting, or nest more than two levels deep."""
+        chosen = frozenset(plan)
+        self._check_known(chosen)
+        out = {}
+        for v in chosen:
+            outers = [u for u in chosen if v in self.inner.get(u, ())]
+            if len(outers) > 1 or (outers and any(outers[0] in self.inner.get(w, ()) for w in chosen)):
+                raise InvalidInputError(f"plan nests {v!r} more than two levels deep (inside {sorted(outers)}); "
+                                        "remat plans nest at most one unit level inside another")
+            if outers:
+                out[v] = outers[0]
+        top = sorted(chosen - out.keys())
+        groups: dict[str | None, list[str]] = {None: top}
+        for v, u in out.items():
+            groups.setdefault(u, []).append(v)
+        for members in groups.values():
+            members.sort()
+            for i, a in enumerate(members):
+                for b in members[i + 1:]:
+                    if self.conflicts(a, b):
+                        how = "nest more than one level deep or " if self.inner else ""
+                        raise InvalidInputError(f"plan checkpoints {a!r} and {b!r}, which overlap; units must not "
+                                                f"{how}overlap: keep one of them")
+        return out
+
+    def assignment(self, plan: Iterable[str]) -> frozenset[str]:
+        """The variables (``self.variables``) a plan of unit names sets to 1."""
+        outer = self.outer_of(plan)
+        return frozenset(nest_key(outer[u], u) if u in outer else u for u in frozenset(plan))
+
+    def units_of(self, variables: Iterable[str]) -> frozenset[str]:
+        """The unit names a set of chosen variables checkpoints (inverse of ``assignment``)."""
+        return frozenset(inner_unit(v) for v in variables)
+
+    def cost_s(self, variable: str) -> float:
+        """Predicted extra time of one variable: its unit's recompute and bookkeeping (seconds)."""
+        return self.units[inner_unit(variable)].cost_s
+
+    def inner_cliques(self, outer: str) -> list[list[str]]:
+        """Sets of ``outer``'s inner units of which at most one may be checkpointed inside it."""
+        inner = self.inner.get(outer, ())
+        seen, out = set(), []
+        for v in inner:
+            start = self.units[v].forward_start
+            group = frozenset(w for w in inner if self.units[w].forward_start <= start <= self.units[w].forward_end)
+            if len(group) > 1 and group not in seen:
+                seen.add(group)
+                out.append(sorted(group))
         return out
 
     # -- rows ---------------------------------------------------------------------------------
@@ -140,21 +253,59 @@ class MemoryModel:
             i = max(range(lo, hi), key=live.__getitem__)
             phase = "forward" if i < p.backward_start else "backward"
             rows.append(Row(f"{phase}_t{i}", phase, i, fixed + live[i], self._coefs(i)))
+        outers: dict[str, list[str]] = {}
+        for u, inner in self.inner.items():
+            for v in inner:
+                outers.setdefault(v, []).append(u)
         for name, u in self.units.items():
             for k, (at, peak) in enumerate(u.recomputations):
                 i = max(at - 1, 0)
                 coefs = self._coefs(i)
-                coefs[name] = coefs.get(name, 0) + peak
                 suffix = f"_call{k + 1}" if u.later_calls else ""
                 # the recomputation runs when operator ``at`` reads the unit's saved tensors, before it runs:
                 # after the frees that follow operator ``at - 1`` (its transient gradients, e.g. the two
                 # addends of a residual's gradient): the U-Net's least-memory plan was predicted 0.44% high
                 base = live[i] if p.before_bytes is None or at >= n else min(live[i], p.before_bytes[at])
+                for outer in outers.get(name, ()):  # Note [Nested checkpoints]: at the inner unit's recomputation
+                    back = self.dropped_bytes(outer, i) - self.dropped_bytes(name, i) \
+                        if i < self.units[outer].recompute_at else 0
+                    key = nest_key(outer, name)
+                    coefs[key] = coefs.get(key, 0) + peak + back
+                if name in self.inner:
+                    rows += self._nested_recompute_rows(u, i, fixed + base, coefs)
+                    continue
+                coefs[name] = coefs.get(name, 0) + peak
                 rows.append(Row(f"recompute_{name}{suffix}", "recompute", i, fixed + base, coefs, unit=name))
         kept = {u: self.kept_bytes(u, n - 1) for u in self.units}
+        kept.update({nest_key(u, v): self.kept_bytes(v, n - 1) for u, inner in self.inner.items() for v in inner})
         after = live[n - 1] if p.after_backward_bytes is None else p.after_backward_bytes
         rows.append(Row("optimizer_step", "optimizer", n - 1, fixed + after + p.optimizer_step_bytes,
                         {u: b for u, b in kept.items() if b}))
+        return rows
+
+    def _nested_recompute_rows(self, u: UnitCost, index: int, const_bytes: int,
+                               coefs: dict[str, int]) -> list[Row]:
+        """The rows of ``u``'s recomputation when units may be checkpointed inside it: one per stretch of
+        its replayed forward between the points where an inner unit's drops or keeps change, each at the
+        stretch's largest growth over the memory before ``u`` (Note [Nested checkpoints])."""
+        live = self.profile.live_bytes
+        start, end = u.forward_start, u.recompute_end if u.recompute_end is not None else u.forward_end
+        base = live[start - 1] if start > 0 else 0
+        inner = self.inner[u.name]
+        cuts = {start, end + 1}
+        for v in inner:
+            cuts.update(d.free_from for d in self.units[v].drops)
+            cuts.update(b for k in self.units[v].keeps for b in (k.from_index, k.until_index))
+        bounds = sorted(c for c in cuts if start <= c <= end + 1)
+        rows = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            t = max(range(lo, hi), key=live.__getitem__)
+            row = dict(coefs)
+            row[u.name] = row.get(u.name, 0) + max(live[t] - base, 0)
+            for v in inner:
+                key = nest_key(u.name, v)
+                row[key] = row.get(key, 0) + self.effect_bytes(v, t)
+            rows.append(Row(f"recompute_{u.name}_t{t}", "recompute", index, const_bytes, row, unit=u.name))
         return rows
 
     # -- evaluation ---------------------------------------------------------------------------
@@ -165,22 +316,20 @@ class MemoryModel:
         return row.const_bytes + sum(c for u, c in row.coef_bytes.items() if u in chosen)
 
     def peak_bytes(self, plan: Iterable[str]) -> int:
-        """Predicted peak memory of the whole step with ``plan`` checkpointed (bytes)."""
-        chosen = frozenset(plan)
-        self._check(chosen)
+        """Predicted peak memory of the whole step with ``plan`` (unit names) checkpointed (bytes)."""
+        chosen = self.assignment(plan)
         return max(self.row_bytes(r, chosen) for r in self.rows)
 
     def breakdown(self, plan: Iterable[str]) -> PeakBreakdown:
         """The predicted peak of ``plan`` split by category."""
-        chosen = frozenset(plan)
-        self._check(chosen)
+        chosen = self.assignment(plan)
         p = self.profile
         row = max(self.rows, key=lambda r: self.row_bytes(r, chosen))
         total = self.row_bytes(row, chosen)
         i = row.index
         grads = p.grad_bytes[i] if p.live_bytes else 0
-        dropped = sum(self.dropped_bytes(u, i) - self.kept_bytes(u, i) for u in chosen)
-        saved = (p.saved_bytes[i] if p.live_bytes else 0) - dropped
+        effects = self._coefs(i)
+        saved = (p.saved_bytes[i] if p.live_bytes else 0) + sum(effects.get(v, 0) for v in chosen)
         phase = row.phase if row.unit is None or row.unit not in chosen else f"recompute of {row.unit}"
         if phase == "recompute":
             phase = "backward"
@@ -232,17 +381,11 @@ class MemoryModel:
                     out.append(sorted(group))
         return out
 
-    def _check(self, plan: frozenset[str]) -> None:
+    def _check_known(self, plan: frozenset[str]) -> None:
         unknown = sorted(plan - self.units.keys())
         if unknown:
             raise InvalidInputError(f"not candidate units of this profile: {unknown}; the candidates are "
                                     "Planner(profile).model.units (units that may be checkpointed and free something)")
-        chosen = sorted(plan)
-        for i, a in enumerate(chosen):
-            for b in chosen[i + 1:]:
-                if self.conflicts(a, b):
-                    raise InvalidInputError(f"plan checkpoints {a!r} and {b!r}, which overlap; units must not nest: "
-                                            "keep one of them")
 
 
 class WorstRankModel(MemoryModel):
@@ -251,17 +394,24 @@ class WorstRankModel(MemoryModel):
     over ranks and the ILP keeps every rank within the budget; a unit's recompute time is its largest over
     ranks (the slowest rank sets the pace). Candidates are the units every rank has."""
 
-    def __init__(self, profiles: list[Profile], candidates: Iterable[str] | None = None) -> None:
+    def __init__(self, profiles: list[Profile], candidates: Iterable[str] | None = None, *,
+                 nesting: bool = False) -> None:
         names = [u.name for u in profiles[0].candidates()] if candidates is None else list(candidates)
         names = [n for n in names if all(any(u.name == n for u in p.candidates()) for p in profiles)]
-        self.members = [MemoryModel(p, names) for p in profiles]
+        self.members = [MemoryModel(p, names, nesting=nesting) for p in profiles]
         self.profile = profiles[0]
         first = self.members[0]
         self.units = {n: dataclasses.replace(u, recompute_s=max(m.units[n].recompute_s for m in self.members),
                                              overhead_s=max(m.units[n].overhead_s for m in self.members))
                       for n, u in first.units.items()}
         self._drops = first._drops
-        self.rows = tuple(dataclasses.replace(row, name=f"rank{r}_{row.name}")
+        # a nested pair every rank offers (the same model on every rank: all of them)
+        self.inner = {u: kept for u, inner in first.inner.items()
+                      if (kept := tuple(v for v in inner if all(v in m.inner.get(u, ()) for m in self.members)))}
+        self.variables = tuple(names) + tuple(nest_key(u, v) for u, inner in self.inner.items() for v in inner)
+        known = set(self.variables)
+        self.rows = tuple(dataclasses.replace(row, name=f"rank{r}_{row.name}",
+                                              coef_bytes={k: c for k, c in row.coef_bytes.items() if k in known})
                           for r, m in enumerate(self.members) for row in m.rows)
 
     def breakdown(self, plan: Iterable[str]) -> PeakBreakdown:

@@ -57,18 +57,23 @@ class Planner:
     """Makes plans for one profile; the memory model and the least peak are computed once."""
 
     def __init__(self, profile: Profile, *, time_limit_s: float | None = 60.0, granularity: str = "block",
-                 ranks: Sequence[Profile] | None = None) -> None:
+                 ranks: Sequence[Profile] | None = None, nesting: bool = True) -> None:
         """``granularity``: "block" plans whole units only; "op" also lets units be checkpointed
         selectively (``name@ops<k>``: option k of the unit's menu of policies, which keep some
         operators' outputs and recompute the rest). ``ranks``: every rank's profile, in rank order, when
-        one plan must fit every rank (Note [One plan for every rank] in remat.distributed)."""
+        one plan must fit every rank (Note [One plan for every rank] in remat.distributed). ``nesting``:
+        plans may checkpoint units inside checkpointed units (Note [Nested checkpoints] in remat.simulate)."""
         if granularity not in ("block", "op"):
             raise InvalidInputError(f"granularity must be 'block' or 'op', got {granularity!r}")
         self.profile = profile
         self.granularity = granularity
         names = [u.name for u in profile.candidates() if granularity == "op" or not is_selective(u.name)]
+        self.nesting = nesting
+
         def model(candidates: list[str]) -> MemoryModel:
-            return MemoryModel(profile, candidates) if not ranks else WorstRankModel(list(ranks), candidates)
+            if ranks:
+                return WorstRankModel(list(ranks), candidates, nesting=nesting)
+            return MemoryModel(profile, candidates, nesting=nesting)
 
         self.model = model(names)
         #: the block-level model, for Note [Selective margin]
@@ -121,6 +126,7 @@ class Planner:
             # every unit: one that mutates no buffer replays none (Note [Buffers replay] in remat.rewrite)
             mutated_buffers={u: p.unit(u).mutated_buffers for u in chosen},
             saved_ops={u: p.unit(u).saved_ops for u in chosen if p.unit(u).saved_ops},
+            nested_in=self.model.outer_of(chosen),
         )
 
     def infeasible(self, budget_bytes: int, *, least_bytes: int | None = None) -> InfeasibleBudgetError:
@@ -209,7 +215,8 @@ class Planner:
                               solve_time_s=time.perf_counter() - t0)
 
     def brute_force(self, budget_bytes: int, *, max_units: int = 18) -> Plan:
-        """Exhaustive search over every non-nested set of candidates (a test oracle; small models only)."""
+        """Exhaustive search over every valid set of candidates, nested ones included when the planner
+        nests (a test oracle; small models only)."""
         units = list(self.model.units)
         if len(units) > max_units:
             raise UnsupportedError(f"brute force over {len(units)} units is too slow (max {max_units}): use "
@@ -218,7 +225,9 @@ class Planner:
         best: tuple[float, int, tuple[str, ...]] | None = None
         for k in range(len(units) + 1):
             for combo in itertools.combinations(units, k):
-                if any(self.model.conflicts(a, b) for a, b in itertools.combinations(combo, 2)):
+                try:
+                    self.model.outer_of(combo)
+                except InvalidInputError:  # units that overlap, or nest deeper than plans do
                     continue
                 if self.model.peak_bytes(combo) > budget_bytes:
                     continue

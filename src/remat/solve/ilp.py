@@ -1,7 +1,9 @@
 """The ILP: least recompute time such that every predicted-memory row stays within the budget.
 
-Decision variables (one per candidate unit ``u``):
-    ``x[u]`` = 1 if ``u`` is checkpointed, else 0.
+Decision variables (one per plan variable ``v`` of the memory model, ``MemoryModel.variables``):
+    ``x[u]``   = 1 if unit ``u`` is checkpointed at the top level, else 0;
+    ``x[u/w]`` = 1 if unit ``w`` is checkpointed inside checkpointed unit ``u`` (Note [Nested
+               checkpoints] in remat.simulate), else 0.
 
 Constraints:
     ``mem_<row>``   for every row of the memory model (remat.simulate.Row), in units of
@@ -9,9 +11,14 @@ Constraints:
                      ``ceil(row.const_bytes / scale) + sum(ceil(row.coef_bytes[u] / scale) * x[u])
                      <= floor(budget_bytes / scale)``
     ``overlap_<unit>`` units whose forward spans cover ``unit``'s first operator (nested units,
-                     overlapping segments) are never checkpointed together: ``sum(x[v]) <= 1``
+                     overlapping segments) are never checkpointed together at the top level:
+                     ``sum(x[v]) <= 1``
+    ``inside_<u/w>``  a unit is checkpointed inside ``u`` only when ``u`` is checkpointed:
+                     ``x[u/w] <= x[u]``
+    ``nested_overlap_<u>_<k>`` units inside ``u`` whose spans cover one unit's first operator are
+                     never both checkpointed inside it: ``sum(x[u/w]) <= 1``
 
-Objective: minimise ``sum(cost_s[u] * x[u])``: measured seconds of recompute plus checkpoint's
+Objective: minimise ``sum(cost_s[v] * x[v])`` (a nested variable costs its inner unit's): measured seconds of recompute plus checkpoint's
 measured bookkeeping per unit; exactly for small problems, within 1% for large ones (Note [Solver gap]).
 
 The solver's own tolerances are not trusted: the rounded solution is re-checked with the
@@ -41,6 +48,7 @@ import warnings
 
 import pulp
 
+from remat.costs import nest_key
 from remat.errors import SolverError
 from remat.simulate import MemoryModel
 
@@ -106,11 +114,11 @@ def _variable(prob: pulp.LpProblem, name: str, low: float, high: float | None, c
 def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | None):
     """Solve once. Returns (chosen units or None, status)."""
     prob = pulp.LpProblem("remat", pulp.LpMinimize)
-    units = list(model.units)
+    units = list(model.variables)
     scale = row_scale(model)
-    # x[u]: 1 if unit u is checkpointed
+    # x[v]: 1 if plan variable v is chosen (unit v at the top level; for v = "u/w", unit w inside unit u)
     x = {u: _variable(prob, f"x_{i}_{_name(u)}", 0, 1, pulp.LpBinary) for i, u in enumerate(units)}
-    recompute = pulp.LpAffineExpression([(x[u], model.units[u].cost_s * _US + _TIE_US) for u in units])
+    recompute = pulp.LpAffineExpression([(x[u], model.cost_s(u) * _US + _TIE_US) for u in units])
     peak = None
     if budget_bytes is None:
         # peak: the predicted peak memory of the step, in units of scale bytes (minimised; the cheapest
@@ -133,12 +141,19 @@ def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | N
     # overlap_<unit>: never two units whose forwards intersect (a unit inside another, overlapping segments)
     for i, group in enumerate(model.cliques()):
         prob += (pulp.lpSum(x[v] for v in group) <= 1, f"overlap_{i}_{_name(group[0])}")
+    for outer, inner in model.inner.items():
+        # inside_<u/w>: checkpointed inside u only if u is checkpointed
+        for w in inner:
+            prob += (x[nest_key(outer, w)] <= x[outer], f"inside_{_name(nest_key(outer, w))}")
+        # nested_overlap_<u>_<k>: overlapping units inside u, at most one of them inside it
+        for k, group in enumerate(model.inner_cliques(outer)):
+            prob += (pulp.lpSum(x[nest_key(outer, w)] for w in group) <= 1, f"nested_overlap_{_name(outer)}_{k}")
     gap = GAP_REL if len(units) > EXACT_UNITS and budget_bytes is not None else None
     prob.solve(_solver(time_limit_s, gap))
     status = pulp.LpStatus[prob.status]
     if status != "Optimal" or any(x[u].varValue is None for u in units):
         return None, status.lower()
-    chosen = frozenset(u for u in units if x[u].varValue > 0.5)
+    chosen = model.units_of(u for u in units if x[u].varValue > 0.5)
     sol = getattr(prob, "sol_status", pulp.LpSolutionOptimal)
     if sol != pulp.LpSolutionOptimal:
         return chosen, "feasible (time limit reached)"
