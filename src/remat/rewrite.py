@@ -301,8 +301,9 @@ def checkpointed_modules(model: nn.Module) -> list[str]:
     out = []
     for name, m in uncompiled(model).named_modules():
         f = m.__dict__.get("forward")
-        if isinstance(f, _RematForward):
+        while isinstance(f, _RematForward):  # a whole Sequential around its segments: both
             out += f.unit_names(name)
+            f = f.previous
     return out
 
 
@@ -357,21 +358,24 @@ def checkpoint_modules(
         container, seg = parse_unit(n)
         if seg is not None:
             segments.setdefault(container, []).append(seg)
-            continue
+    # segments first: a Sequential checkpointed as a whole with segments nested inside (Note [Nested
+    # checkpoints] in remat.simulate) wraps its SegmentedForward
+    for container, segs in segments.items():
         m = mods[container]
-        if not is_checkpointed(m):
+        if is_checkpointed(m):
+            raise InvalidInputError(f"{container!r} is already checkpointed; cannot also checkpoint segments of "
+                                    f"it ({segs}) around that: call remove_checkpointing first")
+        bufs = {s: (tuple(mutated[segment_name(container, *s)]) if segment_name(container, *s) in mutated
+                    else None) for s in segs}
+        m.forward = SegmentedForward(m, segs, preserve_rng_state=preserve_rng_state, buffers=bufs)
+    for n in names:
+        container, seg = parse_unit(n)
+        m = mods[container]
+        if seg is None and not isinstance(m.__dict__.get("forward"), CheckpointedForward):
             bufs = tuple(mutated[n]) if n in mutated else None
             policy = n[len(container):]
             m.forward = CheckpointedForward(m, preserve_rng_state=preserve_rng_state, buffers=bufs,
                                             saved_ops=policies[n] if policy else None, policy=policy)
-    for container, segs in segments.items():
-        m = mods[container]
-        if is_checkpointed(m):
-            raise InvalidInputError(f"{container!r} is already checkpointed as a whole; cannot also checkpoint "
-                                    f"segments of it ({segs}): choose one, or call remove_checkpointing first")
-        bufs = {s: (tuple(mutated[segment_name(container, *s)]) if segment_name(container, *s) in mutated
-                    else None) for s in segs}
-        m.forward = SegmentedForward(m, segs, preserve_rng_state=preserve_rng_state, buffers=bufs)
 
 
 def checkpoint_plan(model: nn.Module, plan: Plan) -> None:
@@ -386,10 +390,11 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
     undone = []
     for name, m in uncompiled(model).named_modules():
         f = m.__dict__.get("forward")
-        if isinstance(f, _RematForward):
+        while isinstance(f, _RematForward):
             if f.previous is not None:
                 m.forward = f.previous
             else:
                 del m.forward
             undone += f.unit_names(name)
+            f = m.__dict__.get("forward")
     return undone

@@ -52,8 +52,10 @@ from remat.errors import InvalidInputError
 # within recomputation, each level with its own early stop). So a nested pair ``u/v`` (``nest_key``)
 # is one more 0/1 variable, allowed only with ``u`` chosen, whose effect is
 #
-# * in the forward and in backward before ``u``'s recomputation: nothing beyond ``u``'s, except what
-#   ``v``'s checkpoint itself holds (``v.keeps``: counted, an over-estimate of a few bytes);
+# * during ``u``'s forward: what ``v`` alone does (``u`` drops its saved tensors once its forward is done,
+#   ``v`` once its own is: a block's attention's before the block's MLP runs);
+# * from the end of ``u``'s forward to ``u``'s recomputation: nothing beyond ``u``'s, except what ``v``'s
+#   checkpoint itself holds (``v.keeps``: counted, an over-estimate of a few bytes);
 # * from ``u``'s recomputation to ``v``'s: ``v``'s drops stay absent (what the unit alone would do
 #   from its forward on);
 # * during ``u``'s recomputation: the replayed forward grows memory by ``live[t] - live[start - 1]``
@@ -154,9 +156,10 @@ class MemoryModel:
             if b:
                 out[name] = b
         for outer, inner in self.inner.items():
-            before = index < self.units[outer].recompute_at  # Note [Nested checkpoints]
+            u = self.units[outer]
+            covered = u.forward_end < index < u.recompute_at  # Note [Nested checkpoints]
             for v in inner:
-                b = self.kept_bytes(v, index) if before else self.effect_bytes(v, index)
+                b = self.kept_bytes(v, index) if covered else self.effect_bytes(v, index)
                 if b:
                     out[nest_key(outer, v)] = b
         return out

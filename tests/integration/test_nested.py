@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import remat
+import remat.rewrite
 from remat.api import make_profile
 from remat.examples import make_gpt
 from remat.rewrite import checkpoint_plan, remove_checkpointing
@@ -74,3 +75,27 @@ def test_nested_recomputation_is_exact_and_runs_at_both_levels(gpt):
     # h.2.mlp ends its block: the block's recomputation stops early at the mlp's saved inputs (Note [Early
     # stop]), so the mlp runs in its forward and its own recomputation only
     assert counts == {"h.1.ln_1": 2, "h.1.attn.qkv": 3, "h.2.ln_1": 2, "h.2.mlp.fc": 2, "h.0.ln_1": 1}
+
+
+def test_a_sequential_checkpointed_around_its_segments():
+    """A Sequential checkpointed as a whole with segments of it checkpointed inside (one call installs both;
+    remove_checkpointing undoes both): gradients and BatchNorm statistics exact, the segment's first layer
+    runs three times."""
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.GELU(),
+                                torch.nn.Dropout(0.1), torch.nn.Linear(32, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), inner, torch.nn.Linear(8, 1)).train()
+    x = torch.randn(16, 8)
+    remat.rewrite.checkpoint_modules(model, ["1", "1[0:4]"])
+    assert remat.checkpointed_modules(model) == ["1", "1[0:4]"]
+    report = remat.check_equivalence(model, x)
+    assert report.equal and max(report.max_abs_diff.values()) == 0.0, str(report)
+    assert any(k.startswith("buffer:1.1.running") for k in report.max_abs_diff)
+    calls = []
+    handle = inner[0].register_forward_pre_hook(lambda m, a: calls.append(1))
+    model(x).sum().backward()
+    handle.remove()
+    assert len(calls) == 3
+    assert remat.remove_checkpointing(model) == ["1", "1[0:4]"]
+    assert remat.checkpointed_modules(model) == [] and "forward" not in inner.__dict__
