@@ -15,10 +15,13 @@ The pipeline, one module (or package) per stage, each handing a frozen dataclass
     steps      real steps measured (peak, step time) on copies, or in place for sharded models
     distributed  one plan for every rank under FSDP2 / DDP
     verify     plain vs checkpointed    -> EquivalenceReport
+    extrapolate  profiles at a few sizes -> profiles fitted at any size (no torch)
+    sizing     budget + make_batch(n)   -> BatchSizeReport  the largest / fastest size, confirmed on real steps
 
 Entry points: :func:`optimize_checkpointing` (all of it, in place), :func:`make_profile` with
 :class:`Planner` (profile once, plan many budgets and hand rules), :func:`apply_plan` (a saved plan),
-:func:`tradeoff` (the CLI's table: plans per budget and hand rules, each measured),
+:func:`tradeoff` (the CLI's table: plans per budget and hand rules, each measured), :func:`max_batch`
+(the largest and the fastest batch or sequence under a budget),
 :func:`check_equivalence` and :func:`measure_step` (prove it). Every error is a :class:`RematError`.
 """
 
@@ -41,6 +44,7 @@ from remat.plan import Plan
 from remat.report import TradeoffRow, tradeoff
 from remat.rewrite import checkpointed_modules, remove_checkpointing
 from remat.simulate import PeakBreakdown
+from remat.sizing import BatchSizeReport, SizeRow, max_batch
 from remat.solve import Planner
 from remat.verify import EquivalenceReport, assert_equivalent, check_equivalence
 
@@ -56,6 +60,9 @@ __all__ = [
     "checkpointed_modules",
     "tradeoff",
     "TradeoffRow",
+    "max_batch",
+    "BatchSizeReport",
+    "SizeRow",
     "check_equivalence",
     "assert_equivalent",
     "measure_step",

@@ -4,6 +4,7 @@
     remat plan TARGET --budget GIB [--out plan.json]
     remat profile TARGET       per-unit costs and the capture path
     remat verify TARGET (--budget GIB | --plan plan.json)   equivalence check; exit 1 on mismatch
+    remat maxbatch TARGET --budget GIB [--dim batch|seq]     the largest and the fastest batch (or sequence)
 
 TARGET is a built-in example (gpt, unet), path/to/file.py:function or package.module:function.
 User mistakes print one line and exit with status 2; --debug shows the traceback.
@@ -46,7 +47,7 @@ from remat.capture import composite_modules
 from remat.costs import is_selective
 from remat.steps import warm_up
 from remat.plan import GiB, fmt_bytes, policy_summary
-from remat.report import plot_rows, rows_to_json, tradeoff
+from remat.report import plot_rows, plot_sizes, rows_to_json, tradeoff
 from remat.rewrite import checkpoint_modules
 from remat.targets import resolve_target
 
@@ -125,6 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds of warm-up steps before profiling (default 3; the first steps run slow)")
     pr.add_argument("--json", type=Path, help="write the whole profile as JSON")
 
+    mb = sub.add_parser("maxbatch", parents=[common],
+                        help="the largest and the fastest batch (or sequence) under a budget, confirmed on real steps")
+    mb.add_argument("--budget", type=_gib, required=True, help="GiB of peak memory for one training step")
+    mb.add_argument("--dim", choices=["batch", "seq"], default="batch",
+                    help="the size to grow: batch_size or seq_len of the target (default batch)")
+    mb.add_argument("--max-size", type=int, default=None,
+                    help="largest size to try (default 65536; for --dim seq on gpt, the model's positions: 1024)")
+    mb.add_argument("--multiple-of", type=int, default=1, help="only sizes that are multiples of this (default 1)")
+    mb.add_argument("--profile-sizes", type=lambda t: tuple(int(x) for x in t.split(",")),
+                    help="sizes profiled for real, comma-separated (default: 2 and 4 steps of --multiple-of for "
+                         "the batch, 4, 8, 12 for the sequence)")
+    mb.add_argument("--compare", action="store_true",
+                    help="also size the hand rules: checkpoint every block, and no checkpointing")
+    mb.add_argument("--repeats", type=int, default=3, help="timed steps per size (median; default 3)")
+    mb.add_argument("--plot", type=Path, help="write measured samples/s by size to this PNG (needs matplotlib)")
     v = sub.add_parser("verify", parents=[common], help="plain vs checkpointed: gradients, buffers, loss, output")
     g = v.add_mutually_exclusive_group(required=True)
     g.add_argument("--budget", type=_gib, help="plan for this budget, then check")
@@ -339,6 +355,49 @@ def cmd_profile(args, out, err) -> int:
     return 0
 
 
+def cmd_maxbatch(args, out, err) -> int:
+    from remat.sizing import max_batch_of
+    from remat.targets import sized_batches
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("remat maxbatch runs one process: size the batch per rank without torchrun")
+    key = "batch_size" if args.dim == "batch" else "seq_len"
+    max_size = args.max_size or (1024 if args.dim == "seq" else 1 << 16)
+    if args.dim == "seq" and args.target == "gpt":
+        args.seq_len = max_size  # the model's positions bound the sequences it takes
+    model, inputs, loss_fn, desc, device = _target(args)
+    _header(out, desc, device, args)
+    options = dict(layers=args.layers, batch_size=args.batch_size, d_model=args.d_model, image_size=args.image_size,
+                   depth=args.depth, seq_len=None if args.dim == "seq" else args.seq_len)
+    sized = sized_batches(args.target, key, device=device, options=options)
+    factory = OPTIMIZERS[args.optimizer]
+    reports = []
+    with err.status("sizing") as st:
+        for strategy in ("ilp", "every_block", "none") if args.compare else ("ilp",):
+            st.update(f"sizing with {strategy}")
+            reports.append(max_batch_of(
+                model, args.budget, sized, optimizer=factory(model.parameters()) if factory else None, dim=args.dim,
+                profile_sizes=args.profile_sizes, max_size=max_size, multiple_of=args.multiple_of, strategy=strategy,
+                granularity="block", output_alive=not args.output_dropped, repeats=args.repeats,
+                time_limit_s=args.time_limit))
+    for rep in reports:
+        out.print(str(rep), markup=False, highlight=False)
+    if len(reports) > 1:
+        ilp = reports[0]
+        out.print("largest that fits: " + ", ".join(f"{r.strategy} {r.max_size}" for r in reports)
+                  + f" (remat {ilp.max_size / max(reports[1].max_size, 1):.2f}x every block, "
+                  f"{ilp.max_size / max(reports[2].max_size, 1):.2f}x no checkpointing)", markup=False)
+    out.print(f"apply the plan for the size you choose: remat.apply_plan(model, plan); the largest's plan: "
+              f"{', '.join(reports[0].max_plan.checkpointed) or 'nothing checkpointed'}", markup=False)
+    if args.plot:
+        try:
+            plot_sizes(reports, args.plot, f"{desc} on {device}, budget {fmt_bytes(reports[0].budget_bytes)}")
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'remat[plot]'") from None
+        out.print(f"plot written to {args.plot}")
+    return 0
+
+
 def cmd_verify(args, out, err) -> int:
     model, inputs, loss_fn, desc, device = _target(args)
     _header(out, desc, device, args)
@@ -361,7 +420,8 @@ def cmd_verify(args, out, err) -> int:
     return 0 if report.equal else 1
 
 
-COMMANDS = {"tradeoff": cmd_tradeoff, "plan": cmd_plan, "profile": cmd_profile, "verify": cmd_verify}
+COMMANDS = {"tradeoff": cmd_tradeoff, "plan": cmd_plan, "profile": cmd_profile, "verify": cmd_verify,
+            "maxbatch": cmd_maxbatch}
 
 
 def _join_ranks() -> int:

@@ -312,3 +312,28 @@ def plot_rows(rows: list[TradeoffRow], path: str | Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_sizes(reports: list, path: str | Path, title: str) -> None:
+    """Measured samples per second by size, one line per :class:`remat.BatchSizeReport` (remat's plans, hand
+    rules), each size's largest-fitting answer marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k, rep in enumerate(reports):
+        pts = [r for r in rep.rows if r.fits and r.measured_samples_per_s is not None]
+        ax.plot([r.size for r in pts], [r.measured_samples_per_s for r in pts], "o-", color=f"C{k}",
+                label=f"{rep.strategy}: largest {rep.max_size}, fastest {rep.best_size}")
+        ax.axvline(rep.max_size, color=f"C{k}", alpha=0.3, lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"{reports[0].dim} size (vertical lines: the largest that fits {fmt_bytes(reports[0].budget_bytes)})")
+    ax.set_ylabel("measured samples/s" if reports[0].dim == "batch" else "measured positions/s")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

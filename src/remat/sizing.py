@@ -33,7 +33,7 @@ from torch import nn
 
 from remat._compat import uncompiled
 from remat.api import _make_profile, measure_checked_peak, plan_checked, prepare_hf_for_training, validate
-from remat.costs import Profile
+from remat.costs import Profile, is_selective
 from remat.errors import InfeasibleBudgetError, InvalidInputError, RematError, UnsupportedError
 from remat.extrapolate import ProfileFit
 from remat.measure import LossFn, default_loss, split_inputs
@@ -138,6 +138,18 @@ def max_batch(
 
     Leaves ``model`` as it was (no plan applied). Raises InfeasibleBudgetError when even the smallest profiled
     size does not fit."""
+    return max_batch_of(model, budget_gb, lambda n: (make_batch(n), loss_fn), optimizer=optimizer, dim=dim,
+                        profile_sizes=profile_sizes, max_size=max_size, multiple_of=multiple_of, strategy=strategy,
+                        granularity=granularity, output_alive=output_alive, repeats=repeats,
+                        time_limit_s=time_limit_s)
+
+
+def max_batch_of(model: nn.Module, budget_gb: float, sized: Callable[[int], tuple[Any, LossFn | None]], *,
+                 optimizer: torch.optim.Optimizer | None, dim: str, profile_sizes: tuple[int, ...] | None, max_size: int,
+                 multiple_of: int, strategy: str, granularity: str, output_alive: bool, repeats: int,
+                 time_limit_s: float | None) -> BatchSizeReport:
+    """:func:`max_batch` for a ``sized(n)`` that gives the batch of size ``n`` with its own loss function (the
+    command line's targets: a loss that closes over the labels of its batch)."""
     model = uncompiled(model)
     if dim not in ("batch", "seq"):
         raise InvalidInputError(f"dim must be 'batch' or 'seq', got {dim!r}")
@@ -151,18 +163,21 @@ def max_batch(
     if len(profile_sizes) < 2 or profile_sizes[0] < 1 or any(s % multiple_of for s in profile_sizes):
         raise InvalidInputError(f"profile_sizes must be two or more positive multiples of {multiple_of}, "
                                 f"got {profile_sizes}")
-    budget_bytes, *_ = validate(model, budget_gb, make_batch(profile_sizes[0]))
-    loss_fn = loss_fn or default_loss
+    budget_bytes, *_ = validate(model, budget_gb, sized(profile_sizes[0])[0])
     _, undo = prepare_hf_for_training(model)
     try:
         with preserved(model):
             remove_checkpointing(model)
-            search = _Search(model, budget_bytes, lambda n: (make_batch(n), loss_fn), optimizer=optimizer,
-                             dim=dim, strategy=strategy, granularity=granularity, output_alive=output_alive,
+            search = _Search(model, budget_bytes, lambda n: _with_loss(sized(n)), optimizer=optimizer, dim=dim,
+                             strategy=strategy, granularity=granularity, output_alive=output_alive,
                              time_limit_s=time_limit_s, step=multiple_of, max_size=max_size)
             return search.run(profile_sizes, repeats=repeats)
     finally:
         undo()
+
+
+def _with_loss(batch: tuple[Any, LossFn | None]) -> tuple[Any, LossFn]:
+    return batch[0], batch[1] or default_loss
 
 
 class _Search:
@@ -212,8 +227,17 @@ class _Search:
                 return pl.plan_for_budget(self.budget_bytes)
             except InfeasibleBudgetError:
                 return None
-        plan = pl.every_nth_block(1) if self.strategy == "every_block" else pl.no_checkpointing()
+        plan = self.rule(pl)
         return plan if plan.predicted_peak_bytes <= self.budget_bytes else None
+
+    def rule(self, pl: Planner) -> Plan:
+        """The hand rule's plan (strategies other than "ilp")."""
+        return pl.every_nth_block(1) if self.strategy == "every_block" else pl.no_checkpointing()
+
+    def least(self, n: int) -> int:
+        """The least peak predicted at size ``n`` for this strategy (bytes)."""
+        pl = self.planner(n)
+        return pl.min_peak_bytes if self.strategy == "ilp" else self.rule(pl).predicted_peak_bytes
 
     def real(self, n: int) -> bool:
         """Whether size ``n`` fits, checked on real steps with a real profile (cached)."""
@@ -239,7 +263,7 @@ class _Search:
                 except InfeasibleBudgetError as e:
                     self.checked[n] = (None, e.min_feasible_bytes)
             else:
-                plan = pl.every_nth_block(1) if self.strategy == "every_block" else pl.no_checkpointing()
+                plan = self.rule(pl)
                 peak = self.measure_peak(plan, n)
                 self.checked[n] = (dataclasses.replace(plan, checked_peak_bytes=peak) if peak <= self.budget_bytes
                                    else None, peak)
@@ -287,9 +311,10 @@ class _Search:
             self.profile(n)
         try:
             self.fit = ProfileFit(dict(self.profiles))
-            if self.fit.left_out:
-                self.notes.append(f"{len(self.fit.left_out)} units change structure between sizes and were left out "
-                                  "of fitted profiles (kept in real ones), e.g. " + ", ".join(self.fit.left_out[:3]))
+            left_out = [u for u in self.fit.left_out if self.granularity == "op" or not is_selective(u)]
+            if left_out:
+                self.notes.append(f"{len(left_out)} units change structure between sizes and were left out "
+                                  "of fitted profiles (kept in real ones), e.g. " + ", ".join(left_out[:3]))
             kind = "linear" if len(profile_sizes) == 2 else f"degree {len(profile_sizes) - 1}"
             self.notes.append(f"memory and time {kind} in the {self.dim} size, fitted from real profiles at sizes "
                               f"{list(profile_sizes)} (Note [Profiles by size] in remat.extrapolate)")
@@ -340,7 +365,7 @@ class _Search:
             plan, least = self.checked[n]
         else:
             plan = self.predicted(n)
-            least = self.planner(n).min_peak_bytes
+            least = self.least(n)
             if plan is not None and self.measure_peak(plan, n) > self.budget_bytes:
                 self.real(n)
                 plan, least = self.checked[n]

@@ -89,3 +89,24 @@ def resolve_target(target: str, *, device: torch.device, options: dict[str, Any]
         raise InvalidInputError(f"{target}: the third value it returns must be a loss function")
     inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
     return model.to(device).train(), inputs, loss_fn, target
+
+
+def sized_batches(target: str, key: str, *, device: torch.device, options: dict[str, Any] | None = None
+                  ) -> Callable[[int], tuple[Any, LossFn | None]]:
+    """For ``remat maxbatch``: a function from a size ``n`` to the target's ``(example_inputs, loss_fn)`` built
+    with ``key=n`` (``batch_size`` or ``seq_len``); the target's function must accept that keyword."""
+    if target not in EXAMPLES:
+        fn = _load_function(target)
+        if key not in inspect.signature(fn).parameters:
+            raise InvalidInputError(f"{target} takes no {key}= argument: remat maxbatch builds batches of every "
+                                    f"size it tries by calling it with {key}=n")
+
+    def make(n: int) -> tuple[Any, LossFn | None]:
+        if target in EXAMPLES:
+            _, inputs, loss_fn, _ = resolve_target(target, device=device, options={**(options or {}), key: n})
+            return inputs, loss_fn
+        kwargs = {"device": device} if "device" in inspect.signature(fn).parameters else {}
+        result = fn(**kwargs, **{key: n})
+        inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, result[1])
+        return inputs, result[2] if len(result) == 3 else None
+    return make

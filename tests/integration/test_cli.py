@@ -147,3 +147,24 @@ def test_output_dropped_reaches_the_plan(capsys, tmp_path):
     assert code == 0, err
     assert Plan.load(tmp_path / "p.json").output_alive is False
     assert "output dropped after the loss" in out
+
+
+def test_maxbatch_table_compare_and_plot(capsys, tmp_path):
+    """remat maxbatch: the largest batch per strategy, each confirmed on a real step, remat's above both rules."""
+    tiny = ["gpt", "--layers", "2", "--seq-len", "32", "--d-model", "64", "--device", "cpu"]
+    code, out, err = run(capsys, "maxbatch", *tiny, "--budget", "0.01", "--compare", "--repeats", "1",
+                         "--plot", str(tmp_path / "sizes.png"))
+    assert code == 0, err
+    sizes = dict(line.removeprefix("largest that fits: ").split(" (")[0].replace(",", "").split(" ")[i:i + 2]
+                 for line in out.splitlines() if line.startswith("largest that fits") for i in (0, 2, 4))
+    assert set(sizes) == {"ilp", "every_block", "none"}
+    assert int(sizes["ilp"]) > int(sizes["every_block"]) > int(sizes["none"])
+    assert out.count("its least measured peak is over the budget") == 3
+    assert (tmp_path / "sizes.png").stat().st_size > 0
+
+
+def test_maxbatch_needs_a_sized_target(capsys, tmp_path):
+    f = tmp_path / "fixed.py"
+    f.write_text("import torch\n\ndef build():\n    return torch.nn.Linear(4, 1), torch.randn(8, 4)\n")
+    code, _, err = run(capsys, "maxbatch", f"{f}:build", "--budget", "1", "--device", "cpu")
+    assert code == 2 and "takes no batch_size= argument" in err
