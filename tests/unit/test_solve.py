@@ -273,7 +273,7 @@ def test_solver_without_a_solution_returns_the_least_memory_plan(monkeypatch):
 
     planner = Planner(random_chain_profile(6, seed=4))
     least = planner.least_memory()
-    monkeypatch.setattr(ilp, "_solve", lambda model, budget, limit: (None, "not solved"))
+    monkeypatch.setattr(ilp, "_solve", lambda model, budget, limit, start=None: (None, "not solved"))
     plan = planner.plan_for_budget(planner.min_peak_bytes + 1)
     assert plan.checkpointed == least.checkpointed
     assert plan.solver_status == "least-memory plan (ILP: not solved)"
@@ -285,7 +285,7 @@ def test_min_peak_without_any_solution_is_a_solver_error(monkeypatch):
     import remat.solve.ilp as ilp
     from remat.errors import RematError, SolverError
 
-    monkeypatch.setattr(ilp, "_solve", lambda model, budget, limit: (None, "not solved"))
+    monkeypatch.setattr(ilp, "_solve", lambda model, budget, limit, start=None: (None, "not solved"))
     with pytest.raises(SolverError, match="raise time_limit_s") as err:
         Planner(random_chain_profile(4, seed=1), time_limit_s=0.01)
     assert isinstance(err.value, RematError)

@@ -70,12 +70,16 @@ class Planner:
         names = [u.name for u in profile.candidates() if granularity == "op" or not is_selective(u.name)]
         self.nesting = nesting
 
-        def model(candidates: list[str]) -> MemoryModel:
+        def model(candidates: list[str], nesting: bool = nesting) -> MemoryModel:
             if ranks:
                 return WorstRankModel(list(ranks), candidates, nesting=nesting)
             return MemoryModel(profile, candidates, nesting=nesting)
 
         self.model = model(names)
+        #: the block-level problem without nesting, whose plans start the nested solves (Note [Warm start]
+        #: in remat.solve.ilp); built on first use
+        self._flat: MemoryModel | None = None
+        self._make_model = model
         #: the block-level model, for Note [Selective margin]
         self._block_model = self.model if granularity == "block" else model([n for n in names if not is_selective(n)])
         self.time_limit_s = time_limit_s
@@ -164,13 +168,17 @@ class Planner:
             )
         if budget_bytes < self.min_peak_bytes:
             raise self.infeasible(budget_bytes)
+        t0 = time.perf_counter()
+        start = self._flat_start(budget_bytes)
         units, status, dt = solve_ilp(self.model, budget_bytes, time_limit_s=self.time_limit_s,
-                                      fallback=self._min_units)
+                                      fallback=self._min_units, start=start)
+        dt = time.perf_counter() - t0
         if units is None:  # cannot happen at or above the least peak: the least-memory plan fits
             raise self.infeasible(budget_bytes)
         notes: tuple[str, ...] = ()
         if self.granularity == "op" and any(is_selective(u) for u in units):
-            block, block_status, block_dt = solve_ilp(self._block_model, budget_bytes, time_limit_s=self.time_limit_s)
+            block, block_status, block_dt = solve_ilp(self._block_model, budget_bytes, time_limit_s=self.time_limit_s,
+                                                      start=start)
             dt += block_dt
             op_s, block_s = self.model.recompute_s(units), None if block is None else self.model.recompute_s(block)
             if block_s is not None and op_s > (1 - SELECTIVE_MARGIN) * block_s:
@@ -180,6 +188,16 @@ class Planner:
                 units, status = block, block_status
         name = "ilp" if self.granularity == "block" else "ilp-op"
         return self.make_plan(units, name, budget_bytes=budget_bytes, status=status, solve_time_s=dt, notes=notes)
+
+    def _flat_start(self, budget_bytes: int) -> frozenset[str] | None:
+        """The flat block-level problem's plan for ``budget_bytes``, to start the nested solves from (None: no
+        nesting, or no flat plan fits)."""
+        if not self.model.inner:
+            return None
+        if self._flat is None:
+            self._flat = self._make_model([u for u in self.model.units if not is_selective(u)], nesting=False)
+        units, _, _ = solve_ilp(self._flat, budget_bytes, time_limit_s=self.time_limit_s)
+        return units
 
     # -- baselines -------------------------------------------------------------------------------
     def no_checkpointing(self) -> Plan:
