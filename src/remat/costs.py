@@ -142,6 +142,9 @@ class UnitCost:
     #: timeline index of the last forward operator a recomputation runs (Note [Early stop] in
     #: remat.effects); None: ``forward_end``
     recompute_end: int | None = None
+    #: what a recomputation holds on top of its forward's growth (bytes): checkpoint's copy of the RNG state
+    #: (``fork_rng``) and the copies of the buffers it replays (Note [Recomputation transients] in remat.effects)
+    recompute_extra_bytes: int = 0
 
     @property
     def calls(self) -> int:

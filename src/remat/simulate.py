@@ -171,13 +171,18 @@ class MemoryModel:
         def nestable(u: UnitCost) -> bool:
             return not is_selective(u.name) and u.calls == 1 and u.recompute_at is not None
 
+        def container(u: UnitCost) -> str | None:
+            return u.name.rpartition("[")[0] if u.is_segment else None
+
         out = {}
         for u in self.units.values():
             if not nestable(u):
                 continue
+            # a segment inside a segment of the same Sequential: one SegmentedForward runs both, it cannot nest
             inner = tuple(v.name for v in self.units.values() if nestable(v) and v.name != u.name
                           and u.forward_start <= v.forward_start and v.forward_end <= u.forward_end
-                          and (v.forward_start, v.forward_end) != (u.forward_start, u.forward_end))
+                          and (v.forward_start, v.forward_end) != (u.forward_start, u.forward_end)
+                          and (container(u) is None or container(u) != container(v)))
             if inner:
                 out[u.name] = inner
         return out
@@ -273,11 +278,11 @@ class MemoryModel:
                     back = self.dropped_bytes(outer, i) - self.dropped_bytes(name, i) \
                         if i < self.units[outer].recompute_at else 0
                     key = nest_key(outer, name)
-                    coefs[key] = coefs.get(key, 0) + peak + back
+                    coefs[key] = coefs.get(key, 0) + peak + u.recompute_extra_bytes + back
                 if name in self.inner:
                     rows += self._nested_recompute_rows(u, i, fixed + base, coefs)
                     continue
-                coefs[name] = coefs.get(name, 0) + peak
+                coefs[name] = coefs.get(name, 0) + peak + u.recompute_extra_bytes
                 rows.append(Row(f"recompute_{name}{suffix}", "recompute", i, fixed + base, coefs, unit=name))
         kept = {u: self.kept_bytes(u, n - 1) for u in self.units}
         kept.update({nest_key(u, v): self.kept_bytes(v, n - 1) for u, inner in self.inner.items() for v in inner})
@@ -304,7 +309,7 @@ class MemoryModel:
         for lo, hi in zip(bounds, bounds[1:]):
             t = max(range(lo, hi), key=live.__getitem__)
             row = dict(coefs)
-            row[u.name] = row.get(u.name, 0) + max(live[t] - base, 0)
+            row[u.name] = row.get(u.name, 0) + max(live[t] - base, 0) + u.recompute_extra_bytes
             for v in inner:
                 key = nest_key(u.name, v)
                 row[key] = row.get(key, 0) + self.effect_bytes(v, t)

@@ -54,9 +54,12 @@ def test_budgets_met_predictions_close_gradients_equal(name):
         report = remat.check_equivalence(model, inputs, loss_fn=loss_fn)
         assert report.equal, str(report)
         # proof of recomputation: the first module inside every checkpointed unit runs twice per call of the
-        # unit (a module called twice per forward, the kwargs model's ``shared``, runs 4 times)
+        # unit (a module called twice per forward, the kwargs model's ``shared``, runs 4 times); inside another
+        # checkpointed unit, also in that unit's recomputation unless it stops early before it (Note [Nested
+        # checkpoints] in remat.simulate)
         counts = descendant_calls(model, plan.checkpointed, step_runner(model, inputs, loss_fn))
-        assert counts == {u: 2 * c.profile.unit(u).calls for u in plan.checkpointed}
+        expected = {u: (2, 3) if u in plan.nested_in else (2 * c.profile.unit(u).calls,) for u in plan.checkpointed}
+        assert all(counts[u] in expected[u] for u in plan.checkpointed), (counts, plan.nested_in)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -46,6 +46,17 @@ def test_a_storage_also_saved_outside_lives_until_the_outside_reader_is_done():
     assert u.drops == ()  # the outside saver keeps it all step
 
 
+def test_the_units_output_saved_inside_and_outside_is_not_dropped():
+    """s1, made by the unit's last operator (a ReLU saving its result), is also saved by the loss outside it:
+    measured alive until the unit's recomputation (ResNet zoo model), so checkpointing does not drop it.
+    s0, made earlier in the unit, still is."""
+    rec = chain(storages=(Storage(100, 0, 9), Storage(50, 1, 9), Storage(10, 2, 9)),
+                saved=(SavedTensor(0, ("a",), (1,), at=2, unpacked_at=8), SavedTensor(1, (), (), at=3, unpacked_at=6),
+                       SavedTensor(1, ("a",), (1,), at=2, unpacked_at=8)))
+    (u,) = unit_costs(rec, [A])
+    assert u.recompute_at == 8 and u.drops == (Drop(100, free_from=2),)  # not Drop(50, free_from=7) too
+
+
 def test_checkpoint_holds_its_inputs_until_the_units_backward_is_done():
     """Note [Checkpoint holds its inputs]: s1 is an input of unit ``b`` (op 2); the plain step frees it at
     7, but b's checkpoint holds it until b's last saved tensor is read back (op 8), i.e. until 9."""
@@ -128,6 +139,12 @@ def test_times_and_overhead_come_from_the_measurements():
     assert u.mutated_buffers == ("bn.running_var",)
     # the checkpoint holds a snapshot of the buffer it replays, from the unit's start until its backward ends
     assert u.keeps == (Keep(64, from_index=0, until_index=8),)
+    # Note [Recomputation transients]: its recomputation holds the buffer's value to put back (64 B) and,
+    # with an RNG state to copy, that copy too
+    assert u.recompute_extra_bytes == 64
+    (rng,) = unit_costs(chain(), [A], times=times, overhead=dataclasses.replace(overhead, held_bytes=5056),
+                        buffer_bytes={"a.bn.running_var": 64})
+    assert rng.recompute_extra_bytes == 64 + 5056
     (sel,) = unit_costs(chain().with_op_seconds({0: 0.003, 1: 0.001}), [
         UnitSpec("a@ops1", ("a",), None, "a.", keep=frozenset({0}))], times=times, overhead=overhead)
     assert sel.recompute_s == pytest.approx(0.003 * 0.25)  # only relu (a quarter of the op time) runs again
