@@ -55,7 +55,8 @@ class Plan:
     baseline_step_time_s: float
     predicted_recompute_s: float
     #: "optimal", "optimal within 1%" (large problems, Note [Solver gap] in remat.solve.ilp), "fits" (no
-    #: checkpointing needed), "feasible" (time limit hit), "infeasible", "heuristic", "baseline"
+    #: checkpointing needed), "feasible" (time limit hit), "at least as good as the best flat plan" (nested
+    #: search stopped: Note [Warm start]), "infeasible", "heuristic", "baseline"
     solver_status: str
     solve_time_s: float
     capture_path: str = ""

@@ -311,6 +311,15 @@ def test_time_limit_reached_with_a_solution_says_so(monkeypatch):
     assert plan.solver_status == "feasible (time limit reached)"
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     assert ilp.EXACT_UNITS  # the module under test
+    # with nesting, the search starts from the best flat plan (Note [Warm start]): stopped, it is no worse
+    nested = Planner(random_chain_profile(6, seed=4, nested=True))
+    budget = (nested.min_peak_bytes + nested.baseline_peak_bytes) // 2
+    plan = nested.plan_for_budget(budget)
+    assert plan.solver_status.startswith("at least as good as the best flat plan")
+    monkeypatch.undo()
+    flat = Planner(random_chain_profile(6, seed=4, nested=True), nesting=False).plan_for_budget(budget)
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.predicted_recompute_s <= flat.predicted_recompute_s + 1e-12
 
 
 def test_held_gradients_shift_every_row_by_the_gradients_not_yet_made():

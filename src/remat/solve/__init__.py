@@ -47,6 +47,14 @@ def chen_segments(n: int) -> list[tuple[int, int]]:
     return [(s, s + size) for s in range(0, size * (k - 1), size)] if size >= 1 else []
 
 
+#: Note [Warm start] in remat.solve.ilp: seconds CBC may search nested plans once it holds the best flat plan
+NESTED_SEARCH_S = 1.0
+
+
+def _shorter(limit_s: float | None, cap_s: float) -> float:
+    return cap_s if limit_s is None else min(limit_s, cap_s)
+
+
 #: Note [Under torch.compile] in remat.rewrite; figures from benchmarks/compiled.py (GPT, CPU)
 UNDER_COMPILE = ("predicted for eager execution: under torch.compile the partitioner decides what compiled code "
                  "keeps (on the built-in GPT, CPU, compiled peaks were 0.87-1.23x remat's eager prediction; "
@@ -170,14 +178,17 @@ class Planner:
             raise self.infeasible(budget_bytes)
         t0 = time.perf_counter()
         start = self._flat_start(budget_bytes)
-        units, status, dt = solve_ilp(self.model, budget_bytes, time_limit_s=self.time_limit_s,
-                                      fallback=self._min_units, start=start)
+        limit = self.time_limit_s if start is None else _shorter(self.time_limit_s, NESTED_SEARCH_S)
+        units, status, dt = solve_ilp(self.model, budget_bytes, time_limit_s=limit, fallback=self._min_units,
+                                      start=start)
+        if start is not None and status.startswith("feasible"):
+            status = f"at least as good as the best flat plan (nested search stopped at {NESTED_SEARCH_S:g} s)"
         dt = time.perf_counter() - t0
         if units is None:  # cannot happen at or above the least peak: the least-memory plan fits
             raise self.infeasible(budget_bytes)
         notes: tuple[str, ...] = ()
         if self.granularity == "op" and any(is_selective(u) for u in units):
-            block, block_status, block_dt = solve_ilp(self._block_model, budget_bytes, time_limit_s=self.time_limit_s,
+            block, block_status, block_dt = solve_ilp(self._block_model, budget_bytes, time_limit_s=limit,
                                                       start=start)
             dt += block_dt
             op_s, block_s = self.model.recompute_s(units), None if block is None else self.model.recompute_s(block)
