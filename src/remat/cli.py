@@ -270,12 +270,17 @@ def cmd_tradeoff(args, out, err) -> int:
         args.json.write_text(rows_to_json(rows, meta))
         out.print(f"rows written to {args.json}")
     if args.plot and _rank() == 0:
-        try:
-            plot_rows(rows, args.plot, f"{desc} on {device}")
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'remat[plot]'") from None
-        out.print(f"plot written to {args.plot}")
+        _plot(out, args.plot, lambda path: plot_rows(rows, path, f"{desc} on {device}"))
     return 0
+
+
+def _plot(out, path: Path, draw) -> None:
+    """``draw(path)``, or the one-line usage error when matplotlib is missing."""
+    try:
+        draw(path)
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'remat[plot]'") from None
+    out.print(f"plot written to {path}")
 
 
 def _optimize(args, model, inputs, loss_fn) -> Plan:
@@ -390,11 +395,8 @@ def cmd_maxbatch(args, out, err) -> int:
     out.print(f"apply the plan for the size you choose: remat.apply_plan(model, plan); the largest's plan: "
               f"{', '.join(reports[0].max_plan.checkpointed) or 'nothing checkpointed'}", markup=False)
     if args.plot:
-        try:
-            plot_sizes(reports, args.plot, f"{desc} on {device}, budget {fmt_bytes(reports[0].budget_bytes)}")
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'remat[plot]'") from None
-        out.print(f"plot written to {args.plot}")
+        _plot(out, args.plot, lambda path: plot_sizes(
+            reports, path, f"{desc} on {device}, budget {fmt_bytes(reports[0].budget_bytes)}"))
     return 0
 
 

@@ -306,6 +306,12 @@ def plot_rows(rows: list[TradeoffRow], path: str | Path, title: str) -> None:
                 label=r.strategy)
     ax.set_xlabel(f"measured peak memory of a training step ({unit}; faint lines: budgets)")
     ax.set_ylabel("measured step time (ms)")
+    _save(fig, ax, title, path)
+
+
+def _save(fig, ax, title: str, path: str | Path) -> None:
+    import matplotlib.pyplot as plt
+
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -331,9 +337,4 @@ def plot_sizes(reports: list, path: str | Path, title: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel(f"{reports[0].dim} size (vertical lines: the largest that fits {fmt_bytes(reports[0].budget_bytes)})")
     ax.set_ylabel("measured samples/s" if reports[0].dim == "batch" else "measured positions/s")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, ax, title, path)
