@@ -363,3 +363,23 @@ def test_gradients_held_through_the_forward_only():
     assert held.live_bytes[p.backward_start:] == p.live_bytes[p.backward_start:]
     both = held.with_held_grads()  # accumulation on top holds them through backward too, counted once
     assert both.grads_held and both.live_bytes == p.with_held_grads().live_bytes
+
+
+def test_a_solver_crash_on_the_warm_start_solves_again_without_it(monkeypatch):
+    """Note [Warm start]: the bundled CBC segfaulted reading a start on one model; the plan still comes."""
+    import pulp
+
+    real_solve = pulp.LpProblem.solve
+    warm = []
+
+    def crashing(self, solver=None, **kw):
+        warm.append(bool(getattr(solver, "optionsDict", {}).get("warmStart")))
+        if warm[-1]:
+            raise pulp.PulpSolverError("Pulp: Error while trying to execute")
+        return real_solve(self, solver, **kw)
+
+    monkeypatch.setattr(pulp.LpProblem, "solve", crashing)
+    planner = Planner(random_chain_profile(6, seed=4, nested=True))
+    plan = planner.plan_for_budget((planner.min_peak_bytes + planner.baseline_peak_bytes) // 2)
+    assert True in warm and warm[-1] is False  # tried warm, then cold
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
