@@ -376,7 +376,7 @@ def cmd_maxbatch(args, out, err) -> int:
                    depth=args.depth, seq_len=None if args.dim == "seq" else args.seq_len)
     sized = sized_batches(args.target, key, device=device, options=options)
     factory = OPTIMIZERS[args.optimizer]
-    reports = []
+    reports, profiles = [], {}  # each size profiled once for all strategies
     with err.status("sizing") as st:
         for strategy in ("ilp", "every_block", "none") if args.compare else ("ilp",):
             st.update(f"sizing with {strategy}")
@@ -384,7 +384,7 @@ def cmd_maxbatch(args, out, err) -> int:
                 model, args.budget, sized, optimizer=factory(model.parameters()) if factory else None, dim=args.dim,
                 profile_sizes=args.profile_sizes, max_size=max_size, multiple_of=args.multiple_of, strategy=strategy,
                 granularity="block", output_alive=not args.output_dropped, repeats=args.repeats,
-                time_limit_s=args.time_limit))
+                time_limit_s=args.time_limit, profiles=profiles))
     for rep in reports:
         out.print(str(rep), markup=False, highlight=False)
     if len(reports) > 1:

@@ -147,9 +147,11 @@ def max_batch(
 def max_batch_of(model: nn.Module, budget_gb: float, sized: Callable[[int], tuple[Any, LossFn | None]], *,
                  optimizer: torch.optim.Optimizer | None, dim: str, profile_sizes: tuple[int, ...] | None, max_size: int,
                  multiple_of: int, strategy: str, granularity: str, output_alive: bool, repeats: int,
-                 time_limit_s: float | None) -> BatchSizeReport:
+                 time_limit_s: float | None, profiles: dict[int, Profile] | None = None) -> BatchSizeReport:
     """:func:`max_batch` for a ``sized(n)`` that gives the batch of size ``n`` with its own loss function (the
-    command line's targets: a loss that closes over the labels of its batch)."""
+    command line's targets: a loss that closes over the labels of its batch). ``profiles``: real profiles of
+    this model, loop and optimizer by size, reused and filled in (one dict across strategies: each size is
+    profiled once)."""
     model = uncompiled(model)
     if dim not in ("batch", "seq"):
         raise InvalidInputError(f"dim must be 'batch' or 'seq', got {dim!r}")
@@ -170,7 +172,8 @@ def max_batch_of(model: nn.Module, budget_gb: float, sized: Callable[[int], tupl
             remove_checkpointing(model)
             search = _Search(model, budget_bytes, lambda n: _with_loss(sized(n)), optimizer=optimizer, dim=dim,
                              strategy=strategy, granularity=granularity, output_alive=output_alive,
-                             time_limit_s=time_limit_s, step=multiple_of, max_size=max_size)
+                             time_limit_s=time_limit_s, step=multiple_of, max_size=max_size,
+                             profiles=profiles)
             return search.run(profile_sizes, repeats=repeats)
     finally:
         undo()
@@ -185,11 +188,11 @@ class _Search:
 
     def __init__(self, model: nn.Module, budget_bytes: int, sized: SizedBatch, *, optimizer, dim: str,
                  strategy: str, granularity: str, output_alive: bool, time_limit_s: float | None, step: int,
-                 max_size: int) -> None:
+                 max_size: int, profiles: dict[int, Profile] | None = None) -> None:
         self.model, self.budget_bytes, self.sized = model, budget_bytes, sized
         self.optimizer, self.dim, self.strategy, self.granularity = optimizer, dim, strategy, granularity
         self.output_alive, self.time_limit_s, self.step, self.max_size = output_alive, time_limit_s, step, max_size
-        self.profiles: dict[int, Profile] = {}
+        self.profiles: dict[int, Profile] = {} if profiles is None else profiles
         self.planners: dict[int, Planner] = {}
         #: size -> (plan that fits or None, least peak bytes), from real steps
         self.checked: dict[int, tuple[Plan | None, int]] = {}
@@ -310,7 +313,7 @@ class _Search:
         for n in profile_sizes:
             self.profile(n)
         try:
-            self.fit = ProfileFit(dict(self.profiles))
+            self.fit = ProfileFit({n: self.profiles[n] for n in profile_sizes})
             left_out = [u for u in self.fit.left_out if self.granularity == "op" or not is_selective(u)]
             if left_out:
                 self.notes.append(f"{len(left_out)} units change structure between sizes and were left out "

@@ -99,3 +99,19 @@ def test_a_sequential_checkpointed_around_its_segments():
     assert len(calls) == 3
     assert remat.remove_checkpointing(model) == ["1", "1[0:4]"]
     assert remat.checkpointed_modules(model) == [] and "forward" not in inner.__dict__
+
+
+def test_plans_list_units_in_forward_order(gpt):
+    """Outer before inner, and a selective unit in its place (it came after the whole units before: a plan of
+    h.1.mlp and h.0@ops1 listed h.1.mlp first, unlike checkpointed_modules)."""
+    model, _, profile = gpt
+    planner = Planner(profile, granularity="op")
+    assert planner.make_plan(["h.2.mlp", "h.1", "h.2", "h.1.attn"], "x").checkpointed == \
+        ("h.1", "h.1.attn", "h.2", "h.2.mlp")
+    plan = planner.make_plan(["h.1.mlp", "h.0@ops1"], "x")
+    assert plan.checkpointed == ("h.0@ops1", "h.1.mlp")
+    checkpoint_plan(model, plan)
+    try:
+        assert remat.checkpointed_modules(model) == list(plan.checkpointed)
+    finally:
+        remove_checkpointing(model)

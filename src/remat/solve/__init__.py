@@ -108,7 +108,8 @@ class Planner:
         notes: tuple[str, ...] = (),
     ) -> Plan:
         """A Plan for exactly ``units`` with the simulator's predictions."""
-        order = {u.name: i for i, u in enumerate(self.profile.units)}
+        # forward order (an outer unit before the units nested in it); profile order among equals
+        order = {u.name: (u.forward_start, -u.forward_end, i) for i, u in enumerate(self.profile.units)}
         chosen = tuple(sorted(set(units), key=order.__getitem__))
         bd = self.model.breakdown(chosen)
         recompute_s = self.model.recompute_s(chosen)
