@@ -299,6 +299,21 @@ def measure_checked_peak(
     return max(peak, after_backward[0] + optimizer_step_bytes) + optimizer_state_bytes
 
 
+def peak_with_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
+                   profile: Profile) -> int:
+    """:func:`measure_checked_peak` of one step of ``model`` checkpointed as ``plan`` says, for the loop and
+    optimizer ``profile`` was made for. Leaves ``model`` without checkpointing."""
+    remove_checkpointing(model)
+    checkpoint_plan(model, plan)
+    try:
+        return measure_checked_peak(
+            model, args, kwargs, loss_fn, device, output_alive=profile.output_alive, grads_held=profile.grads_held,
+            grads_held_in_forward=profile.grads_held_in_forward, optimizer_state_bytes=profile.optimizer_state_bytes,
+            optimizer_step_bytes=profile.optimizer_step_bytes)
+    finally:
+        remove_checkpointing(model)
+
+
 def checked_plan(model: nn.Module, example_inputs: Any, planner: Planner, budget_bytes: int, *,
                  loss_fn: LossFn | None = None) -> Plan:
     """The plan :func:`optimize_checkpointing` would choose for ``budget_bytes`` from ``planner`` (made from
@@ -336,25 +351,14 @@ def plan_checked(
 
     Leaves ``model`` without checkpointing; raises InfeasibleBudgetError when no plan fits."""
     agree = ranks.broadcast if ranks is not None else (lambda plan: plan)
-    output_alive = planner.profile.output_alive
     fsdp2 = wrapping_of(model).kind == "fsdp2"  # Note [Memory found] in remat.measure
     checked: dict[tuple[str, ...], int] = {}
 
     def check(plan: Plan) -> int:
         if plan.checkpointed not in checked:
-            remove_checkpointing(model)
-            checkpoint_plan(model, plan)
-            try:
-                with found_storages_are_fresh(fsdp2):
-                    peak = measure_checked_peak(
-                        model, args, kwargs, loss_fn, device, output_alive=output_alive,
-                        grads_held=planner.profile.grads_held,
-                        grads_held_in_forward=planner.profile.grads_held_in_forward,
-                        optimizer_state_bytes=planner.profile.optimizer_state_bytes,
-                        optimizer_step_bytes=planner.profile.optimizer_step_bytes)
-                checked[plan.checkpointed] = ranks.max(peak) if ranks is not None else peak
-            finally:
-                remove_checkpointing(model)
+            with found_storages_are_fresh(fsdp2):
+                peak = peak_with_plan(model, plan, args, kwargs, loss_fn, device, planner.profile)
+            checked[plan.checkpointed] = ranks.max(peak) if ranks is not None else peak
         return checked[plan.checkpointed]
 
     def done(plan: Plan, measured: int, why: str) -> Plan:

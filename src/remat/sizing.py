@@ -32,11 +32,11 @@ import torch
 from torch import nn
 
 from remat._compat import uncompiled
-from remat.api import _make_profile, measure_checked_peak, plan_checked, prepare_hf_for_training, validate
+from remat.api import _make_profile, peak_with_plan, plan_checked, prepare_hf_for_training, validate
 from remat.costs import Profile, is_selective
 from remat.errors import InfeasibleBudgetError, InvalidInputError, RematError, UnsupportedError
 from remat.extrapolate import ProfileFit
-from remat.measure import LossFn, default_loss, split_inputs
+from remat.measure import LossFn, default_loss, model_device, split_inputs
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
@@ -192,6 +192,7 @@ class _Search:
         self.model, self.budget_bytes, self.sized = model, budget_bytes, sized
         self.optimizer, self.dim, self.strategy, self.granularity = optimizer, dim, strategy, granularity
         self.output_alive, self.time_limit_s, self.step, self.max_size = output_alive, time_limit_s, step, max_size
+        self.device = model_device(model)
         self.profiles: dict[int, Profile] = {} if profiles is None else profiles
         self.planners: dict[int, Planner] = {}
         #: size -> (plan that fits or None, least peak bytes), from real steps
@@ -210,9 +211,8 @@ class _Search:
     def profile(self, n: int) -> Profile:
         if n not in self.profiles:
             args, kwargs, loss_fn = self.batch(n)
-            device = next(iter(self.model.parameters())).device
             self.profiles[n] = _make_profile(self.model, args, kwargs, loss_fn=loss_fn, optimizer=self.optimizer,
-                                             device=device, output_alive=self.output_alive)
+                                             device=self.device, output_alive=self.output_alive)
         return self.profiles[n]
 
     def planner(self, n: int) -> Planner:
@@ -258,10 +258,9 @@ class _Search:
                 self.broken[n] = f"size {n} could not run: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
                 log.info(self.broken[n])
                 return False
-            device = next(iter(self.model.parameters())).device
             if self.strategy == "ilp":
                 try:
-                    plan = plan_checked(self.model, args, kwargs, loss_fn, device, pl, self.budget_bytes)
+                    plan = plan_checked(self.model, args, kwargs, loss_fn, self.device, pl, self.budget_bytes)
                     self.checked[n] = (plan, plan.min_peak_bytes)
                 except InfeasibleBudgetError as e:
                     self.checked[n] = (None, e.min_feasible_bytes)
@@ -273,17 +272,9 @@ class _Search:
         return self.checked[n][0] is not None
 
     def measure_peak(self, plan: Plan, n: int) -> int:
+        """Peak of one real step at size ``n`` with ``plan`` (optimizer as profiled)."""
         args, kwargs, loss_fn = self.batch(n)
-        p = self.planner(n).profile
-        device = next(iter(self.model.parameters())).device
-        remove_checkpointing(self.model)
-        checkpoint_plan(self.model, plan)
-        try:
-            return measure_checked_peak(self.model, args, kwargs, loss_fn, device, output_alive=self.output_alive,
-                                        optimizer_state_bytes=p.optimizer_state_bytes,
-                                        optimizer_step_bytes=p.optimizer_step_bytes)
-        finally:
-            remove_checkpointing(self.model)
+        return peak_with_plan(self.model, plan, args, kwargs, loss_fn, self.device, self.planner(n).profile)
 
     # -- the search -------------------------------------------------------------------------------
     def _bisect(self, lo: int, hi: int, fits: Callable[[int], bool]) -> tuple[int, int]:
@@ -367,14 +358,15 @@ class _Search:
         if n in self.checked:
             plan, least = self.checked[n]
         else:
-            plan = self.predicted(n)
-            least = self.least(n)
-            if plan is not None and self.measure_peak(plan, n) > self.budget_bytes:
-                self.real(n)
-                plan, least = self.checked[n]
+            plan, least = self.predicted(n), self.least(n)
+            if plan is not None:
+                plan = dataclasses.replace(plan, checked_peak_bytes=self.measure_peak(plan, n))
+                if plan.checked_peak_bytes > self.budget_bytes:
+                    self.real(n)
+                    plan, least = self.checked[n]
         if plan is None:
             return SizeRow(n, False, None, least, source="profiled" if n in self.profiles else "fitted")
-        peak = plan.checked_peak_bytes if plan.checked_peak_bytes is not None else self.measure_peak(plan, n)
+        peak = plan.checked_peak_bytes
         step_s = self._time(plan, n, repeats)
         profile = self.planner(n).profile
         return SizeRow(n, peak <= self.budget_bytes, plan, least, peak, n / plan.predicted_step_time_s,
