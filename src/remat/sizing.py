@@ -249,11 +249,16 @@ class _Search:
         if n not in self.checked:
             try:
                 args, kwargs, loss_fn = self.batch(n)
-                self.profile(n)
-                self.planners.pop(n, None)  # planned again on the real profile
+                real = self.profile(n)
+                if n in self.planners and self.planners[n].profile is not real:
+                    del self.planners[n]  # planned on a fitted profile: plan again on the real one
                 pl = self.planner(n)
-            except RematError:
-                raise
+            except RematError as e:
+                if not isinstance(e, InvalidInputError):  # remat's own failure, not this size's
+                    raise
+                self.broken[n] = f"size {n} could not run: {str(e).splitlines()[0][:160]}"
+                log.info(self.broken[n])
+                return False
             except Exception as e:  # noqa: BLE001 - the user's make_batch or model refuses this size
                 self.broken[n] = f"size {n} could not run: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
                 log.info(self.broken[n])

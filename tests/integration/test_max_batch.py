@@ -74,3 +74,23 @@ def test_arguments_are_checked():
         remat.max_batch(model, 1.0, make_batch, profile_sizes=(4,))
     with pytest.raises(remat.InfeasibleBudgetError, match="even the smallest batch size profiled, 2"):
         remat.max_batch(model, 1 * MiB / 2**30, make_batch)
+
+
+def test_a_size_the_model_refuses_ends_the_search():
+    """A model that takes at most 6 positions: the search stops below the first size it fails on, which is the
+    refused row, with the model's error as the reason (not a crash of max_batch)."""
+    class Positions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = torch.nn.Parameter(torch.randn(6, 8))
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+        def forward(self, x):
+            return self.mlp(x + self.pos[: x.shape[1]].expand_as(x))
+
+    model = Positions()
+    report = remat.max_batch(model, 1.0, lambda n: torch.randn(4, n, 8), dim="seq", profile_sizes=(2, 3, 4),
+                             max_size=16,
+                             repeats=1)
+    assert report.max_size == 6 and report.rows[-1].size == 7 and not report.rows[-1].fits
+    assert report.rows[-1].why.startswith("size 7 could not run")
