@@ -71,6 +71,8 @@ class SizeRow:
     source: str = "fitted"
     #: why a size could not be tried (make_batch failed, max_size), or ""
     why: str = ""
+    #: ``least_peak_bytes`` was measured on real steps (else predicted)
+    least_peak_measured: bool = False
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -102,15 +104,17 @@ class BatchSizeReport:
         lines = [f"remat max_batch ({self.strategy}, {self.dim}): budget {fmt_bytes(self.budget_bytes)}; largest "
                  f"{self.dim} that fits: {self.max_size}; fastest: {self.best_size}",
                  f"  {'size':>6}  {'fits':<5} {'units':>5} {'predicted peak':>15} {'measured peak':>14} "
-                 f"{'least peak':>11} {'pred ' + unit:>15} {'meas ' + unit:>15}  source"]
+                 f"{'least peak':>13} {'pred ' + unit:>15} {'meas ' + unit:>15}  source"]
         for r in self.rows:
             def num(v):
                 return "-" if v is None else f"{v:,.1f}"
             lines.append(
                 f"  {r.size:>6}  {'yes' if r.fits else 'no':<5} {'-' if r.plan is None else len(r.plan.checkpointed):>5} "
                 f"{fmt_bytes(r.predicted_peak_bytes):>15} {fmt_bytes(r.measured_peak_bytes):>14} "
-                f"{fmt_bytes(r.least_peak_bytes):>11} {num(r.predicted_samples_per_s):>15} "
+                f"{(fmt_bytes(r.least_peak_bytes) if r.least_peak_bytes else '-') + (' m' if r.least_peak_measured else ''):>13} "
+                f"{num(r.predicted_samples_per_s):>15} "
                 f"{num(r.measured_samples_per_s):>15}  {r.source}{'; ' + r.why if r.why else ''}")
+        lines.append("  least peak: the least any plan reaches at that size; m: measured on real steps, else predicted")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -350,7 +354,8 @@ class _Search:
         refused = hi
         rows.append(SizeRow(refused, False, None, self.checked.get(refused, (None, 0))[1],
                             source="profiled" if refused in self.profiles else "fitted",
-                            why=self.broken.get(refused, "its least measured peak is over the budget")))
+                            why=self.broken.get(refused, "its least measured peak is over the budget"),
+                            least_peak_measured=refused in self.checked))
         timed = [r for r in rows if r.fits and r.measured_samples_per_s is not None]
         best = max(timed, key=lambda r: r.measured_samples_per_s)
         top = next(r for r in rows if r.size == lo)
@@ -360,22 +365,25 @@ class _Search:
     def _row(self, n: int, repeats: int) -> SizeRow:
         """Size ``n``'s plan with its measured peak and samples per second; real checks where the fitted plan
         measures over the budget."""
-        if n in self.checked:
+        measured = n in self.checked
+        if measured:
             plan, least = self.checked[n]
         else:
             plan, least = self.predicted(n), self.least(n)
             if plan is not None:
                 plan = dataclasses.replace(plan, checked_peak_bytes=self.measure_peak(plan, n))
                 if plan.checked_peak_bytes > self.budget_bytes:
-                    self.real(n)
-                    plan, least = self.checked[n]
+                    self.real(n)  # a size that cannot run at all stays without a plan
+                    plan, least = self.checked.get(n, (None, least))
+                    measured = n in self.checked
+        source = "profiled" if n in self.profiles else "fitted"
         if plan is None:
-            return SizeRow(n, False, None, least, source="profiled" if n in self.profiles else "fitted")
+            return SizeRow(n, False, None, least, source=source, least_peak_measured=measured)
         peak = plan.checked_peak_bytes
         step_s = self._time(plan, n, repeats)
         profile = self.planner(n).profile
         return SizeRow(n, peak <= self.budget_bytes, plan, least, peak, n / plan.predicted_step_time_s,
-                       n / (step_s + profile.optimizer_s), "profiled" if n in self.profiles else "fitted")
+                       n / (step_s + profile.optimizer_s), source, least_peak_measured=measured)
 
     def _time(self, plan: Plan, n: int, repeats: int) -> float:
         """Median seconds of real forward-and-backward steps with ``plan`` (on a copy of the model)."""
