@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from remat._compat import uncompiled
-from remat.capture import capture
+from remat.capture import ModelGraph, capture
 from remat.costs import Profile
 from remat.distributed import Ranks, Wrapping, ranks_for, wrapping_of
 from remat.errors import InternalError, InvalidInputError, PlanMismatchError, RematError
@@ -90,13 +90,16 @@ def make_profile(
 def _make_profile(
     model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
     device: torch.device, output_alive: bool = True, wrapping: Wrapping | None = None,
+    graph: ModelGraph | None = None,
 ) -> Profile:
+    """``graph``: the model's capture, when already made (on another batch of the same model: its units do not
+    depend on the batch)."""
     wrapping = wrapping or Wrapping()
     wrapped = None if wrapping.kind == "none" else f"the model is wrapped by {wrapping}"
     with preserved(model), found_storages_are_fresh(wrapping.kind == "fsdp2"):
         remove_checkpointing(model)
         with stage("profile", model, args, kwargs, loss_fn):
-            graph = capture(model, args, kwargs, untraceable=wrapped)
+            graph = graph or capture(model, args, kwargs, untraceable=wrapped)
             return profile_model(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, graph=graph,
                                  device=device, output_alive=output_alive, record_real=wrapped,
                                  world_size=wrapping.world_size, wrapping=str(wrapping) if wrapping.world_size > 1 else "",

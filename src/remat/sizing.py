@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from remat._compat import uncompiled
-from remat.api import _make_profile, peak_with_plan, plan_checked, prepare_hf_for_training, validate
+from remat.api import _make_profile, peak_with_plan, plan_checked, prepare_hf_for_training, stage, validate
+from remat.capture import ModelGraph, capture
 from remat.costs import Profile, is_selective
 from remat.errors import InfeasibleBudgetError, InvalidInputError, RematError, UnsupportedError
 from remat.extrapolate import ProfileFit
@@ -197,6 +198,7 @@ class _Search:
         self.optimizer, self.dim, self.strategy, self.granularity = optimizer, dim, strategy, granularity
         self.output_alive, self.time_limit_s, self.step, self.max_size = output_alive, time_limit_s, step, max_size
         self.device = model_device(model)
+        self.graph: ModelGraph | None = None
         self.profiles: dict[int, Profile] = {} if profiles is None else profiles
         self.planners: dict[int, Planner] = {}
         #: size -> (plan that fits or None, least peak bytes), from real steps
@@ -215,8 +217,11 @@ class _Search:
     def profile(self, n: int) -> Profile:
         if n not in self.profiles:
             args, kwargs, loss_fn = self.batch(n)
+            if self.graph is None:  # one capture for every size: the units do not depend on the batch
+                with stage("profile", self.model, args, kwargs, loss_fn):
+                    self.graph = capture(self.model, args, kwargs)
             self.profiles[n] = _make_profile(self.model, args, kwargs, loss_fn=loss_fn, optimizer=self.optimizer,
-                                             device=self.device, output_alive=self.output_alive)
+                                             device=self.device, output_alive=self.output_alive, graph=self.graph)
         return self.profiles[n]
 
     def planner(self, n: int) -> Planner:
