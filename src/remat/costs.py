@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,37 @@ def nest_key(outer: str, inner: str) -> str:
 def inner_unit(variable: str) -> str:
     """The unit a plan variable checkpoints: ``inner_unit("h.3/h.3.mlp") == "h.3.mlp"``, ``"h.3"`` for ``"h.3"``."""
     return variable.rpartition("/")[2]
+
+
+_SEGMENT = re.compile(r"^(?P<container>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
+_REGION = re.compile(r"^(?P<module>.*)\[(?P<start>[^\[\]:]+):(?P<stop>[^\[\]:]*)\]$")
+
+
+def segment_name(container: str, start: int, stop: int) -> str:
+    """The unit name of children ``start:stop`` of the Sequential ``container`` (``blocks[0:4]``)."""
+    return f"{container}[{start}:{stop}]"
+
+
+def parse_segment(name: str) -> tuple[str, tuple[int, int]] | None:
+    """``"blocks[0:2]"`` -> ``("blocks", (0, 2))``; None for any other name."""
+    m = _SEGMENT.match(name)
+    return None if m is None else (m["container"], (int(m["start"]), int(m["stop"])))
+
+
+def region_name(module: str, start: str, stop: str | None) -> str:
+    """The unit name of the region of ``module``'s forward from the call of its submodule ``start`` up to
+    the call of ``stop`` (None: to the end); both relative to ``module`` (Note [Regions] in remat.capture):
+    ``region_name("up.2", "conv2", None) == "up.2[conv2:]"``."""
+    return f"{module}[{start}:{stop or ''}]"
+
+
+def parse_region(name: str) -> tuple[str, str, str | None] | None:
+    """``"up.2[conv1:conv2]"`` -> ``("up.2", "conv1", "conv2")``, ``"up.2[conv2:]"`` -> ``("up.2", "conv2",
+    None)``; None for any other name (a segment's bounds are numbers)."""
+    if parse_segment(name) is not None:
+        return None
+    m = _REGION.match(name)
+    return None if m is None else (m["module"], m["start"], m["stop"] or None)
 
 
 def is_selective(name: str) -> bool:
@@ -175,7 +207,13 @@ class UnitCost:
 
     @property
     def is_segment(self) -> bool:
+        """A segment of a Sequential or a region of a forward: a unit whose members are submodules."""
         return bool(self.members)
+
+    @property
+    def is_region(self) -> bool:
+        """A region of a module's forward (Note [Regions] in remat.capture)."""
+        return parse_region(self.name) is not None
 
     @property
     def droppable_bytes(self) -> int:

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class UnitSpec:
-    """A unit to cost: a module (members = itself) or a segment of a Sequential (members = its children),
+    """A unit to cost: a module (members = itself), a segment of a Sequential (members = its children) or a
+    region of a module's forward (members = the submodules it calls; Note [Regions] in remat.capture),
     optionally selective (a policy that keeps some operators' outputs)."""
 
     name: str
@@ -35,6 +36,8 @@ class UnitSpec:
     keep: frozenset[int] | None = None
     #: the same operators as the rewrite names them (``aten.addmm.default#1``)
     saved_ops: tuple[str, ...] = ()
+    #: for a region, its forward operators (first and last timeline index); it holds what they saved
+    region: tuple[int, int] | None = None
 
     @property
     def selective(self) -> bool:
@@ -91,18 +94,26 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
     first = members[0]
     member_set = frozenset(members)
 
-    def inside(stack: tuple[str, ...]) -> bool:
-        return not member_set.isdisjoint(stack)
+    region = spec.region
+
+    def inside(stack: tuple[str, ...], at: int) -> bool:
+        if not member_set.isdisjoint(stack):
+            return True
+        # a region also holds what its module's own operators between its submodule calls did (a functional
+        # ReLU); ``at``, the operator's index, is exact for those (a submodule call starts and ends a region)
+        return region is not None and bool(stack) and stack[-1] == spec.parent and region[0] <= at <= region[1]
 
     forward_calls = len(rec.spans[first])
     calls = max(rec.calls[m] for m in members)
-    if len(members) == 1:
+    if region is not None:
+        spans = [region]
+    elif len(members) == 1:
         spans = list(rec.spans[first])
     else:
         spans = [(rec.first_span(first)[0], rec.first_span(members[-1])[1])]
 
     def in_call(t: SavedTensor, c: int) -> bool:
-        if not inside(t.stack):
+        if not inside(t.stack, t.at - 1):  # a module's own operator saves once it has run: ``at`` is the next
             return False
         return len(spans) == 1 or t.calls[t.stack.index(first)] == c + 1
 
@@ -120,7 +131,7 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
         excluded = "selective policies are per call sequence: not offered for a module called more than once"
     mutated: set[str] = set()
     for w in rec.writes:
-        if not inside(w.stack):
+        if not inside(w.stack, w.at):
             continue
         if w.preexisting is not None and w.preexisting[0] == "buffer" and \
                 any(w.preexisting[1].startswith(m + ".") for m in members):
@@ -142,6 +153,11 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
         forward_s = sum(times.forward_s.get(m, 0.0) for m in members)
         # a unit not recomputed while timing (nested, or a segment's members) recomputes as it runs forward
         recompute_s = sum(times.recompute_s.get(m, times.forward_s.get(m, 0.0)) for m in members)
+        if region is not None:  # its operators' measured times (the functional ones between its submodules too)
+            forward_s = recompute_s = sum(rec.forward_ops[i].seconds for i in range(start, end + 1))
+            # the buffers its module's forward changed that belong to its submodules
+            mutated |= {b for b in times.mutated_buffers.get(spec.parent, ())
+                        if any(b.startswith(m[len(spec.scope):] + ".") for m in members)}
         if spec.keep is not None:
             # only the operators it does not keep run again: their share of the unit's measured op time
             recompute_s *= _recompute_share(rec, start, head.recompute_end, spec.keep)

@@ -56,6 +56,8 @@ class Write:
     preexisting: tuple[str, str] | None
     #: the operator, e.g. "aten.add_.Tensor"
     op: str
+    #: the operator's timeline index
+    at: int = -1
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 A unit is a submodule by qualified name (``h.3``, ``h.3.mlp``) or a *segment*: a contiguous run of
 the children of an ``nn.Sequential`` (``blocks[0:4]``, ``[2:5]`` for a Sequential root), checkpointed
-as one piece as ``torch.utils.checkpoint.checkpoint_sequential`` does. A module unit with the suffix
+as one piece as ``torch.utils.checkpoint.checkpoint_sequential`` does, or a *region* of a module's
+forward between two of its submodule calls (``up.2[conv1:conv2]``, ``up.2[conv2:]``; Note [Regions] in
+remat.capture). A module unit with the suffix
 ``@ops<k>`` (``h.3.mlp@ops2``) is checkpointed *selectively*, with its own policy.
 
 Note [Selective checkpointing]
@@ -71,7 +73,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import re
 from collections import defaultdict
 from typing import Callable, Iterable
 
@@ -80,13 +81,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from remat._compat import argument, outside_dispatch_modes, uncompiled
-from remat.costs import SELECTIVE, is_selective, op_key
+from remat.capture import RegionProgram
+from remat.costs import SELECTIVE, is_selective, op_key, parse_region, parse_segment, region_name, segment_name
 from remat.errors import InvalidInputError, PlanMismatchError
 from remat.plan import Plan
 
 log = logging.getLogger(__name__)
-
-_SEGMENT = re.compile(r"^(?P<container>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 
 def draws_random(func, args: tuple, kwargs: dict) -> bool:
     """Whether operator ``func`` draws from the RNG with these arguments: it is tagged
@@ -125,18 +125,11 @@ def keep_ops(saved_ops: Iterable[str]) -> Callable:
     return functools.partial(keep_ops_contexts, tuple(saved_ops))
 
 
-def segment_name(container: str, start: int, stop: int) -> str:
-    """The unit name of children ``start:stop`` of the Sequential ``container``."""
-    return f"{container}[{start}:{stop}]"
-
-
 def parse_unit(name: str) -> tuple[str, tuple[int, int] | None]:
     """``"blocks[0:2]"`` -> ``("blocks", (0, 2))``; ``"h.3"`` and ``"h.3@ops2"`` -> ``("h.3", None)``."""
     name = name.partition(SELECTIVE)[0]
-    m = _SEGMENT.match(name)
-    if m is None:
-        return name, None
-    return m["container"], (int(m["start"]), int(m["stop"]))
+    seg = parse_segment(name)
+    return (name, None) if seg is None else seg
 
 
 def _checkpointed_call(fn: Callable, args: tuple, kwargs: dict, buffers: list[torch.Tensor],
@@ -279,6 +272,50 @@ class SegmentedForward(_RematForward):
             buffers=self.buffers, previous=self.previous)))
 
 
+class RegionForward(_RematForward):
+    """The ``forward`` remat installs on a module to checkpoint regions of its forward (Note [Regions] in
+    remat.capture): it runs the module's traced graph, node by node as the forward would (each value
+    dropped after its last use), with each chosen region under checkpoint."""
+
+    def __init__(self, module: nn.Module, regions: Iterable[tuple[str, str | None]], *,
+                 preserve_rng_state: bool = True,
+                 buffers: dict[tuple[str, str | None], tuple[str, ...] | None] | None = None) -> None:
+        self.module = module
+        self.regions = tuple(regions)
+        self.preserve_rng_state = preserve_rng_state
+        #: per region, names (relative to the module) of the buffers to replay; None: all of its submodules'
+        self.buffers = dict(buffers or {})
+        self.previous = module.__dict__.get("forward")
+        self._programs: dict[bool, RegionProgram] = {}
+
+    def program(self) -> RegionProgram:
+        """The traced graph for the module's current training mode (traced again when it changes)."""
+        key = bool(self.module.training)
+        if key not in self._programs:
+            self._programs[key] = RegionProgram(self.module, self.regions)
+        return self._programs[key]
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled() or len(args) + len(kwargs) != 1:
+            return self._original()(*args, **kwargs)
+        (x,) = (*args, *kwargs.values())
+        return self.program().run(x, self._checkpointed)
+
+    def _checkpointed(self, region: tuple[str, str | None], fn: Callable, x, submodules: list[nn.Module]):
+        names = self.buffers.get(region)
+        bufs = _buffers(self.module, names) if names is not None else \
+            [b for m in submodules for b in m.buffers() if b is not None]
+        return _checkpointed_call(fn, (x,), {}, bufs, self.preserve_rng_state, None)
+
+    def unit_names(self, name: str) -> list[str]:
+        return [region_name(name, a, b) for a, b in self.regions]
+
+    def __reduce__(self):
+        return (_rebuild, (RegionForward, dict(
+            module=self.module, regions=self.regions, preserve_rng_state=self.preserve_rng_state,
+            buffers=self.buffers, previous=self.previous, _programs={})))
+
+
 def _rebuild(cls, state):
     f = cls.__new__(cls)
     f.__dict__.update(state)
@@ -312,6 +349,11 @@ def check_units(model: nn.Module, names: Iterable[str]) -> list[str]:
     mods = dict(model.named_modules())
     bad = []
     for n in names:
+        region = parse_region(n)
+        if region is not None:
+            if is_selective(n) or region[0] not in mods or isinstance(mods[region[0]], nn.Sequential):
+                bad.append(n)
+            continue
         container, seg = parse_unit(n)
         if is_selective(n) and seg is not None:
             bad.append(n)
@@ -345,7 +387,8 @@ def checkpoint_modules(
     bad = check_units(model, names)
     if bad:
         raise PlanMismatchError(f"{type(model).__name__} has no unit named {bad}: name submodules by their "
-                                "qualified names (model.named_modules()) or segments as 'container[i:j]'")
+                                "qualified names (model.named_modules()), segments as 'container[i:j]' and "
+                                "regions as 'module[first_call:next_call]'")
     policies = saved_ops or {}
     missing = [n for n in names if is_selective(n) and n not in policies]
     if missing:
@@ -354,10 +397,26 @@ def checkpoint_modules(
     mods = dict(model.named_modules())
     mutated = mutated_buffers or {}
     segments: dict[str, list[tuple[int, int]]] = {}
+    regions: dict[str, list[tuple[str, str | None]]] = {}
     for n in names:
+        if (region := parse_region(n)) is not None:
+            regions.setdefault(region[0], []).append(region[1:])
+            continue
         container, seg = parse_unit(n)
         if seg is not None:
             segments.setdefault(container, []).append(seg)
+    # regions first, like segments (Note [Regions] in remat.capture)
+    for module, regs in regions.items():
+        m = mods[module]
+        if m.__dict__.get("forward") is not None:
+            raise InvalidInputError(f"{module!r} already has a forward of its own on the instance "
+                                    f"({type(m.__dict__['forward']).__name__}); cannot checkpoint regions of it "
+                                    f"({[region_name(module, *r) for r in regs]}): call remove_checkpointing first")
+        bufs = {r: (tuple(mutated[region_name(module, *r)]) if region_name(module, *r) in mutated else None)
+                for r in regs}
+        f = RegionForward(m, regs, preserve_rng_state=preserve_rng_state, buffers=bufs)
+        f.program()  # refuses a region the module's forward cannot be cut into, before anything is installed
+        m.forward = f
     # segments first: a Sequential checkpointed as a whole with segments nested inside (Note [Nested
     # checkpoints] in remat.simulate) wraps its SegmentedForward
     for container, segs in segments.items():
@@ -370,6 +429,8 @@ def checkpoint_modules(
         m.forward = SegmentedForward(m, segs, preserve_rng_state=preserve_rng_state, buffers=bufs)
     for n in names:
         container, seg = parse_unit(n)
+        if parse_region(n) is not None:
+            continue
         m = mods[container]
         if seg is None and not isinstance(m.__dict__.get("forward"), CheckpointedForward):
             bufs = tuple(mutated[n]) if n in mutated else None

@@ -11,7 +11,7 @@ from torch import nn
 
 import remat
 from remat.api import make_profile, split_inputs
-from remat.costs import Profile
+from remat.costs import Profile, parse_region
 from remat.rewrite import parse_unit
 from remat.solve import Planner
 from zoo import ZOO
@@ -64,7 +64,9 @@ def descendant_calls(model: nn.Module, units, run) -> dict[str, int]:
         h.remove()
     for u in units:
         container, seg = parse_unit(u)
-        if seg is not None:  # a segment: its first child runs inside the checkpoint
+        if (region := parse_region(u)) is not None:  # a region: the submodule call it starts at
+            first[u] = f"{region[0]}.{region[1]}"
+        elif seg is not None:  # a segment: its first child runs inside the checkpoint
             first[u] = f"{container}.{seg[0]}" if container else str(seg[0])
         else:
             first[u] = next(n for n in order if n.startswith(u + "."))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import remat
+from remat.costs import parse_region
 from helpers import adam, case, descendant_calls, step_runner
 from remat.measure import StorageTracker, tensor_bytes
 from zoo import ZOO
@@ -58,7 +59,12 @@ def test_budgets_met_predictions_close_gradients_equal(name):
         # checkpointed unit, also in that unit's recomputation unless it stops early before it (Note [Nested
         # checkpoints] in remat.simulate)
         counts = descendant_calls(model, plan.checkpointed, step_runner(model, inputs, loss_fn))
-        expected = {u: (2, 3) if u in plan.nested_in else (2 * c.profile.unit(u).calls,) for u in plan.checkpointed}
+        # (an outer unit's first module runs a third time when an inner unit starts with it: a region
+        # ``h.0.mlp[fc:proj]`` inside ``h.0.mlp``)
+        starts_inner = {o for i, o in plan.nested_in.items() if parse_region(i) and
+                        c.profile.unit(i).forward_start == c.profile.unit(o).forward_start}
+        expected = {u: (2, 3) if u in plan.nested_in else (3,) if u in starts_inner else
+                    (2 * c.profile.unit(u).calls,) for u in plan.checkpointed}
         assert all(counts[u] in expected[u] for u in plan.checkpointed), (counts, plan.nested_in)
 
 
@@ -109,7 +115,8 @@ def test_copies_pickles_and_removal():
     dup = copy.deepcopy(model)
     assert remat.checkpointed_modules(dup) == remat.checkpointed_modules(model)
     mods = dict(dup.named_modules())
-    assert all(mods[u].forward.module is mods[u] for u in plan.checkpointed)
+    owners = [parse_region(u)[0] if parse_region(u) else u for u in plan.checkpointed]
+    assert all(mods[u].forward.module is mods[u] for u in owners)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(dup.parameters(), lr=0.1)
     loss_fn(dup(*inputs)).backward()

@@ -5,7 +5,7 @@ The stage in five parts, one module each:
 * ``recorder``: one step recorded (fake tensors when possible) into an immutable
   :class:`remat.recording.Recording` (Note [Timeline]);
 * ``calibrate``: the recording checked against a real forward (Note [Fake sizes], Note [Fake paths]);
-* ``units``: the candidate units (modules, Note [Segments], Note [Policy menus]);
+* ``units``: the candidate units (modules, Note [Segments], Note [Regions], Note [Policy menus]);
 * ``timing``: real timed steps per unit and checkpoint's own bookkeeping (Note [Checkpoint overhead]);
 * ``optimizer``: the optimizer's state and step, on shadow copies (Note [Never call the user's optimizer]).
 
@@ -46,7 +46,7 @@ from remat.profile.calibrate import align_forward, calibrate_sizes, diverged, op
 from remat.profile.optimizer import optimizer_costs
 from remat.profile.recorder import record_step
 from remat.profile.timing import checkpoint_overhead, time_units
-from remat.profile.units import module_and_segment_specs, selective_specs
+from remat.profile.units import module_and_segment_specs, region_specs, selective_specs
 from remat.state import preserved
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,9 @@ def profile_model(
         for name, m in mods.items() if isinstance(m, nn.Sequential) and len(m) >= 2
     }
     extra = [c for children in sequentials.values() for c in children] + [c for c in sequentials if c]
-    hooked = list(dict.fromkeys([*graph.units, *extra]))
+    # the submodules regions start at and run (Note [Regions] in remat.capture): hooked for their spans only
+    # (a region's time is its operators', its buffers its module's)
+    hooked = list(dict.fromkeys([*graph.units, *extra, *(c for calls in graph.region_calls.values() for c in calls)]))
 
     def record(fake: bool):
         with preserved(model):
@@ -89,7 +91,9 @@ def profile_model(
         # the units that ran, in forward order: by each unit's first operator
         ran = sorted((u for u in graph.units if u in rec.spans and not _contains(u, (u,), sharded)),
                      key=lambda u: (rec.first_span(u)[0], -rec.first_span(u)[1]))
-        specs = [s for s in module_and_segment_specs(rec, ran, sequentials) if not _contains(s.name, s.members, sharded)]
+        specs = [s for s in [*module_and_segment_specs(rec, ran, sequentials),
+                             *region_specs(rec, ran, graph.cuts, graph.region_calls)]
+                 if not _contains(s.name, s.members, sharded)]
         return rec, ran, specs
 
     reason = record_real

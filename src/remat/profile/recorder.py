@@ -59,8 +59,8 @@ class _Recorder(StorageTracker):
         self.packs: list[_Pack] = []
         #: storages that existed before recording: storage key -> (kind, qualified name)
         self.preexisting: dict[int, tuple[str, str]] = {}
-        #: (unit stack, storage key, record or None, op name) of every in-place write during forward
-        self.writes: list[tuple[tuple[str, ...], int, StorageRecord | None, str]] = []
+        #: (unit stack, storage key, record or None, op name, op index) of every in-place write during forward
+        self.writes: list[tuple[tuple[str, ...], int, StorageRecord | None, str, int]] = []
         self.flops: dict[str, int] = defaultdict(int)
         #: per hooked module and forward call, the records of the tracked storages it took as inputs
         self.inputs: dict[str, list[list[StorageRecord]]] = defaultdict(list)
@@ -111,7 +111,7 @@ class _Recorder(StorageTracker):
             for t in tree_flatten(v)[0]:
                 if isinstance(t, torch.Tensor):
                     key = storage_key(t)
-                    self.writes.append((tuple(self.stack), key, self.by_key.get(key), str(func)))
+                    self.writes.append((tuple(self.stack), key, self.by_key.get(key), str(func), self.index))
         n = flop_count(func, args, kwargs, out)
         for u in set(self.stack):
             self.flops[u] += n
@@ -133,7 +133,8 @@ class _Recorder(StorageTracker):
             saved=tuple(SavedTensor(idx(p.rec), p.stack, p.calls, p.at, p.unpacked_at) for p in self.packs),
             forward_ops=tuple(ForwardOp(name, tuple(idx(r) for r in recs), random)
                               for name, recs, random in self.forward_ops),
-            writes=tuple(Write(stack, idx(r), self.preexisting.get(key), op) for stack, key, r, op in self.writes),
+            writes=tuple(Write(stack, idx(r), self.preexisting.get(key), op, at)
+                         for stack, key, r, op, at in self.writes),
             spans={u: tuple((a, b) for a, b in sp) for u, sp in self.spans.items() if sp},
             calls=dict(self.calls),
             inputs={u: tuple(tuple(index[id(r)] for r in call) for call in calls) for u, calls in self.inputs.items()},

@@ -15,10 +15,9 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 from remat.capture import unit_parent
-from remat.costs import SELECTIVE, UnitCost, op_key
+from remat.costs import SELECTIVE, UnitCost, op_key, region_name, segment_name
 from remat.effects import UnitSpec
 from remat.recording import Recording
-from remat.rewrite import segment_name
 from remat.solve import chen_segments
 
 
@@ -54,6 +53,31 @@ def module_and_segment_specs(rec: Recording, ran: Sequence[str],
         scope = container + "." if container else ""
         for i, j in segments(len(children), container in ran):
             specs.append(UnitSpec(segment_name(container, i, j), tuple(children[i:j]), parent, scope))
+    return specs
+
+
+def region_specs(rec: Recording, ran: Sequence[str], cuts: Mapping[str, Sequence[str]],
+                 calls: Mapping[str, Sequence[str]]) -> list[UnitSpec]:
+    """The regions (Note [Regions] in remat.capture) of each module unit that ran once with its cut
+    submodules called once each: every stretch between two cut points, or from one to the end, except the
+    whole forward (the module unit itself)."""
+    specs = []
+    for module, called in cuts.items():
+        inner = calls[module]
+        if module not in ran or rec.calls.get(module, 0) != 1 or any(rec.calls.get(c, 0) != 1 for c in inner):
+            continue
+        begin, finish = rec.first_span(module)
+        starts = [rec.first_span(c)[0] for c in called]
+        if starts != sorted(starts) or not begin <= starts[0]:
+            continue  # not run in the traced order
+        bounds = [*zip(called, starts), (None, finish + 1)]
+        for i, (a, a_start) in enumerate(bounds[:-1]):
+            for b, b_start in bounds[i + 1:]:
+                if (a_start, b_start - 1) == (begin, finish) or b_start - 1 < a_start:
+                    continue
+                members = tuple(c for c in inner if a_start <= rec.first_span(c)[0] < b_start)
+                name = region_name(module, a[len(module) + 1:], None if b is None else b[len(module) + 1:])
+                specs.append(UnitSpec(name, members, module, module + ".", region=(a_start, b_start - 1)))
     return specs
 
 

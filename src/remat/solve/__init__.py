@@ -278,7 +278,7 @@ class Planner:
         (what ``checkpoint_sequential`` does); None when the model has no such container."""
         containers: dict[str, list[int]] = {}  # container -> [children seen, bytes its segments free]
         for u in self.model.units.values():
-            if u.is_segment:
+            if u.is_segment and not u.is_region:
                 container, _, rng = u.name.rpartition("[")
                 entry = containers.setdefault(container, [0, 0])
                 entry[0] = max(entry[0], int(rng[:-1].split(":")[1]))
