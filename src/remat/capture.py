@@ -95,7 +95,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, untraceabl
     failures: list[str] = []
     try:
         gm = torch.fx.symbolic_trace(model)
-        return ModelGraph("fx", tuple(_units_from_graph(gm, possible)), **all_cuts(model, possible))
+        units = tuple(_units_from_graph(gm, possible))
+        return ModelGraph("fx", units, **all_cuts(model, units))
     except Exception as e:  # noqa: BLE001 - any tracing failure sends us to the next path
         failures.append(f"fx.symbolic_trace: {type(e).__name__}: {_first_line(e)}")
         log.info("torch.fx.symbolic_trace failed (%s); trying torch.export (non-strict)", _first_line(e))
@@ -104,8 +105,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, untraceabl
         with quiet_loggers("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export"), \
                 contextlib.redirect_stderr(io.StringIO()):
             ep = torch.export.export(model, args, kwargs, strict=False)
-        return ModelGraph("export", tuple(_units_from_graph(ep.graph_module, possible)), tuple(failures),
-                          **all_cuts(model, possible))
+        units = tuple(_units_from_graph(ep.graph_module, possible))
+        return ModelGraph("export", units, tuple(failures), **all_cuts(model, units))
     except Exception as e:  # noqa: BLE001
         failures.append(f"torch.export(strict=False): {type(e).__name__}: {_first_line(e)}")
         log.info("torch.export failed (%s); recording units with module hooks instead", _first_line(e))
@@ -147,7 +148,10 @@ def graph_cuts(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node
     leaves). A module that calls composite submodules (a transformer block's attention and MLP) has units
     inside it already; regions of such blocks were measured up to 0.6% above the memory model's prediction
     when combined with units of the blocks after them (the test zoo's GPT), so they are not offered until
-    that interaction is understood. The rewrite (``remat.rewrite.RegionForward``) runs
+    that interaction is understood. Nor are regions of a unit inside another unit (a block's MLP): plans
+    nest two levels deep, and on the 24-block GPT the MLPs' regions added 288 variables and took op-level
+    solves from 0.71-1.53 s to 1.61-2.53 s without lowering any peak (``benchmarks/solve_scaling.py
+    --gpt 24``). The rewrite (``remat.rewrite.RegionForward``) runs
     the traced graph, each chosen region under checkpoint. The graph fixes what tracing evaluated in
     Python (the training flag passed to a functional dropout, a branch on an attribute), so the rewrite
     traces again whenever the module's training mode differs from the trace's, and runs the module's own
@@ -171,14 +175,13 @@ def graph_cuts(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node
     return cuts
 
 
-def all_cuts(model: nn.Module, possible: set[str]) -> dict[str, dict[str, tuple[str, ...]]]:
-    """``ModelGraph.cuts`` and ``.region_calls``: per module among ``possible`` (not the root, not an
+def all_cuts(model: nn.Module, units: tuple[str, ...] | list[str]) -> dict[str, dict[str, tuple[str, ...]]]:
+    """``ModelGraph.cuts`` and ``.region_calls``: per unit among ``units`` inside no other (not the root, not an
     ``nn.Sequential``, whose runs of children are segments) that calls only leaf modules and has at least two
-    cut points, the qualified
-    names of the submodules called at them, and of all the submodules it calls."""
+    cut points, the qualified names of the submodules called at them, and of all the submodules it calls."""
     out, calls = {}, {}
     for name, m in model.named_modules():
-        if name not in possible or isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or \
+        if name not in units or unit_parent(name, units) is not None or isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or \
                 "forward" in m.__dict__:  # tracing sees the class's forward, not one set on the instance
             continue
         graph = trace_forward(m)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -19,9 +17,7 @@ from remat.solve import Planner
 def gpt():
     model, inputs, _ = make_gpt(layers=4, dropout=0.1)
     profile = make_profile(model, inputs, optimizer=torch.optim.AdamW(model.parameters()))
-    # module units only: with the blocks' regions (Note [Regions] in remat.capture) the least-memory plan
-    # checkpoints each block's two halves side by side and nests nothing
-    return model, inputs, dataclasses.replace(profile, units=tuple(u for u in profile.units if not u.is_region))
+    return model, inputs, profile
 
 
 def test_nesting_lowers_the_least_peak_and_is_predicted(gpt):

@@ -14,7 +14,7 @@ from torch import nn
 
 import remat
 from remat.api import make_profile
-from remat.capture import all_cuts, capture, composite_modules
+from remat.capture import all_cuts, capture
 from remat.examples import MLP, Block, ConvBlock, make_unet
 from remat.rewrite import checkpoint_modules, checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
@@ -54,7 +54,7 @@ class FunctionalDropout(nn.Module):
 
 def cuts_of(module: nn.Module) -> tuple[str, ...]:
     root = nn.Sequential(nn.Identity(), module)  # regions are offered for submodules, not the root
-    return tuple(c[2:] for c in all_cuts(root, set(composite_modules(root)))["cuts"].get("1", ()))
+    return tuple(c[2:] for c in all_cuts(root, ["1"])["cuts"].get("1", ()))
 
 
 def test_cut_points():
@@ -65,6 +65,10 @@ def test_cut_points():
     assert cuts_of(ConvBlock(3, 8)) == ("conv1", "bn1", "conv2", "bn2")
     assert cuts_of(MLP(16, 0.1)) == ("fc", "proj", "drop")
     assert cuts_of(Block(16, 2, 0.1)) == ()
+    # inside another unit (a block's MLP): not offered
+    block = nn.Sequential(nn.Identity(), Block(16, 2, 0.1))
+    assert all_cuts(block, ["1", "1.mlp", "1.attn"])["cuts"] == {}
+    assert all_cuts(block, ["1.mlp"])["cuts"] == {"1.mlp": ("1.mlp.fc", "1.mlp.proj", "1.mlp.drop")}
     assert cuts_of(SkipAcross()) == ()
     assert cuts_of(TwoInputs()) == ()
     patched = ConvBlock(3, 8)
