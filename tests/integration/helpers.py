@@ -79,6 +79,21 @@ def descendant_calls(model: nn.Module, units, run) -> dict[str, int]:
     return counts
 
 
+def module_calls(model: nn.Module, names, inputs) -> dict[str, int]:
+    """How many times each named module runs in one step (default loss, backward); gradients reset after."""
+    counts = dict.fromkeys(names, 0)
+    mods = dict(model.named_modules())
+    handles = [mods[n].register_forward_pre_hook(lambda m, a, n=n: counts.__setitem__(n, counts[n] + 1))
+               for n in names]
+    try:
+        remat.default_loss(model(*inputs)).backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return counts
+
+
 def step_runner(model, inputs, loss_fn):
     args, kwargs = split_inputs(inputs)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import remat
+from helpers import module_calls
 import remat.rewrite
 from remat.api import make_profile
 from remat.examples import make_gpt
@@ -60,16 +61,7 @@ def test_nested_recomputation_is_exact_and_runs_at_both_levels(gpt):
         report = remat.check_equivalence(model, inputs)
         assert report.equal and len(report.max_abs_diff) > 50, str(report)
         assert max(report.max_abs_diff.values()) == 0.0
-        counts = {"h.1.ln_1": 0, "h.1.attn.qkv": 0, "h.2.ln_1": 0, "h.2.mlp.fc": 0, "h.0.ln_1": 0}
-        mods = dict(model.named_modules())
-        handles = [mods[n].register_forward_pre_hook(lambda m, a, n=n: counts.__setitem__(n, counts[n] + 1))
-                   for n in counts]
-        try:
-            remat.default_loss(model(*inputs)).backward()
-        finally:
-            for h in handles:
-                h.remove()
-            model.zero_grad(set_to_none=True)
+        counts = module_calls(model, ["h.1.ln_1", "h.1.attn.qkv", "h.2.ln_1", "h.2.mlp.fc", "h.0.ln_1"], inputs)
     finally:
         remove_checkpointing(model)
     # h.2.mlp ends its block: the block's recomputation stops early at the mlp's saved inputs (Note [Early

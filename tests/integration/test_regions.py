@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+from helpers import module_calls
 from remat.api import make_profile
 from remat.capture import all_cuts, capture
 from remat.examples import MLP, Block, ConvBlock, make_unet
@@ -120,16 +121,7 @@ def test_region_recomputation_is_exact_and_runs_only_the_region(unet):
         assert report.equal and max(report.max_abs_diff.values()) == 0.0, str(report)
         assert any(k.startswith("buffer:up.2.bn1.running") for k in report.max_abs_diff)
         names = ["down.0.conv1", "down.0.conv2", "up.2.conv1", "up.2.bn1", "up.2.conv2", "down.1.conv1"]
-        counts = dict.fromkeys(names, 0)
-        mods = dict(model.named_modules())
-        handles = [mods[n].register_forward_pre_hook(lambda m, a, n=n: counts.__setitem__(n, counts[n] + 1))
-                   for n in names]
-        try:
-            remat.default_loss(model(*inputs)).backward()
-        finally:
-            for h in handles:
-                h.remove()
-            model.zero_grad(set_to_none=True)
+        counts = module_calls(model, names, inputs)
         # up.2's recomputation stops early once the last tensor saved inside it exists again (Note [Early
         # stop]): its region's bn1 runs in forward, in up.2's recomputation and in its own
         assert counts == {"down.0.conv1": 2, "down.0.conv2": 2, "up.2.conv1": 2, "up.2.bn1": 3, "up.2.conv2": 3,
