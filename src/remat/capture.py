@@ -140,8 +140,8 @@ def graph_cuts(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node
     A *region* of a module is a stretch of its own forward between two submodule calls
     (``up.2[conv1:conv2]``: from the call of ``conv1`` up to the call of ``conv2``; ``up.2[conv2:]``: from
     ``conv2`` to the end), checkpointed as one piece: units smaller than a module, for blocks whose
-    forward is not an ``nn.Sequential`` (a conv block's two halves, a transformer block's attention and
-    MLP halves with their residual adds). A forward can be cut before a submodule call when exactly one
+    forward is not an ``nn.Sequential`` (a conv block's halves, with the functional ReLUs between its
+    layers). A forward can be cut before a submodule call when exactly one
     value computed so far is used from there on and that call takes it: the region's only input. remat
     offers regions for a module that takes one argument, runs each submodule at most once, calls only
     submodules without children of their own, and traces with ``torch.fx`` (its submodule calls as
@@ -151,8 +151,8 @@ def graph_cuts(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node
     that interaction is understood. Nor are regions of a unit inside another unit (a block's MLP): plans
     nest two levels deep, and on the 24-block GPT the MLPs' regions added 288 variables and took op-level
     solves from 0.71-1.53 s to 1.61-2.53 s without lowering any peak (``benchmarks/solve_scaling.py
-    --gpt 24``). The rewrite (``remat.rewrite.RegionForward``) runs
-    the traced graph, each chosen region under checkpoint. The graph fixes what tracing evaluated in
+    --gpt 24``). The rewrite (``remat.rewrite.RegionForward``) runs the traced graph, each chosen region
+    under checkpoint. The graph fixes what tracing evaluated in
     Python (the training flag passed to a functional dropout, a branch on an attribute), so the rewrite
     traces again whenever the module's training mode differs from the trace's, and runs the module's own
     forward when it is called with other arguments than one.
@@ -181,7 +181,8 @@ def all_cuts(model: nn.Module, units: tuple[str, ...] | list[str]) -> dict[str, 
     cut points, the qualified names of the submodules called at them, and of all the submodules it calls."""
     out, calls = {}, {}
     for name, m in model.named_modules():
-        if name not in units or unit_parent(name, units) is not None or isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or \
+        if name not in units or unit_parent(name, units) is not None or \
+                isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or \
                 "forward" in m.__dict__:  # tracing sees the class's forward, not one set on the instance
             continue
         graph = trace_forward(m)

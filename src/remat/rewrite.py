@@ -405,7 +405,9 @@ def checkpoint_modules(
         container, seg = parse_unit(n)
         if seg is not None:
             segments.setdefault(container, []).append(seg)
-    # regions first, like segments (Note [Regions] in remat.capture)
+    # regions first, like segments (Note [Regions] in remat.capture); all of them built, and so checked,
+    # before any is installed
+    region_forwards = {}
     for module, regs in regions.items():
         m = mods[module]
         if m.__dict__.get("forward") is not None:
@@ -414,9 +416,10 @@ def checkpoint_modules(
                                     f"({[region_name(module, *r) for r in regs]}): call remove_checkpointing first")
         bufs = {r: (tuple(mutated[region_name(module, *r)]) if region_name(module, *r) in mutated else None)
                 for r in regs}
-        f = RegionForward(m, regs, preserve_rng_state=preserve_rng_state, buffers=bufs)
-        f.program()  # refuses a region the module's forward cannot be cut into, before anything is installed
-        m.forward = f
+        region_forwards[module] = RegionForward(m, regs, preserve_rng_state=preserve_rng_state, buffers=bufs)
+        region_forwards[module].program()  # refuses a region the module's forward cannot be cut into
+    for module, f in region_forwards.items():
+        mods[module].forward = f
     # segments first: a Sequential checkpointed as a whole with segments nested inside (Note [Nested
     # checkpoints] in remat.simulate) wraps its SegmentedForward
     for container, segs in segments.items():

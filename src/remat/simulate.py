@@ -188,7 +188,8 @@ class MemoryModel:
             # one level down only: the units inside ``u`` and inside no other of them (a block's attention and
             # MLP, a segment's blocks). Every deeper pair too made the MobileNet-style zoo model's problem 763
             # variables (97 without nesting) that CBC did not solve within its time limit
-            # (a region holds no level of its own: what runs inside it is still one level down from ``u``)
+            # (regions of one module are siblings, not levels: one RegionForward runs them all, so a region
+            # inside another one of the same module does not hide it)
             inner = tuple(v.name for v in allowed if not any(inside(v, w) for w in allowed if not w.is_region))
             if inner:
                 out[u.name] = inner

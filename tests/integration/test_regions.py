@@ -160,10 +160,10 @@ def test_a_region_follows_the_training_mode_and_other_calls():
 
 
 def test_a_region_the_forward_cannot_be_cut_into_is_refused(unet):
-    """Before anything is installed, with what to do."""
+    """Before anything is installed (a valid region of another module included), with what to do."""
     model, _, _ = unet
     with pytest.raises(remat.PlanMismatchError, match="cannot be cut into region"):
-        checkpoint_modules(model, ["up.0", "up.1[conv1:relu]"])
+        checkpoint_modules(model, ["up.0", "up.0[conv1:conv2]", "up.1[conv1:relu]"])
     with pytest.raises(remat.PlanMismatchError, match="no unit named"):
         checkpoint_modules(model, ["nowhere[conv1:conv2]"])
     assert remat.checkpointed_modules(model) == []

@@ -83,7 +83,8 @@ def profile_model(
     extra = [c for children in sequentials.values() for c in children] + [c for c in sequentials if c]
     # the submodules regions start at and run (Note [Regions] in remat.capture): hooked for their spans only
     # (a region's time is its operators', its buffers its module's)
-    hooked = list(dict.fromkeys([*graph.units, *extra, *(c for calls in graph.region_calls.values() for c in calls)]))
+    region_calls = [c for calls in graph.region_calls.values() for c in calls]
+    hooked = list(dict.fromkeys([*graph.units, *extra, *region_calls]))
 
     def record(fake: bool):
         with preserved(model):
