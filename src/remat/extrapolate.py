@@ -58,12 +58,18 @@ class ProfileFit:
         self._by_name = by_name
 
     def at(self, n: int) -> Profile:
-        """The profile fitted at size ``n``: every byte count rounded up, nothing below zero."""
+        """The profile fitted at size ``n``: every byte count rounded up, nothing below zero, and no time below
+        the one measured at the largest profiled size not above ``n`` (Note [Fitted times])."""
         w = _lagrange(self.sizes, n)
+        below = [i for i, s in enumerate(self.sizes) if s <= n]
 
         def num(values: Sequence[float], integer: bool) -> float:
             v = sum(wi * x for wi, x in zip(w, values))
-            return max(0, math.ceil(v - 1e-9)) if integer else max(0.0, v)
+            if integer:
+                return max(0, math.ceil(v - 1e-9))
+            # Note [Fitted times]: a larger step does not run faster, but timings on a busy machine can say
+            # so (batch 4 measured faster than batch 2), and a line through them falls to zero further on
+            return max(0.0, v, values[below[-1]] if below else 0.0)
 
         def series(values: Sequence[Sequence[int] | None]) -> tuple[int, ...] | None:
             if any(v is None for v in values):
