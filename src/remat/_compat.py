@@ -221,21 +221,114 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def profiler_memory_peak(work: Callable[[], object], device: torch.device) -> int:
+    """The most bytes allocated on ``device`` while ``work()`` runs, above what was allocated when it began
+    (:func:`profiler_memory_trace`)."""
+    return profiler_memory_trace(work, device)[0]
+
+
+def profiler_memory_trace(work: Callable[[Callable[[str], None]], object] | Callable[[], object],
+                          device: torch.device, *, marks: bool = False) -> tuple[int, dict[str, int]]:
     """The most bytes allocated on ``device`` while ``work()`` runs, above what was allocated when it began,
     by the profiler's memory events (``torch.profiler.profile(profile_memory=True)``, read from
     ``prof.profiler.kineto_results``; checked on 2.11, 2.13): allocator-level, so it also sees what compiled
     kernels and code outside the dispatcher allocate, which a dispatch-level tracker cannot. Frees of memory
-    allocated before it started are not reported by the profiler: allocate what the work frees inside it."""
-    from torch.profiler import ProfilerActivity, profile
+    allocated before it started are not reported by the profiler: allocate what the work frees inside it.
+
+    With ``marks``, ``work(mark)`` is given a function ``mark(label)`` that records a profiler event; the
+    second result maps each label to the bytes allocated (above the start) when it was marked."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     device = torch.device(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, profile_memory=True) as prof:
-        work()
-    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type().name.lower() == device.type]
+
+    def mark(label: str) -> None:
+        with record_function(f"remat::mark::{label}"):
+            pass
+
+    prof = profile(activities=activities, profile_memory=True)
+    with _stderr_silenced():  # kineto logs "profiler_start"/"profiler_stop" lines to fd 2 (torch 2.13)
+        prof.__enter__()
+    try:
+        work(mark) if marks else work()
+    finally:
+        with _stderr_silenced():
+            prof.__exit__(None, None, None)
+    events = []
+    labels: dict[int, str] = {}
+    for e in prof.profiler.kineto_results.events():
+        if e.name() == "[memory]" and e.device_type().name.lower() == device.type:
+            events.append((e.start_ns(), 0, e.nbytes()))
+        elif e.name().startswith("remat::mark::"):
+            events.append((e.start_ns(), 1, 0))
+            labels[len(events) - 1] = e.name().removeprefix("remat::mark::")
+    order = sorted(range(len(events)), key=lambda i: events[i][:2])
     run = peak = 0
-    for _, nbytes in sorted(events):
-        run += nbytes
+    at: dict[str, int] = {}
+    for i in order:
+        run += events[i][2]
         peak = max(peak, run)
-    return peak
+        if i in labels:
+            at[labels[i]] = run
+    return peak, at
+
+
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null within the block (C++ logging that Python cannot turn off)."""
+    import os
+    import sys
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real fd 2 (an embedded interpreter): nothing to silence
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def compile_fn(fn, settings: dict):
+    """``torch.compile(fn, **settings)`` in a compile region of its own (``isolate_recompiles=True``, torch
+    2.13; checked on 2.13) with a recompile limit of 64 (``recompile_limit``): remat's checks compile plans
+    the loop will never run, and must not count against the limit of the user's own compiled code (past it,
+    Dynamo silently runs the frame eagerly). On a torch without these options, the plain compile."""
+    import inspect
+
+    params = inspect.signature(torch.compile).parameters
+    extra = {k: v for k, v in (("isolate_recompiles", True), ("recompile_limit", 64)) if k in params}
+    return torch.compile(fn, **settings, **extra)
+
+
+def compiled_submodules(model: torch.nn.Module) -> list[str]:
+    """Qualified names of the submodules compiled in place with ``Module.compile()`` (their
+    ``_compiled_call_impl`` is set; checked on 2.11, 2.13), outermost only."""
+    out: list[str] = []
+    for name, m in model.named_modules():
+        if getattr(m, "_compiled_call_impl", None) is not None and not any(
+                name.startswith(o + ".") or o == "" for o in out):
+            out.append(name)
+    return out
+
+
+@contextlib.contextmanager
+def submodules_called(model: torch.nn.Module, names: list[str], call: Callable | None) -> Iterator[None]:
+    """Within the block, the submodules ``names`` (compiled in place by ``Module.compile()``) run
+    ``call(module)`` as their compiled call: ``None`` runs them eagerly (for profiling: a dispatch-level
+    recorder must see their operators); afterwards their own compiled calls are back
+    (``Module._compiled_call_impl``; checked on 2.11, 2.13)."""
+    mods = dict(model.named_modules())
+    saved = [(mods[n], mods[n]._compiled_call_impl) for n in names]
+    try:
+        for m, _ in saved:
+            m._compiled_call_impl = None if call is None else call(m)
+        yield
+    finally:
+        for m, impl in saved:
+            m._compiled_call_impl = impl

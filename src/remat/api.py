@@ -12,17 +12,19 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from remat._compat import uncompiled
+from remat._compat import compiled_submodules, profiler_memory_trace, submodules_called, uncompiled
 from remat.capture import ModelGraph, capture
+from remat.compiled import CompiledLoop, compiled_loop
 from remat.costs import Profile
 from remat.distributed import Ranks, Wrapping, ranks_for, wrapping_of
 from remat.errors import InternalError, InvalidInputError, PlanMismatchError, RematError
 from remat.measure import LossFn, default_loss, found_storages_are_fresh, input_tensors, measure_peak, model_device, run_step, split_inputs, \
-    trainable_parameters
+    tensor_bytes, trainable_parameters
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.profile import profile_model
 from remat.rewrite import check_units, checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
+from remat.solve.calibrated import plan_compiled
 from remat.state import fresh_grads, preserved
 
 log = logging.getLogger(__name__)
@@ -80,8 +82,9 @@ def make_profile(
     loss_fn = loss_fn or default_loss
     _, undo = prepare_hf_for_training(model)
     try:
-        profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
-                                output_alive=output_alive, wrapping=wrapping_of(model))
+        with submodules_called(model, compiled_submodules(model), None):  # profiled eagerly
+            profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
+                                    output_alive=output_alive, wrapping=wrapping_of(model))
         return loop_grads(profile, grad_accumulation, zero_grad_after_forward)
     finally:
         undo()
@@ -182,6 +185,7 @@ def optimize_checkpointing(
     grad_accumulation: bool = False,
     zero_grad_after_forward: bool = False,
     timeout_s: float | None = None,
+    compile: bool | dict | None = None,
 ) -> Plan:
     """Checkpoint ``model``'s submodules in place so a training step fits ``budget_gb``.
 
@@ -220,29 +224,45 @@ def optimize_checkpointing(
     as they were. Raises ``InfeasibleBudgetError`` (with the least achievable peak) when no
     plan fits, ``InvalidInputError`` for bad arguments.
 
-    A model compiled with ``torch.compile`` is profiled and checkpointed eagerly (the module it wraps),
-    and recompiles on its next call (Note [Under torch.compile] in remat.rewrite).
+    ``compile``: the loop trains the model compiled, so the plan is made and checked for the compiled step
+    (Note [Compiled steps] in remat.solve.calibrated): True (``torch.compile``'s defaults), or a dict of the
+    ``torch.compile`` settings the loop uses (``backend``, ``mode``, ``options``, ``fullgraph``, ``dynamic``).
+    None (the default) detects it: a model wrapped by ``torch.compile`` or with submodules compiled in place
+    (``block.compile()``, torchtitan's order) is planned for its compiled step; False plans the eager step.
+    The predicted and checked peaks are then the compiled step's, measured by the allocator (CUDA) or the
+    profiler's allocator-level memory events (CPU), on 3-6 compiled steps (one compile each: the cost of
+    compiled planning). Regions (Note [Regions] in remat.capture) are not offered for a compiled loop. The
+    model is profiled eagerly (the module ``torch.compile`` wraps) and recompiles on its next call (Note
+    [Under torch.compile] in remat.rewrite).
 
     Distributed training (FSDP2 ``fully_shard``, DDP): call it on every rank, on the model as it will
     train; ``budget_gb`` is per rank. Every rank gets the same plan (Note [One plan for every rank] in
     remat.distributed); ``timeout_s`` bounds the wait for the other ranks (default 300 s).
     """
-    model = uncompiled(model)
+    given, model = model, uncompiled(model)
     budget_bytes, args, kwargs, device = validate(model, budget_gb, example_inputs)
     loss_fn = loss_fn or default_loss
+    loop = compiled_loop(given, model, compile)
     wrapping, ranks = ranks_for(model, timeout_s, same=dict(
         budget_gb=budget_gb, granularity=granularity, output_alive=output_alive, check=check,
         grad_accumulation=grad_accumulation, zero_grad_after_forward=zero_grad_after_forward,
-        time_limit_s=time_limit_s, optimizer=None if optimizer is None else type(optimizer).__name__))
+        time_limit_s=time_limit_s, optimizer=None if optimizer is None else type(optimizer).__name__,
+        compiled=str(loop)))
     notes, undo = prepare_hf_for_training(model)
     try:
-        with preserved(model, on_success=False):
+        with preserved(model, on_success=False), loop.eager(model) if loop else contextlib.nullcontext():
             profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
                                     output_alive=output_alive, wrapping=wrapping)
             profile = loop_grads(profile, grad_accumulation, zero_grad_after_forward)
             planner = Planner(profile, time_limit_s=time_limit_s, granularity=granularity,
-                              ranks=ranks.gather(profile) if ranks is not None else None)
-            if check:
+                              ranks=ranks.gather(profile) if ranks is not None else None, regions=loop is None)
+            if check and loop is not None:
+                with stage("check", model, args, kwargs, loss_fn):
+                    plan = plan_compiled(
+                        planner, budget_bytes, lambda p: _ranks_max(ranks, peak_with_plan(
+                            model, p, args, kwargs, loss_fn, device, profile, loop)),
+                        agree=ranks.broadcast if ranks is not None else (lambda p: p), loop=str(loop))
+            elif check:
                 with stage("check", model, args, kwargs, loss_fn):
                     plan = plan_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks)
             else:
@@ -262,10 +282,15 @@ def optimize_checkpointing(
     return plan
 
 
+def _ranks_max(ranks: Ranks | None, peak: int) -> int:
+    return ranks.max(peak) if ranks is not None else peak
+
+
 def measure_checked_peak(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, *,
     output_alive: bool = True, optimizer_state_bytes: int = 0, optimizer_step_bytes: int = 0,
-    grads_held: bool = False, grads_held_in_forward: bool = False,
+    grads_held: bool = False, grads_held_in_forward: bool = False, call: Callable[..., Any] | None = None,
+    allocator_level: bool = False,
 ) -> int:
     """The peak memory (bytes) of one training step of ``model`` as it is (checkpointed or not): forward,
     loss and ``loss.backward()`` run for real, as the loop runs them (Note [Loop style] in remat.profile:
@@ -275,14 +300,17 @@ def measure_checked_peak(
     top of what is alive once backward has returned. With ``grads_held`` (gradient accumulation) every
     trainable parameter has a gradient (zeros) when the step starts and backward adds into it; with
     ``grads_held_in_forward`` (zero_grad after the forward) they are set to None once the loss exists
-    (Note [Accumulated gradients] in remat.costs).
+    (Note [Accumulated gradients] in remat.costs). ``call``: what runs the forward (the compiled model; default
+    ``model``); ``allocator_level``: meter every allocation, as compiled code needs (the profiler's memory
+    events on CPU; on CUDA the allocator always is).
 
     The model's gradients (``.grad`` objects and values), buffers and the RNG state are as they were."""
     inputs = input_tensors(args, kwargs)
     state = [*model.parameters(), *model.buffers(), *inputs]
     trainable = trainable_parameters(model)
     leaves = trainable + [t for t in inputs if t.requires_grad and t.is_leaf]
-    after_backward: list[int] = []
+    after_backward: list[int | None] = []
+    call = model if call is None else call
 
     def on(event: str, live_now: Callable[[], int]) -> None:
         if event == "loss" and grads_held_in_forward and not grads_held:
@@ -295,24 +323,36 @@ def measure_checked_peak(
         if grads_held or grads_held_in_forward:  # allocated in the work: the meter sees them come and go
             for p in trainable:
                 p.grad = torch.zeros_like(p)
-        run_step(model, args, kwargs, loss_fn, output_alive=output_alive, on=lambda event: on(event, live_now))
+        run_step(call, args, kwargs, loss_fn, output_alive=output_alive, on=lambda event: on(event, live_now))
 
     with preserved(model), fresh_grads(leaves):
-        peak = measure_peak(work, device, state)
+        if allocator_level and device.type != "cuda":  # Note [Compiled steps] in remat.solve.calibrated
+            base = tensor_bytes(state, device)
+            peak, at = profiler_memory_trace(lambda mark: work(lambda: mark("backward")), device, marks=True)
+            peak, after_backward[:] = base + peak, [base + at["backward"]]
+        else:  # the allocator on CUDA sees compiled code too
+            peak = measure_peak(work, device, state)
     return max(peak, after_backward[0] + optimizer_step_bytes) + optimizer_state_bytes
 
 
 def peak_with_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
-                   profile: Profile) -> int:
+                   profile: Profile, loop: CompiledLoop | None = None) -> int:
     """:func:`measure_checked_peak` of one step of ``model`` checkpointed as ``plan`` says, for the loop and
-    optimizer ``profile`` was made for. Leaves ``model`` without checkpointing."""
+    optimizer ``profile`` was made for; with ``loop``, of the step compiled as the loop compiles it (compiled
+    afresh, one warm-up step that compiles, then the measured step, metered at allocator level). Leaves
+    ``model`` without checkpointing."""
     remove_checkpointing(model)
     checkpoint_plan(model, plan)
     try:
-        return measure_checked_peak(
-            model, args, kwargs, loss_fn, device, output_alive=profile.output_alive, grads_held=profile.grads_held,
-            grads_held_in_forward=profile.grads_held_in_forward, optimizer_state_bytes=profile.optimizer_state_bytes,
-            optimizer_step_bytes=profile.optimizer_step_bytes)
+        with loop.step(model) if loop is not None else contextlib.nullcontext(model) as call:
+            if loop is not None:  # compiles: not measured
+                with preserved(model), torch.random.fork_rng(devices=[]), fresh_grads(trainable_parameters(model)):
+                    run_step(call, args, kwargs, loss_fn, output_alive=profile.output_alive)
+            return measure_checked_peak(
+                model, args, kwargs, loss_fn, device, output_alive=profile.output_alive, grads_held=profile.grads_held,
+                grads_held_in_forward=profile.grads_held_in_forward,
+                optimizer_state_bytes=profile.optimizer_state_bytes, optimizer_step_bytes=profile.optimizer_step_bytes,
+                call=call, allocator_level=loop is not None)
     finally:
         remove_checkpointing(model)
 

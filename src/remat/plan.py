@@ -87,6 +87,10 @@ class Plan:
     world_size: int = 1
     #: how the model was wrapped for distributed training, e.g. "FSDP2 over 2 ranks (...)" ("" for one process)
     wrapping: str = ""
+    #: how the training loop compiles the model, when the plan was made for the compiled step ("" for an eager
+    #: loop); then ``predicted_peak_bytes`` and ``checked_peak_bytes`` are the compiled step's, the breakdown is
+    #: the eager step's (Note [Compiled steps] in remat.solve.calibrated)
+    compiled: str = ""
     #: parameter names and shapes of the model the plan was made for (checked by apply_plan)
     model_signature: tuple[tuple[str, tuple[int, ...]], ...] = field(default_factory=tuple)
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -103,17 +107,19 @@ class Plan:
         lines = [
             f"remat plan ({self.strategy}, solver {self.solver_status}, solved in {self.solve_time_s:.3f} s)",
             f"  budget:               {fmt_bytes(self.budget_bytes)}",
-            f"  predicted peak:       {fmt_bytes(self.predicted_peak_bytes)}"
+            *([f"  compiled step:        {self.compiled}"] if self.compiled else []),
+            f"  predicted peak:       {fmt_bytes(self.predicted_peak_bytes)}{' (compiled)' if self.compiled else ''}"
             f"  (no checkpointing: {fmt_bytes(self.baseline_peak_bytes)}, least possible: {fmt_bytes(self.min_peak_bytes)})",
-            *([f"  checked peak:         {fmt_bytes(self.checked_peak_bytes)}  (one real step: forward and "
-               f"backward measured, optimizer predicted)"] if self.checked_peak_bytes is not None else []),
+            *([f"  checked peak:         {fmt_bytes(self.checked_peak_bytes)}  (one real "
+               f"{'compiled ' if self.compiled else ''}step: forward and backward measured, optimizer predicted)"]
+              if self.checked_peak_bytes is not None else []),
             f"  predicted step time:  {self.predicted_step_time_s * 1e3:.1f} ms"
             f"  (measured without checkpointing: {self.baseline_step_time_s * 1e3:.1f} ms, "
             f"{self.predicted_overhead:+.1%})",
             f"  training loop:        {'output kept until the step ends' if self.output_alive else 'output dropped after the loss'}"
             f"{'; gradients accumulated (held from the start of each micro-step)' if self.grads_held else ''}"
             f"{'; zero_grad after the forward (last step gradients alive in it)' if self.grads_held_in_forward else ''}",
-            f"  peak breakdown (predicted, at {b.phase}):",
+            f"  peak breakdown (predicted{', eager step' if self.compiled else ''}, at {b.phase}):",
         ]
         for key, label in [
             ("params_bytes", "parameters"),

@@ -163,16 +163,25 @@ def test_per_block_compile_after_checkpointing():
     assert remat.checkpointed_modules(model) == units
 
 
+def compiled_baseline(model, inputs, loss_fn, **kw) -> int:
+    """The measured compiled peak of the step without checkpointing (remat's plan for a roomy budget)."""
+    plan = remat.optimize_checkpointing(model, 1.0, inputs, loss_fn=loss_fn, **kw)
+    assert plan.checkpointed == () and plan.compiled
+    return plan.checked_peak_bytes
+
+
 def test_optimize_checkpointing_on_a_compiled_model():
-    """A model already wrapped by torch.compile is planned on the module it wraps (profiled eagerly) and
-    recompiles with the plan; names stay those of the user's model. (A batch large enough that checkpointing
-    frees more than the 5 KB RNG state each checkpointed call saves.)"""
+    """A model already wrapped by torch.compile is planned on the module it wraps (profiled eagerly) for its
+    compiled step, and recompiles with the plan; names stay those of the user's model. (A batch large enough
+    that checkpointing frees more than the 5 KB RNG state each checkpointed call saves.)"""
     model, inputs, loss_fn, _, _ = sequential_with_batchnorm(batch=512)
     plain = torch.compile(copy.deepcopy(model), backend=TRACE_ONLY)
     compiled = torch.compile(model, backend=TRACE_ONLY)
-    planner = remat.Planner(remat.make_profile(compiled, inputs, loss_fn=loss_fn), granularity="block")
-    budget = (planner.min_peak_bytes + planner.baseline_peak_bytes) / 2
-    plan = remat.optimize_checkpointing(compiled, budget / 2**30, inputs, loss_fn=loss_fn, granularity="block")
+    trace_only = {"backend": TRACE_ONLY}
+    budget = compiled_baseline(compiled, inputs, loss_fn, compile=trace_only) - 1
+    plan = remat.optimize_checkpointing(compiled, budget / 2**30, inputs, loss_fn=loss_fn, granularity="block",
+                                        compile=trace_only)
+    assert plan.checked_peak_bytes <= budget and "torch.compile of the whole model" in plan.compiled
     assert plan.checkpointed and remat.checkpointed_modules(compiled) == list(plan.checkpointed)
     assert not any(n.startswith("_orig_mod") for n in plan.checkpointed)
     ref_losses, ref_grads = train(plain, inputs, loss_fn, steps=1)
@@ -180,3 +189,93 @@ def test_optimize_checkpointing_on_a_compiled_model():
     assert losses == pytest.approx(ref_losses, abs=ATOL)
     assert max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads) <= ATOL
     assert remat.remove_checkpointing(compiled) == list(plan.checkpointed)
+
+
+# -- plans for the compiled step (Note [Compiled steps] in remat.solve.calibrated) -------------------------------
+def compiled_step_peak(model, inputs, loss_fn, optimizer=None) -> int:
+    """The peak of one whole compiled step of ``model`` (already compiled, warmed up here): parameters, buffers,
+    the batch and the optimizer state alive before it, plus what the step allocates (the profiler's
+    allocator-level memory events), measured independently of remat's own meter."""
+    from remat._compat import profiler_memory_peak
+    from remat.measure import tensor_bytes
+
+    args, kwargs = remat.measure.split_inputs(inputs)
+
+    def step():
+        loss = loss_fn(model(*args, **kwargs))
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        for p in model.parameters():
+            p.grad = None
+
+    torch.manual_seed(0)
+    step()  # compiles; the optimizer state exists from here on
+    state = [*model.parameters(), *model.buffers(), *remat.measure.input_tensors(args, kwargs)]
+    if optimizer is not None:
+        state += [t for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+    return tensor_bytes(state) + profiler_memory_peak(step, torch.device("cpu"))
+
+
+def test_compiled_gpt_plan_meets_the_budget_predicted_within_5_percent():
+    """The 2-block GPT with dropout, compiled whole with inductor, AdamW: remat's plan for a budget between its
+    least compiled peak and the compiled no-checkpointing peak measures within the budget on an independent
+    compiled step, its compiled peak was predicted (before it ran) within 5%, the eager-only note is gone, and
+    it trains like the compiled plain model with zero graph breaks."""
+    model, inputs, loss_fn = two_block_gpt()
+    loss_fn = loss_fn or remat.default_loss
+    plain = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters())
+    planner = remat.Planner(remat.make_profile(model, inputs, loss_fn=loss_fn, optimizer=opt), granularity="op")
+    # halfway between the least and no checkpointing, eagerly: a plan that "every block" compiled misses
+    budget = (planner.min_peak_bytes + planner.baseline_peak_bytes) // 2
+    plan = remat.optimize_checkpointing(model, budget / 2**30, inputs, loss_fn=loss_fn, optimizer=opt, compile=True)
+    assert plan.checkpointed and plan.compiled.startswith("torch.compile of the whole model")
+    assert plan.checked_peak_bytes <= budget
+    assert abs(plan.predicted_peak_bytes - plan.checked_peak_bytes) <= 0.05 * plan.checked_peak_bytes, \
+        (plan.predicted_peak_bytes, plan.checked_peak_bytes)
+    assert not any(n.startswith("predicted for eager execution") for n in plan.notes)
+    measured = copy.deepcopy(model)  # (its optimizer steps)
+    assert remat.checkpointed_modules(measured) == list(plan.checkpointed)
+    assert compiled_step_peak(torch.compile(measured), inputs, loss_fn,
+                              torch.optim.AdamW(measured.parameters())) <= budget
+    assert graph_breaks(model, inputs) == 0
+    torch._dynamo.reset()
+    ref_losses, ref_grads = train(torch.compile(plain), inputs, loss_fn, steps=2)
+    losses, grads = train(torch.compile(model), inputs, loss_fn, steps=2)
+    assert losses == pytest.approx(ref_losses, abs=ATOL)
+    assert max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads) <= ATOL
+
+
+def test_blocks_compiled_in_place_are_planned_compiled_and_keep_their_compile():
+    """torchtitan's order: ``Module.compile()`` on each block, then remat (detected, no argument): profiled
+    eagerly, planned on compiled steps of the blocks, and the blocks are still compiled afterwards (their own
+    compiled calls); BatchNorm statistics and gradients equal the compiled plain model's."""
+    model, inputs, loss_fn, _, _ = sequential_with_batchnorm(batch=512)
+    model = nn.Sequential(*(nn.Sequential(*model[i:i + 4]) for i in range(0, 12, 4)), model[12])
+    plain = copy.deepcopy(model)
+    for m in (model, plain):
+        for block in m[:3]:
+            block.compile(backend=TRACE_ONLY)
+    impls = [block._compiled_call_impl for block in model[:3]]
+    trace_only = {"backend": TRACE_ONLY}
+    budget = compiled_baseline(model, inputs, loss_fn, compile=trace_only) - 1
+    plan = remat.optimize_checkpointing(model, budget / 2**30, inputs, loss_fn=loss_fn, granularity="block")
+    assert "3 submodules in place" in plan.compiled and "Module.compile() was called" in plan.compiled
+    assert plan.checkpointed and plan.checked_peak_bytes <= budget
+    assert [block._compiled_call_impl for block in model[:3]] == impls
+    ref_losses, ref_grads = train(plain, inputs, loss_fn, steps=2)
+    losses, grads = train(model, inputs, loss_fn, steps=2)
+    assert losses == pytest.approx(ref_losses, abs=ATOL)
+    assert max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads) <= ATOL
+    for (n, b), (_, ref) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.allclose(b, ref, atol=ATOL), n
+
+
+def test_compile_argument_is_checked():
+    model, inputs, loss_fn, _, _ = sequential_with_batchnorm()
+    with pytest.raises(remat.InvalidInputError, match="torch.compile settings"):
+        remat.optimize_checkpointing(model, 1.0, inputs, loss_fn=loss_fn, compile={"mdoe": "max-autotune"})
+    with pytest.raises(remat.InvalidInputError, match="compile must be"):
+        remat.optimize_checkpointing(model, 1.0, inputs, loss_fn=loss_fn, compile="inductor")
+    assert remat.checkpointed_modules(model) == []

@@ -65,17 +65,20 @@ class Planner:
     """Makes plans for one profile; the memory model and the least peak are computed once."""
 
     def __init__(self, profile: Profile, *, time_limit_s: float | None = 60.0, granularity: str = "block",
-                 ranks: Sequence[Profile] | None = None, nesting: bool = True) -> None:
+                 ranks: Sequence[Profile] | None = None, nesting: bool = True, regions: bool = True) -> None:
         """``granularity``: "block" plans whole units only; "op" also lets units be checkpointed
         selectively (``name@ops<k>``: option k of the unit's menu of policies, which keep some
         operators' outputs and recompute the rest). ``ranks``: every rank's profile, in rank order, when
         one plan must fit every rank (Note [One plan for every rank] in remat.distributed). ``nesting``:
-        plans may checkpoint units inside checkpointed units (Note [Nested checkpoints] in remat.simulate)."""
+        plans may checkpoint units inside checkpointed units (Note [Nested checkpoints] in remat.simulate).
+        ``regions``: plans may checkpoint regions of a module's forward (Note [Regions] in remat.capture); off
+        for compiled loops (Note [Compiled steps] in remat.solve.calibrated)."""
         if granularity not in ("block", "op"):
             raise InvalidInputError(f"granularity must be 'block' or 'op', got {granularity!r}")
         self.profile = profile
         self.granularity = granularity
-        names = [u.name for u in profile.candidates() if granularity == "op" or not is_selective(u.name)]
+        names = [u.name for u in profile.candidates()
+                 if (granularity == "op" or not is_selective(u.name)) and (regions or not u.is_region)]
         self.nesting = nesting
 
         def model(candidates: list[str], nesting: bool = nesting) -> MemoryModel:
@@ -142,15 +145,18 @@ class Planner:
             nested_in=self.model.outer_of(chosen),
         )
 
-    def infeasible(self, budget_bytes: int, *, least_bytes: int | None = None) -> InfeasibleBudgetError:
+    def infeasible(self, budget_bytes: int, *, least_bytes: int | None = None,
+                   compiled: str = "") -> InfeasibleBudgetError:
         """The error for a budget below the least achievable peak, with that peak and its breakdown.
         ``least_bytes``: the least-memory plan's checked (measured) peak, when known (Note [Least peak
-        is a promise] in remat.api); else its prediction."""
+        is a promise] in remat.api); else its prediction. ``compiled``: how the loop compiles the model, when
+        ``least_bytes`` was measured on compiled steps (Note [Compiled steps] in remat.solve.calibrated)."""
         least = self.make_plan(self._min_units, "least-memory")
         b = least.breakdown
         fixed = self.profile.fixed_bytes
         how = "predicted" if least_bytes is None else \
-            f"measured on one real step; predicted {fmt_bytes(self.min_peak_bytes)}"
+            f"measured on one real step; predicted {fmt_bytes(self.min_peak_bytes)}" if not compiled else \
+            f"measured on compiled steps ({compiled}); eager prediction {fmt_bytes(self.min_peak_bytes)}"
         least_bytes = self.min_peak_bytes if least_bytes is None else least_bytes
         return InfeasibleBudgetError(
             f"budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes) is below the least peak any "

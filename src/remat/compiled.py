@@ -1,0 +1,87 @@
+"""Compiled training loops: how the loop compiles the model, and running one step the way it will.
+
+remat profiles the eager step (its recorder is a dispatch mode, which compiled code bypasses) and plans
+for the compiled one by measuring compiled steps (Note [Compiled steps] in remat.solve.calibrated). This
+module says which compiled step that is and runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+from remat._compat import compile_fn, compiled_submodules, submodules_called
+from remat.errors import InvalidInputError
+
+#: the torch.compile arguments a ``compile={...}`` dict may set
+COMPILE_KEYS = ("backend", "mode", "options", "fullgraph", "dynamic")
+
+
+@dataclass(frozen=True)
+class CompiledLoop:
+    """How the training loop compiles the model: the whole model (``torch.compile(model)``) or, in place,
+    some of its submodules (``block.compile()`` per block: torchtitan's order, checkpoint then compile), with
+    ``torch.compile``'s settings."""
+
+    #: the submodules compiled in place (qualified names); empty: the whole model is compiled
+    blocks: tuple[str, ...] = ()
+    #: the ``torch.compile`` keyword arguments, as (name, value) pairs
+    settings: tuple[tuple[str, Any], ...] = ()
+    #: how remat learned that the loop compiles
+    source: str = "compile=True"
+
+    def __str__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.settings) or "default settings"
+        what = "the whole model" if not self.blocks else "the whole model in place" if self.blocks == ("",) else (
+            f"{len(self.blocks)} submodules in place ({', '.join(self.blocks[:3])}{' ...' if len(self.blocks) > 3 else ''})")
+        return f"torch.compile of {what}, {opts}; {self.source}"
+
+    @contextlib.contextmanager
+    def step(self, model: nn.Module) -> Iterator[Callable[..., Any]]:
+        """Within the block, a callable that runs ``model``'s forward compiled as the loop compiles it, freshly
+        compiled for the model as it is now (its checkpointing included), in a compile region of remat's own
+        (``remat._compat.compile_fn``). Compiled submodules get their own compiled calls back afterwards."""
+        settings = dict(self.settings)
+        if not self.blocks:
+            yield compile_fn(model, settings)
+            return
+        with submodules_called(model, list(self.blocks), lambda m: compile_fn(m._call_impl, settings)):
+            yield model
+
+    @contextlib.contextmanager
+    def eager(self, model: nn.Module) -> Iterator[None]:
+        """Within the block, ``model``'s compiled submodules run eagerly (for profiling)."""
+        with submodules_called(model, list(self.blocks), None):
+            yield
+
+
+def compiled_loop(model: nn.Module, inner: nn.Module, compile: bool | dict | None) -> CompiledLoop | None:
+    """How the loop compiles ``model`` (as the user passed it; ``inner``: the module it wraps, if compiled):
+    ``compile`` True or a dict of ``torch.compile`` settings says so; None detects it (a model wrapped by
+    ``torch.compile``, or submodules compiled in place with ``Module.compile()``); False plans the eager
+    step. Returns None for an eager loop."""
+    if compile is False:
+        return None
+    if compile is not None and compile is not True and not isinstance(compile, dict):
+        raise InvalidInputError(
+            f"compile must be True, False, None (detect) or a dict of torch.compile settings ({', '.join(COMPILE_KEYS)}), "
+            f"got {type(compile).__name__}")
+    settings: dict = dict(compile) if isinstance(compile, dict) else {}
+    unknown = sorted(set(settings) - set(COMPILE_KEYS))
+    if unknown:
+        raise InvalidInputError(f"compile={{...}} takes the torch.compile settings {list(COMPILE_KEYS)}; got {unknown}")
+    blocks = tuple(compiled_submodules(inner))
+    wrapped = model is not inner
+    if compile is None and not wrapped and not blocks:
+        return None
+    if compile is None:
+        source = ("the model is wrapped by torch.compile" if wrapped else
+                  f"Module.compile() was called on {len(blocks)} submodules")
+        source += " (its settings are not read: measured with torch.compile's defaults; pass compile={...} to set them)"
+    else:
+        source = "compile=True" if compile is True else "compile={...}"
+    return CompiledLoop(blocks=blocks, settings=tuple(settings.items()), source=source)

@@ -1,0 +1,146 @@
+"""The compiled step's peak as a function of the eager prediction, fitted on measured plans (no torch).
+
+Note [Compiled steps]
+~~~~~~~~~~~~~~~~~~~~~
+Under ``torch.compile`` the step is another program: AOTAutograd's partitioner decides what the compiled
+forward saves (it recomputes cheap pointwise operators of its own and saves what checkpointed regions
+must not recompute), inductor fuses kernels and reuses buffers. On the built-in GPT (CPU) compiled peaks
+were 0.87-1.23x remat's eager prediction, above it for plans that checkpoint much (the compiled backward
+of a checkpointed block holds its recomputed region and the gradients at once) and below it for plans that
+checkpoint little (fused kernels save less). The eager memory model cannot say this; a compiled step can.
+
+So for a compiled loop remat measures compiled steps (the allocator on CUDA, the profiler's
+allocator-level memory events on CPU, remat.compiled) and uses the eager simulator only to *order* plans:
+
+* three anchors are measured first: no checkpointing (a budget above its compiled peak needs no plan),
+  the least-memory plan and "every block" (the least of the two is the least peak remat promises, as in
+  Note [Least peak is a promise] in remat.api);
+* the compiled peak of any other plan is predicted by interpolating, in the plan's eager predicted peak,
+  between the measured plans next to it (:class:`PeakCalibration`, piecewise linear; past the last point
+  the offset of the nearest point);
+* the ILP is solved for the eager target whose calibrated compiled peak is the budget; the plan is
+  measured compiled; if it is over the budget its point joins the calibration and the target is solved
+  again (at most three times), else it is returned with its calibrated prediction (made before it ran)
+  and its measured peak.
+
+Every returned plan's compiled peak is measured; the cost is one compile per measured plan (counted in
+the plan's notes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from remat.plan import Plan, fmt_bytes
+
+if TYPE_CHECKING:
+    from remat.solve import Planner
+
+
+@dataclass(frozen=True)
+class PeakCalibration:
+    """Measured compiled peaks of plans, against their eager predicted peaks (bytes)."""
+
+    #: (eager predicted peak bytes, compiled measured peak bytes) of each measured plan, by eager peak
+    points: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("a calibration needs at least one measured plan")
+        merged: dict[int, int] = {}
+        for eager, compiled in self.points:  # two plans with one eager peak: the larger compiled peak
+            merged[eager] = max(compiled, merged.get(eager, compiled))
+        object.__setattr__(self, "points", tuple(sorted(merged.items())))
+
+    def with_point(self, eager_bytes: int, compiled_bytes: int) -> "PeakCalibration":
+        return PeakCalibration(self.points + ((eager_bytes, compiled_bytes),))
+
+    def predict(self, eager_bytes: int) -> int:
+        """The compiled peak (bytes) of a plan whose eager predicted peak is ``eager_bytes``."""
+        pts = self.points
+        if eager_bytes <= pts[0][0]:
+            return eager_bytes + pts[0][1] - pts[0][0]
+        if eager_bytes >= pts[-1][0]:
+            return eager_bytes + pts[-1][1] - pts[-1][0]
+        for (e0, c0), (e1, c1) in zip(pts, pts[1:]):
+            if e0 <= eager_bytes <= e1:
+                return round(c0 + (c1 - c0) * (eager_bytes - e0) / (e1 - e0))
+        raise AssertionError("unreachable: the points cover the range")
+
+    def eager_target(self, budget_bytes: int) -> int | None:
+        """The largest eager predicted peak (bytes) whose calibrated compiled peak is within ``budget_bytes``,
+        searched from the top; None when no eager peak at or above the first point's fits."""
+        pts = self.points
+        last_e, last_c = pts[-1]
+        if last_c <= budget_bytes:  # past the last point the offset is constant
+            return last_e + (budget_bytes - last_c)
+        for (e0, c0), (e1, c1) in reversed(list(zip(pts, pts[1:]))):
+            if min(c0, c1) > budget_bytes:
+                continue
+            if c1 <= budget_bytes:
+                return e1
+            # c0 <= budget < c1: the point on the segment where the line meets the budget
+            return e0 + (budget_bytes - c0) * (e1 - e0) // (c1 - c0)
+        return None
+
+
+def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan], int], *,
+                  agree: Callable[[Plan], Plan] = lambda plan: plan, loop: str = "") -> Plan:
+    """The least-recompute plan whose *compiled* step measures within ``budget_bytes`` (Note [Compiled
+    steps]). ``measure(plan)``: the measured peak (bytes) of one compiled step with ``plan`` (one compile);
+    ``agree``: every rank's copy of rank 0's plan (distributed); ``loop``: how the loop compiles, for the
+    notes. Each returned plan has ``predicted_peak_bytes`` = its calibrated compiled prediction (for an
+    anchor, its measured peak: it was measured to calibrate), ``checked_peak_bytes`` = its measured peak,
+    ``min_peak_bytes`` = the least measured compiled peak. Raises InfeasibleBudgetError below that."""
+    from remat.solve import UNDER_COMPILE
+
+    t0 = time.perf_counter()
+    measured: dict[tuple[str, ...], int] = {}
+
+    def check(plan: Plan) -> int:
+        if plan.checkpointed not in measured:
+            measured[plan.checkpointed] = measure(plan)
+        return measured[plan.checkpointed]
+
+    def done(plan: Plan, predicted: int, why: str) -> Plan:
+        peak = check(plan)
+        note = (f"planned for the compiled step ({loop}): compiled peak predicted {fmt_bytes(predicted)}, measured "
+                f"{fmt_bytes(peak)} on a compiled step, {why}; {len(measured)} plan{'s' if len(measured) > 1 else ''} compiled and measured in "
+                f"{time.perf_counter() - t0:.1f} s (Note [Compiled steps] in remat.solve.calibrated)")
+        return dataclasses.replace(
+            plan, budget_bytes=budget_bytes, predicted_peak_bytes=predicted, checked_peak_bytes=peak,
+            baseline_peak_bytes=check(none), min_peak_bytes=least, compiled=loop,
+            notes=tuple(n for n in plan.notes if n != UNDER_COMPILE) + (note,))
+
+    none = agree(planner.no_checkpointing())
+    if check(none) <= budget_bytes:  # the anchors are not needed: the least peak stays the eager prediction
+        least = planner.min_peak_bytes
+        return done(dataclasses.replace(
+            none, strategy="ilp" if planner.granularity == "block" else "ilp-op", solver_status="fits",
+            notes=("the compiled step fits the budget without checkpointing (least peak: the eager prediction, "
+                   "not measured compiled)",)), check(none), "within the budget (measured: no checkpointing)")
+    anchors = [agree(planner.least_memory()), agree(planner.every_nth_block(1))]
+    least = min(check(p) for p in anchors)
+    if budget_bytes < least:
+        raise planner.infeasible(budget_bytes, least_bytes=least, compiled=loop)
+    calibration = PeakCalibration(tuple((p.predicted_peak_bytes, check(p)) for p in [none, *anchors]))
+    target = None
+    for _ in range(3):
+        new_target = calibration.eager_target(budget_bytes)
+        if new_target is None or new_target == target or new_target < planner.min_peak_bytes:
+            break
+        target = new_target
+        plan = agree(planner.plan_for_budget(target))
+        predicted = calibration.predict(plan.predicted_peak_bytes)
+        if plan.checkpointed in measured and measured[plan.checkpointed] > budget_bytes:
+            break  # the calibration cannot move the target off a plan already measured over the budget
+        if check(plan) <= budget_bytes:
+            return done(plan, predicted, "within the budget")
+        calibration = calibration.with_point(plan.predicted_peak_bytes, check(plan))
+    fits = [p for p in anchors if check(p) <= budget_bytes]
+    best = min(fits, key=lambda p: p.predicted_recompute_s)
+    return done(best, check(best), f"the {'least-memory plan' if best is anchors[0] else 'hand rule every block'} "
+                "(measured to calibrate): the plans predicted cheaper measured over the budget")

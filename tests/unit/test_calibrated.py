@@ -1,0 +1,95 @@
+"""Planning for a compiled step (Note [Compiled steps] in remat.solve.calibrated): the calibration and the
+check loop on synthetic profiles, with a stand-in for the compiled step's meter. No torch, milliseconds."""
+
+from __future__ import annotations
+
+import pytest
+
+from remat.errors import InfeasibleBudgetError
+from remat.solve import UNDER_COMPILE, Planner
+from remat.solve.calibrated import PeakCalibration, plan_compiled
+from remat.solve.synthetic import random_chain_profile
+
+MiB = 2**20
+
+
+def test_calibration_interpolates_between_measured_plans_and_keeps_the_offset_outside():
+    cal = PeakCalibration(((100, 130), (200, 190), (300, 250)))
+    assert cal.predict(150) == 160 and cal.predict(250) == 220
+    assert cal.predict(50) == 80 and cal.predict(400) == 350  # the nearest point's offset
+    assert cal.eager_target(250) == 300 and cal.eager_target(260) == 310
+    assert cal.eager_target(160) == 150  # on the first segment
+    assert cal.eager_target(129) is None  # below every measured plan
+
+
+def test_calibration_searches_from_the_top_when_the_compiled_peak_is_not_monotone():
+    # a plan at eager 200 measured over a plan at eager 300 (compile's peak is not monotone in the plan)
+    cal = PeakCalibration(((100, 120), (200, 260), (300, 250)))
+    assert cal.eager_target(255) == 305  # past the last point, whose offset holds
+    # 240: not on the segment 200-300 (both ends measured over it), on 100-200 where the line meets it
+    assert cal.eager_target(240) == 185 and cal.predict(185) == 239
+    assert PeakCalibration(((100, 120), (100, 140))).points == ((100, 140),)
+
+
+class CompiledStand:
+    """A compiled step that holds 1.3x the eager saved activations above the fixed memory, and counts the
+    plans it measured."""
+
+    def __init__(self, planner: Planner, factor: float = 1.3) -> None:
+        self.planner, self.factor, self.measured = planner, factor, []
+
+    def __call__(self, plan) -> int:
+        self.measured.append(plan.checkpointed)
+        fixed = self.planner.profile.fixed_bytes
+        return fixed + int(self.factor * (self.planner.model.peak_bytes(plan.checkpointed) - fixed))
+
+
+def planner() -> Planner:
+    return Planner(random_chain_profile(8, seed=3), granularity="block")
+
+
+def test_every_plan_measures_within_the_budget_and_is_predicted_before_it_is_measured():
+    p = planner()
+    meter = CompiledStand(p)
+    lo = min(meter(p.least_memory()), meter(p.every_nth_block(1)))
+    hi = meter(p.no_checkpointing())
+    meter.measured.clear()
+    for f in (0.0, 0.2, 0.5, 0.8):
+        budget = int(lo + f * (hi - lo))
+        plan = plan_compiled(p, budget, meter, loop="stand-in")
+        assert plan.checked_peak_bytes <= budget, (f, plan.checked_peak_bytes, budget)
+        assert plan.checked_peak_bytes == meter(plan)
+        assert plan.compiled == "stand-in" and plan.min_peak_bytes == lo
+        assert UNDER_COMPILE not in plan.notes and "planned for the compiled step" in plan.notes[-1]
+        # the eager plan for this budget would measure over it: the compiled plan is a tighter one
+        eager = p.plan_for_budget(budget)
+        assert meter(eager) > budget or eager.checkpointed == plan.checkpointed
+
+
+def test_the_compiled_prediction_comes_from_other_plans_measurements():
+    """A stand-in whose compiled peak is linear in the eager one: the calibration through the anchors predicts
+    any other plan exactly, before it is measured."""
+    p = planner()
+    meter = CompiledStand(p)
+    lo, hi = meter(p.least_memory()), meter(p.no_checkpointing())
+    plan = plan_compiled(p, (lo + hi) // 2, meter, loop="stand-in")
+    assert plan.checkpointed not in {p.least_memory().checkpointed, (), p.every_nth_block(1).checkpointed}
+    assert abs(plan.predicted_peak_bytes - plan.checked_peak_bytes) <= 0.005 * plan.checked_peak_bytes
+
+
+def test_a_budget_the_compiled_step_meets_without_checkpointing_costs_one_compile():
+    p = planner()
+    meter = CompiledStand(p, factor=0.5)  # compiled code holds half: fits where eager would not
+    budget = p.baseline_peak_bytes - 1
+    plan = plan_compiled(p, budget, meter, loop="stand-in")
+    assert plan.checkpointed == () and plan.solver_status == "fits" and meter.measured == [()]
+
+
+def test_a_budget_below_the_least_compiled_peak_is_refused_with_it():
+    p = planner()
+    meter = CompiledStand(p)
+    least = min(meter(p.least_memory()), meter(p.every_nth_block(1)))
+    with pytest.raises(InfeasibleBudgetError, match="measured on compiled steps") as e:
+        plan_compiled(p, least - 1, meter, loop="stand-in")
+    assert e.value.min_feasible_bytes == least
+    assert plan_compiled(p, least, meter, loop="stand-in").checked_peak_bytes == least
