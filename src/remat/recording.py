@@ -72,6 +72,9 @@ class ForwardOp:
     random: bool = False
     #: measured wall time on the real forward (seconds); 0 when unmeasured
     seconds: float = 0.0
+    #: named in selective policies (False: the product of a random operator's output, which compile runs
+    #: inside that operator: Note [Operators named alike under compile] in remat.rewrite); never kept
+    named: bool = True
 
 
 def _frozen(d: Mapping) -> Mapping:

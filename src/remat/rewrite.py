@@ -62,10 +62,10 @@ counts operators afresh on each call (each trace). Compile needs no replay: the 
 the compiled backward graph, a pure function of the forward's inputs, and buffer updates are applied once,
 in the forward graph; random operators in a checkpointed region are replayed by inductor's RNG
 functionalization (with ``torch._inductor.config.fallback_random`` it saves their outputs instead).
-What compile keeps is decided by its partitioner from these tags, and it traces some operators otherwise
-than eager does (dropout as one ``native_dropout`` where eager CPU runs four operators, the SDPA math
-path's order), so a selective policy, named by positions in the eager forward, may keep other operators
-there: gradients are unaffected (tested), memory is compile's (``benchmarks/compiled.py`` measures it).
+What compile keeps is decided by its partitioner from these tags. It traces some operators otherwise than
+eager does (dropout as one ``native_dropout`` where eager CPU runs four operators); selective policies name
+operators so that they keep the same ones under compile (Note [Operators named alike under compile]), and
+plans for a compiled loop are measured on compiled steps (Note [Compiled steps] in remat.solve.calibrated).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from remat._compat import argument, outside_dispatch_modes, uncompiled
+from remat._compat import argument, outside_dispatch_modes, storage_key, tree_flatten, uncompiled, written_arguments
 from remat.capture import RegionProgram
 from remat.costs import SELECTIVE, is_selective, op_key, parse_region, parse_segment, region_name, segment_name
 from remat.errors import InvalidInputError, PlanMismatchError
@@ -98,6 +98,42 @@ def draws_random(func, args: tuple, kwargs: dict) -> bool:
     return p is missing or p is None or float(p) != 0.0
 
 
+class PolicyNames:
+    """Note [Operators named alike under compile]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    A selective policy names the operators it keeps by overload and call count within the unit
+    (``aten.addmm.default#1``), counted where the recorder sees the eager forward and again where the policy
+    runs: eagerly, or under torch.compile, where it sees the operators AOTAutograd traces. The two sequences
+    differ in one way that matters (checked on the built-in GPT and a Hugging Face Llama block, CPU, torch
+    2.13): eager CPU dropout runs ``empty_like``, ``bernoulli_``, ``div_`` and ``mul.Tensor`` (input times
+    mask), compile runs one ``native_dropout``. So the mask's product would shift every later ``mul.Tensor``'s
+    count, and a policy keeping it would keep nothing under compile. The product of a random operator's
+    output (its ``mul``) is therefore not named and never kept: it is part of the random operator, which is
+    recomputed anyway. (Views differ too, ``_unsafe_view`` for ``view``; they allocate nothing and are never
+    kept. Other decompositions are not known to differ; a policy whose operators compile does not run keeps
+    fewer, and the compiled step's memory is measured either way: Note [Compiled steps].)
+
+    One instance counts one pass over a unit's forward: ``key`` names each operator call in order."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = defaultdict(int)
+        #: storages written by random operators in place (the eager dropout's mask)
+        self.noise: set[int] = set()
+
+    def key(self, func, args: tuple, kwargs: dict) -> str | None:
+        """This call's name, or None for the product of a random operator's output (not named, never kept)."""
+        if draws_random(func, args, kwargs):
+            self.noise.update(storage_key(t) for t in tree_flatten(written_arguments(func, args, kwargs))[0]
+                              if isinstance(t, torch.Tensor))
+        elif self.noise and func is torch.ops.aten.mul.Tensor and any(
+                isinstance(t, torch.Tensor) and storage_key(t) in self.noise for t in args):
+            return None
+        name = str(func)
+        k = self.counts[name]
+        self.counts[name] = k + 1
+        return op_key(name, k)
+
+
 def keep_ops_contexts(saved_ops: tuple[str, ...]):
     """The ``context_fn`` of a selective checkpoint, bound as ``functools.partial(keep_ops_contexts, saved_ops)``:
     keep the outputs of the operators in ``saved_ops`` (``"aten.addmm.default#1"``: the 2nd call of that
@@ -105,15 +141,13 @@ def keep_ops_contexts(saved_ops: tuple[str, ...]):
     or one per trace under torch.compile) counts its operators from 0 (Note [Under torch.compile])."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    keep, counts = frozenset(saved_ops), defaultdict(int)
+    keep, names = frozenset(saved_ops), defaultdict(PolicyNames)
 
     def policy(ctx, func, *args, **kwargs):
         # older torch versions also ask the policy during the recomputation (ctx.is_recompute), which
         # must count its operators from 0 again; torch 2.13 asks only in forward
-        key = (bool(getattr(ctx, "is_recompute", False)), func)
-        k = counts[key]
-        counts[key] = k + 1
-        if op_key(str(func), k) in keep and not draws_random(func, args, kwargs):
+        key = names[bool(getattr(ctx, "is_recompute", False))].key(func, args, kwargs)
+        if key in keep and not draws_random(func, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 

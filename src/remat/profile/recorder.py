@@ -28,7 +28,7 @@ from torch import nn
 from remat._compat import fake_mode, flop_count, storage_key, tree_flatten, tree_map, written_arguments
 from remat.measure import LossFn, StorageRecord, StorageTracker, input_tensors, run_step
 from remat.recording import ForwardOp, Recording, SavedTensor, Storage, Write
-from remat.rewrite import draws_random
+from remat.rewrite import PolicyNames, draws_random
 from remat.state import fresh_grads
 
 
@@ -64,8 +64,9 @@ class _Recorder(StorageTracker):
         self.flops: dict[str, int] = defaultdict(int)
         #: per hooked module and forward call, the records of the tracked storages it took as inputs
         self.inputs: dict[str, list[list[StorageRecord]]] = defaultdict(list)
-        #: (operator, records of the storages it created, draws random numbers) of every forward operator
-        self.forward_ops: list[tuple[str, list[StorageRecord | None], bool]] = []
+        #: (operator, records of the storages it created, draws random numbers, named) of every forward operator
+        self.forward_ops: list[tuple[str, list[StorageRecord | None], bool, bool]] = []
+        self.names = PolicyNames()
 
     # module hooks
     def enter(self, name: str, args: Any = ()) -> None:
@@ -99,7 +100,8 @@ class _Recorder(StorageTracker):
     def on_op(self, func, args, kwargs, out) -> None:
         if self.backward:
             return
-        self.forward_ops.append((str(func), new_records(self, out), draws_random(func, args, kwargs)))
+        named = self.names.key(func, args, kwargs) is not None  # Note [Operators named alike under compile]
+        self.forward_ops.append((str(func), new_records(self, out), draws_random(func, args, kwargs), named))
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
                 rec = self.by_key.get(storage_key(t))
@@ -131,8 +133,8 @@ class _Recorder(StorageTracker):
             storages=tuple(Storage(r.nbytes, 0 if id(r) in held else r.alloc_index, r.free_index,
                                    id(r) in grads) for r in self.records),
             saved=tuple(SavedTensor(idx(p.rec), p.stack, p.calls, p.at, p.unpacked_at) for p in self.packs),
-            forward_ops=tuple(ForwardOp(name, tuple(idx(r) for r in recs), random)
-                              for name, recs, random in self.forward_ops),
+            forward_ops=tuple(ForwardOp(name, tuple(idx(r) for r in recs), random, named=named)
+                              for name, recs, random, named in self.forward_ops),
             writes=tuple(Write(stack, idx(r), self.preexisting.get(key), op, at)
                          for stack, key, r, op, at in self.writes),
             spans={u: tuple((a, b) for a, b in sp) for u, sp in self.spans.items() if sp},

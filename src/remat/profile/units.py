@@ -119,7 +119,7 @@ def policy_menu(rec: Recording, start: int, end: int) -> list[frozenset[int]]:
     for i in range(start, end + 1):
         op = rec.forward_ops[i]
         new = [s for s in op.created if s is not None]
-        if not new or op.random or any(s in written for s in new):
+        if not new or op.random or not op.named or any(s in written for s in new):
             continue
         ops.append((i, sum(rec.storages[s].nbytes for s in new), op.seconds))
     if len(ops) < 2:
@@ -152,6 +152,8 @@ def op_keys(rec: Recording, start: int, keep: frozenset[int]) -> tuple[str, ...]
     seen: dict[str, int] = defaultdict(int)
     keys = []
     for i in range(start, max(keep) + 1):
+        if not rec.forward_ops[i].named:  # Note [Operators named alike under compile] in remat.rewrite
+            continue
         op = rec.forward_ops[i].name
         if i in keep:
             keys.append(op_key(op, seen[op]))
