@@ -226,50 +226,62 @@ def profiler_memory_peak(work: Callable[[], object], device: torch.device) -> in
     return profiler_memory_trace(work, device)[0]
 
 
-def profiler_memory_trace(work: Callable[[Callable[[str], None]], object] | Callable[[], object],
-                          device: torch.device, *, marks: bool = False) -> tuple[int, dict[str, int]]:
-    """The most bytes allocated on ``device`` while ``work()`` runs, above what was allocated when it began,
-    by the profiler's memory events (``torch.profiler.profile(profile_memory=True)``, read from
-    ``prof.profiler.kineto_results``; checked on 2.11, 2.13): allocator-level, so it also sees what compiled
-    kernels and code outside the dispatcher allocate, which a dispatch-level tracker cannot. Frees of memory
-    allocated before it started are not reported by the profiler: allocate what the work frees inside it.
+class ProfilerSession:
+    """The profiler's allocator-level memory events on ``device`` between ``__enter__`` and ``__exit__``
+    (``torch.profiler.profile(profile_memory=True)``, read from ``prof.profiler.kineto_results``; checked on
+    2.11, 2.13): ``peak_bytes``, the most allocated above what was allocated when it began, and ``marked``,
+    the bytes allocated above that when each :meth:`mark` was made. It sees what compiled kernels and code
+    outside the dispatcher allocate, which a dispatch-level tracker cannot. Frees of memory allocated before
+    it started are not reported: allocate what the work frees inside it."""
 
-    With ``marks``, ``work(mark)`` is given a function ``mark(label)`` that records a profiler event; the
-    second result maps each label to the bytes allocated (above the start) when it was marked."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    def __init__(self, device: torch.device) -> None:
+        from torch.profiler import ProfilerActivity, profile
 
-    device = torch.device(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.device = torch.device(device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._prof = profile(activities=activities, profile_memory=True)
+        self.peak_bytes = 0
+        self.marked: dict[str, int] = {}
 
+    def __enter__(self) -> "ProfilerSession":
+        with _stderr_silenced():  # kineto logs "profiler_start"/"profiler_stop" lines to fd 2 (torch 2.13)
+            self._prof.__enter__()
+        return self
+
+    @staticmethod
     def mark(label: str) -> None:
+        from torch.profiler import record_function
+
         with record_function(f"remat::mark::{label}"):
             pass
 
-    prof = profile(activities=activities, profile_memory=True)
-    with _stderr_silenced():  # kineto logs "profiler_start"/"profiler_stop" lines to fd 2 (torch 2.13)
-        prof.__enter__()
-    try:
-        work(mark) if marks else work()
-    finally:
+    def __exit__(self, *exc) -> None:
         with _stderr_silenced():
-            prof.__exit__(None, None, None)
-    events = []
-    labels: dict[int, str] = {}
-    for e in prof.profiler.kineto_results.events():
-        if e.name() == "[memory]" and e.device_type().name.lower() == device.type:
-            events.append((e.start_ns(), 0, e.nbytes()))
-        elif e.name().startswith("remat::mark::"):
-            events.append((e.start_ns(), 1, 0))
-            labels[len(events) - 1] = e.name().removeprefix("remat::mark::")
-    order = sorted(range(len(events)), key=lambda i: events[i][:2])
-    run = peak = 0
-    at: dict[str, int] = {}
-    for i in order:
-        run += events[i][2]
-        peak = max(peak, run)
-        if i in labels:
-            at[labels[i]] = run
-    return peak, at
+            self._prof.__exit__(*exc)
+        events = []
+        labels: dict[int, str] = {}
+        for e in self._prof.profiler.kineto_results.events():
+            if e.name() == "[memory]" and e.device_type().name.lower() == self.device.type:
+                events.append((e.start_ns(), 0, e.nbytes()))
+            elif e.name().startswith("remat::mark::"):
+                labels[len(events)] = e.name().removeprefix("remat::mark::")
+                events.append((e.start_ns(), 1, 0))
+        run = 0
+        for i in sorted(range(len(events)), key=lambda i: events[i][:2]):
+            run += events[i][2]
+            self.peak_bytes = max(self.peak_bytes, run)
+            if i in labels:
+                self.marked[labels[i]] = run
+
+
+def profiler_memory_trace(work: Callable[[Callable[[str], None]], object] | Callable[[], object],
+                          device: torch.device, *, marks: bool = False) -> tuple[int, dict[str, int]]:
+    """The most bytes allocated on ``device`` while ``work()`` runs, above what was allocated when it began
+    (:class:`ProfilerSession`). With ``marks``, ``work(mark)`` is given a function ``mark(label)``; the
+    second result maps each label to the bytes allocated (above the start) when it was marked."""
+    with ProfilerSession(device) as session:
+        work(session.mark) if marks else work()
+    return session.peak_bytes, session.marked
 
 
 @contextlib.contextmanager

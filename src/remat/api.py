@@ -270,6 +270,9 @@ def optimize_checkpointing(
                 plan = ranks.broadcast(plan) if ranks is not None else plan
             if ranks is not None:
                 notes += (f"one plan for every rank ({wrapping}): the per-rank budget holds on the worst rank",)
+            if loop is not None and any(u.is_region for u in profile.candidates()):
+                notes += ("regions of modules' forwards (Note [Regions] in remat.capture) are not offered for a "
+                          "compiled loop: their forward runs a traced graph node by node, untested under compile",)
             plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)
             with stage("rewrite", model, args, kwargs, loss_fn):
                 remove_checkpointing(model)

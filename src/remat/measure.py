@@ -487,6 +487,33 @@ class StepMeter:
         return self._base + tracker.peak_with_held()
 
 
+class AllocatorMeter(StepMeter):
+    """:class:`StepMeter` for compiled code, which allocates outside the dispatcher: on CPU the profiler's
+    allocator-level memory events (``remat._compat.profiler_memory_trace``) between :meth:`start` and
+    :meth:`stop`; on CUDA the allocator, as StepMeter. The profiler does not report frees of memory allocated
+    before it started, so on CPU ``follow`` counts all along (an upper bound where the loop frees it)."""
+
+    def start(self, state: Sequence[torch.Tensor], follow: Sequence[torch.Tensor] = ()) -> None:
+        if self.device.type == "cuda":
+            super().start(state, follow)
+            return
+        from remat._compat import ProfilerSession
+
+        self._base = tensor_bytes([*state, *follow], self.device)
+        self._session = ProfilerSession(self.device)
+        self._session.__enter__()
+
+    def live_bytes(self) -> int:  # pragma: no cover - the callbacks do not ask
+        raise NotImplementedError("AllocatorMeter reads the profiler's events only when it stops")
+
+    def stop(self) -> int:
+        if self.device.type == "cuda":
+            return super().stop()
+        session, self._session = self._session, None
+        session.__exit__(None, None, None)
+        return self._base + session.peak_bytes
+
+
 def measure_peak(work: Callable[[Callable[[], int]], Any], device: torch.device,
                  state: Sequence[torch.Tensor]) -> int:
     """Peak bytes on ``device`` while ``work(live_now)`` runs (:class:`StepMeter`); ``live_now()`` gives the

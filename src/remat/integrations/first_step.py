@@ -26,7 +26,7 @@ from torch import nn
 
 from remat.api import apply_plan, optimize_checkpointing
 from remat.errors import InvalidInputError, MissingDependencyError
-from remat.measure import StepMeter, input_tensors, model_device, tensor_bytes
+from remat.measure import AllocatorMeter, StepMeter, input_tensors, model_device, tensor_bytes
 from remat.plan import GiB, Plan
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ class FirstStep:
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     granularity: str = "op"
     check: bool = True
+    #: how the loop compiles the model (``optimize_checkpointing``'s ``compile``; None: the framework's settings)
+    compile: bool | dict | None = None
     #: the plan applied, once the first batch has been seen
     applied: Plan | None = field(default=None, init=False)
     #: bytes of the budget set aside for DDP's gradient buckets (Note [DDP buckets reserved])
@@ -75,9 +77,10 @@ class FirstStep:
 
     def run(self, model: nn.Module, example_inputs: Any, *, optimizer: Any, output_alive: bool,
             grad_accumulation: bool, zero_grad_after_forward: bool = False,
-            autocast: ContextManager | None = None, ddp: bool = False) -> Plan:
+            autocast: ContextManager | None = None, ddp: bool = False, compile: bool | dict | None = None) -> Plan:
         """Plan ``model`` on ``example_inputs`` (or apply the saved plan) and remember the plan. ``ddp``: the
-        framework trains ``model`` inside DistributedDataParallel (Note [DDP buckets reserved])."""
+        framework trains ``model`` inside DistributedDataParallel (Note [DDP buckets reserved]); ``compile``: how
+        the framework compiles it (the callback's own ``compile`` argument, when given, wins)."""
         if self.plan is not None:
             apply_plan(model, self.plan)
             self.applied = self.plan
@@ -93,7 +96,8 @@ class FirstStep:
                 model, budget_gb, example_inputs, loss_fn=self.loss_fn,
                 optimizer=underlying_optimizer(optimizer), check=self.check, granularity=self.granularity,
                 output_alive=output_alive, grad_accumulation=grad_accumulation,
-                zero_grad_after_forward=zero_grad_after_forward)
+                zero_grad_after_forward=zero_grad_after_forward,
+                compile=self.compile if self.compile is not None else compile)
         return self.applied
 
     def start_measuring(self, model: nn.Module, optimizer: Any, example_inputs: Any) -> None:
@@ -109,7 +113,9 @@ class FirstStep:
         state = [*model.parameters(), *model.buffers(),
                  *(t for s in (opt.state.values() if opt is not None else ()) for t in s.values() if torch.is_tensor(t)),
                  *input_tensors((example_inputs,), {})]
-        self._meter = StepMeter(model_device(model))
+        # compiled code allocates outside the dispatcher (Note [Compiled steps] in remat.solve.calibrated)
+        compiled = self.applied is not None and self.applied.compiled
+        self._meter = (AllocatorMeter if compiled else StepMeter)(model_device(model))
         self._meter.start(state, follow=grads)
 
     def stop_measuring(self) -> None:
@@ -164,9 +170,9 @@ class RematCallbackBase:
 
     def __init__(self, budget_gb: float | None = None, *, plan: Plan | str | Path | None = None,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, granularity: str = "op",
-                 check: bool = True) -> None:
+                 check: bool = True, compile: bool | dict | None = None) -> None:
         super().__init__()
-        self.first = FirstStep(budget_gb, plan, loss_fn, granularity, check)
+        self.first = FirstStep(budget_gb, plan, loss_fn, granularity, check, compile)
 
     @property
     def plan(self) -> Plan | None:

@@ -8,7 +8,9 @@ in remat.integrations.first_step): the training step remat profiles is your ``tr
 (its returned loss, or ``loss`` of the dict it returns), under the Trainer's precision context
 (``precision="bf16-mixed"``, ``"16-mixed"``), with the Trainer's optimizer (never called) and its
 ``accumulate_grad_batches``, and its ``zero_grad`` between the forward and the backward (the previous
-step's gradients are alive through the forward). While remat profiles, ``self.log``/``self.log_dict`` of the module do nothing (a
+step's gradients are alive through the forward); a module passed to ``fit`` compiled (``torch.compile(module)``)
+is planned for its compiled training step (with torch.compile's defaults unless ``compile={...}`` says the
+settings). While remat profiles, ``self.log``/``self.log_dict`` of the module do nothing (a
 profiling step is not a training step). The plan is logged (``remat/*`` metrics and an info line) and kept
 in ``callback.plan``, with the measured peak of the second optimizer step (the first with the optimizer's state) in
 ``callback.measured_peak_bytes``; its unit names are the LightningModule's own, so ``plan.save(path)`` and
@@ -76,7 +78,7 @@ class _RematLightning(RematCallbackBase):
     apply it before the first step (or apply ``plan``: a Plan or a saved plan's path).
 
     ``loss_fn(output)`` maps what ``training_step`` returns to the loss (default: the tensor itself, or its
-    ``"loss"`` entry); ``granularity`` and ``check`` as in ``remat.optimize_checkpointing``."""
+    ``"loss"`` entry); ``granularity``, ``check`` and ``compile`` as in ``remat.optimize_checkpointing``."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.first.applied is not None:
@@ -93,15 +95,26 @@ class _RematLightning(RematCallbackBase):
         else:
             optimizers = trainer.optimizers
             step = _TrainingStep(pl_module, batch_idx)
-            quiet = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
+            names = ("log", "log_dict")
+            # Note [Compiled LightningModule]: trainer.fit(torch.compile(module)) unwraps it and compiles the
+            # module's forward and training_step in place (lightning's from_compiled: _compiler_ctx holds the
+            # originals): remat profiles the originals and plans for the compiled training step
+            ctx = getattr(pl_module, "_compiler_ctx", None)
+            compiled = isinstance(ctx, dict) and ctx.get("compiler") == "dynamo"
+            if compiled:
+                names += ("forward", "training_step")
+            quiet = {name: pl_module.__dict__.get(name) for name in names}
             pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None
+            if compiled:
+                pl_module.forward, pl_module.training_step = ctx["original_forward"], ctx["original_training_step"]
             try:
                 plan = self.first.run(step, (batch,), optimizer=optimizers[0] if len(optimizers) == 1 else None,
                                       output_alive=True, grad_accumulation=trainer.accumulate_grad_batches > 1,
                                       # Lightning's closure: training_step, zero_grad, backward
                                       zero_grad_after_forward=True,
                                       autocast=trainer.precision_plugin.forward_context(),
-                                      ddp=type(trainer.strategy).__name__ == "DDPStrategy")
+                                      ddp=type(trainer.strategy).__name__ == "DDPStrategy",
+                                      compile=True if compiled else None)
             finally:
                 for name, value in quiet.items():
                     if value is None:

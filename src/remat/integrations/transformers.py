@@ -7,7 +7,9 @@
 The callback plans on the first training batch (Note [Plan on the first batch] in
 remat.integrations.first_step): its shapes, the Trainer's optimizer (never called), its loss (the model's
 ``loss`` from ``labels``, or ``loss_fn``), the output dropped after the loss as ``compute_loss`` does, bf16
-or fp16 autocast as accelerate applies it, and ``gradient_accumulation_steps``. It takes over from
+or fp16 autocast as accelerate applies it, and ``gradient_accumulation_steps``; with ``torch_compile=True`` the plan is made and checked for the step
+compiled with the Trainer's ``torch_compile_backend`` and ``torch_compile_mode`` (Note [Compiled steps] in
+remat.solve.calibrated). It takes over from
 ``gradient_checkpointing=True`` (remat's plan replaces the model's own checkpointing; a warning says so).
 The plan is logged (the ``transformers`` logger, and ``remat/*`` entries in ``trainer.state.log_history``)
 and kept in ``callback.plan``, with the measured peak of the second training step (the first with the optimizer's state: all its
@@ -51,8 +53,8 @@ class RematCallback(RematCallbackBase, TrainerCallback):
     """Plan activation checkpointing for ``budget_gb`` GiB per training step on the Trainer's first batch
     and apply it before the first step (or apply ``plan``, a Plan or a saved plan's path).
 
-    ``loss_fn(output)`` as in ``remat.optimize_checkpointing`` (default: the model's ``loss``); ``granularity``
-    and ``check`` too."""
+    ``loss_fn(output)`` as in ``remat.optimize_checkpointing`` (default: the model's ``loss``); ``granularity``,
+    ``check`` and ``compile`` too (``compile`` default: the Trainer's ``torch_compile`` settings)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -69,6 +71,15 @@ class RematCallback(RematCallbackBase, TrainerCallback):
                            "checkpointing is turned off when the plan is applied); leave it False with RematCallback")
         accumulating = getattr(args, "gradient_accumulation_steps", 1) > 1
 
+        # Note [Compiled Trainer]: with torch_compile=True accelerate wraps the model in torch.compile, so this
+        # hook runs inside the compiled call: it must run eagerly (the planning step graph-breaks once, before
+        # the first step's forward), and the plan is made for the step compiled with the Trainer's settings
+        compile_settings = None
+        if getattr(args, "torch_compile", False):
+            compile_settings = {k: v for k, v in (("backend", getattr(args, "torch_compile_backend", None)),
+                                                  ("mode", getattr(args, "torch_compile_mode", None))) if v}
+
+        @torch.compiler.disable
         def training_forward(module, fwd_args, fwd_kwargs):
             if self._planning or not (module.training and torch.is_grad_enabled()):
                 return None  # remat's own profiling steps, or an evaluation forward: wait for training
@@ -80,7 +91,8 @@ class RematCallback(RematCallbackBase, TrainerCallback):
                 self._planning = True
                 try:
                     self.first.run(module, inputs, optimizer=optimizer, output_alive=False,
-                                   grad_accumulation=accumulating, ddp=trains_in_ddp(args))
+                                   grad_accumulation=accumulating, ddp=trains_in_ddp(args),
+                                   compile=compile_settings if compile_settings is not None else False)
                 finally:
                     self._planning = False
                 logger.warning(self.first.summary())
