@@ -1,7 +1,7 @@
 """The ``remat`` command line (also ``python -m remat``).
 
     remat tradeoff TARGET      measured memory/step-time table: hand rules and remat's plan per budget
-    remat plan TARGET --budget GIB [--out plan.json]
+    remat plan TARGET --budget GIB [--out plan.json] [--compile [BACKEND]]
     remat profile TARGET       per-unit costs and the capture path
     remat verify TARGET (--budget GIB | --plan plan.json)   equivalence check; exit 1 on mismatch
     remat maxbatch TARGET --budget GIB [--dim batch|seq]     the largest and the fastest batch (or sequence)
@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", type=Path, help="write the plan as JSON (for remat.apply_plan)")
     pl.add_argument("--granularity", choices=["block", "op"], default="op",
                     help="allow selective (op-level) units (op, the default) or whole units only (block)")
+    pl.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+                    help="the loop trains the model under torch.compile (default backend: inductor): plan and check "
+                         "the compiled step (3-6 compiles)")
+    pl.add_argument("--compile-mode", metavar="MODE", help="torch.compile mode the loop uses (with --compile)")
 
     pr = sub.add_parser("profile", parents=[common], help="per-unit costs and the capture path")
     pr.add_argument("--warmup", type=float, default=3.0,
@@ -286,10 +290,14 @@ def _plot(out, path: Path, draw) -> None:
 def _optimize(args, model, inputs, loss_fn) -> Plan:
     """optimize_checkpointing with the command line's budget, optimizer and time limit."""
     factory = OPTIMIZERS[args.optimizer]
+    backend, mode = getattr(args, "compile", None), getattr(args, "compile_mode", None)
+    if mode and not backend:
+        raise UsageError("--compile-mode goes with --compile")
+    compile = {k: v for k, v in (("backend", backend), ("mode", mode)) if v} if backend else False
     return optimize_checkpointing(model, args.budget, inputs, loss_fn=loss_fn,
                                   optimizer=factory(model.parameters()) if factory else None,
                                   time_limit_s=args.time_limit, granularity=getattr(args, "granularity", "op"),
-                                  output_alive=not args.output_dropped)
+                                  output_alive=not args.output_dropped, compile=compile)
 
 
 def cmd_plan(args, out, err) -> int:

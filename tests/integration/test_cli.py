@@ -168,3 +168,15 @@ def test_maxbatch_needs_a_sized_target(capsys, tmp_path):
     f.write_text("import torch\n\ndef build():\n    return torch.nn.Linear(4, 1), torch.randn(8, 4)\n")
     code, _, err = run(capsys, "maxbatch", f"{f}:build", "--budget", "1", "--device", "cpu")
     assert code == 2 and "takes no batch_size= argument" in err
+
+
+def test_plan_for_the_compiled_step(capsys, tmp_path):
+    """remat plan --compile BACKEND: the plan (saved and printed) is the compiled step's, checked on it."""
+    code, out, err = run(capsys, "plan", *TINY_UNET, "--budget", "1", "--compile", "aot_eager",
+                         "--out", str(tmp_path / "p.json"))
+    assert code == 0, err
+    plan = Plan.load(tmp_path / "p.json")
+    assert "backend='aot_eager'" in plan.compiled and plan.checked_peak_bytes <= plan.budget_bytes
+    assert "compiled step:" in out and "(compiled)" in out
+    code, _, err = run(capsys, "plan", *TINY_UNET, "--budget", "1", "--compile-mode", "max-autotune")
+    assert code == 2 and "--compile-mode goes with --compile" in err
