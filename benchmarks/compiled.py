@@ -1,31 +1,33 @@
-"""remat's plans under torch.compile, against torch.compile's own activation_memory_budget (run by hand).
+"""remat's plans for the compiled step, side by side with torch.compile's activation_memory_budget (run by hand).
 
-    python benchmarks/compiled.py [--layers 4] [--d-model 128] [--batch 8] [--seq 128] [--repeats 5]
-                                 [--device cuda] [--out FILE]           # ~10 min on 2 CPU cores
+    python benchmarks/compiled.py [--models gpt,llama] [--repeats 5] [--device cuda] [--out FILE]
+                                                                     # ~30-40 min on 2 CPU cores
 
-The built-in GPT decoder (dropout 0.1), AdamW. Rows:
+Models: the built-in GPT decoder (4 x 128, batch 8 x 128, dropout 0.1) and a Hugging Face Llama decoder built
+from a config (4 layers of width 128, attention dropout 0.1, batch 8 x 128; needs transformers). AdamW, the
+output kept until the step ends, the whole model compiled with inductor (its own random numbers, the default).
 
-  eager plans     remat's checked plans at budgets from its least peak to no checkpointing, plus "every
-                  block", each run eagerly (remat's prediction, the checked peak) and compiled
-                  (``torch.compile(model)`` after checkpointing, as remat's README says)
-  compile budget  the plain model compiled with ``torch._functorch.config.activation_memory_budget`` at
-                  0, 0.25, 0.5, 0.75 and 1 (compile's own min-cut/knapsack recomputation)
+For each model, in one run:
 
-Every compiled row's peak is measured by the profiler's allocator-level memory events on CPU (what compiled
-kernels allocate is invisible to remat's dispatch-level tracker), by the allocator on CUDA: parameters,
-gradients, optimizer state and the batch alive before the step plus the step's own allocations (forward,
-backward, optimizer step; gradients start as None). Step times: median of --repeats steps after two
-warm-up steps. Inductor's own random numbers are used (the default; with ``fallback_random`` compile saves
-dropout outputs instead of replaying them). Note: with activation_memory_budget < 1, PyTorch issue
-#190758 reports that compile's partitioner may recompute dropout with fresh random numbers (wrong
-gradients); remat's checkpoints replay the RNG (tests/integration/test_compile.py).
+  remat @ budget    ``optimize_checkpointing(..., compile=True)``'s plan for 5 budgets from remat's least compiled
+                    peak to the compiled no-checkpointing peak (planned as the library plans: profile once,
+                    compiled steps measured per plan, Note [Compiled steps] in remat.solve.calibrated), then
+                    measured again here on a freshly compiled model
+  AMB f             the plain model compiled with ``torch._functorch.config.activation_memory_budget = f`` for
+                    f in 0, 0.25, 0.5, 0.75, 1 (compile's own min-cut/knapsack recomputation)
+  remat @ AMB f     remat's plan for a budget equal to AMB f's measured peak: step times at equal peak
 
-Writes benchmarks/results/compile-<device>.md and prints it.
+Every peak is measured on a compiled step: the profiler's allocator-level memory events on CPU (what compiled
+kernels allocate is invisible to a dispatch-level tracker), the allocator on CUDA; parameters, gradients,
+optimizer state and the batch alive before the step plus the step's allocations (forward, backward, optimizer
+step; gradients start as None). Step times: median of --repeats steps after two warm-up steps, interleaved
+per row (not across rows: each row compiles its own model). Writes benchmarks/results/compile-<device>.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import platform
 import statistics
 import time
@@ -36,18 +38,41 @@ import torch
 
 import remat
 from remat._compat import profiler_memory_peak
+from remat.api import peak_with_plan
+from remat.compiled import compiled_loop
 from remat.examples import make_gpt
 from remat.measure import outside_autocast, split_inputs, tensor_bytes
 from remat.plan import fmt_bytes
+from remat.solve.calibrated import plan_compiled
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+AMB = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def adamw(params):
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def measure_compiled(model, inputs, loss_fn, device: torch.device, repeats: int = 5, *,
+def gpt(device):
+    return make_gpt(layers=4, batch_size=8, seq_len=128, d_model=128, dropout=0.1, device=str(device))
+
+
+def llama(device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=4, attention_dropout=0.1,
+                      max_position_embeddings=128, use_cache=False)
+    model = LlamaForCausalLM(cfg).to(device).train()
+    ids = torch.randint(0, 512, (8, 128), generator=torch.Generator().manual_seed(0)).to(device)
+    return model, {"input_ids": ids, "labels": ids}, lambda out: out.loss
+
+
+MODELS = {"gpt": gpt, "llama": llama}
+
+
+def measure_compiled(model, inputs, loss_fn, device: torch.device, repeats: int, *,
                      memory_budget: float | None = None) -> dict:
     """Compile ``model`` (with compile's ``activation_memory_budget`` when given) and measure whole training
     steps (AdamW): compile time, the allocator-level peak, the bytes saved for backward, median step time."""
@@ -82,8 +107,7 @@ def measure_compiled(model, inputs, loss_fn, device: torch.device, repeats: int 
         compile_s = time.perf_counter() - t0
         step(record=True)
         step()
-        state = [*model.parameters(), *model.buffers(), *(t for t in args if torch.is_tensor(t)),
-                 *(t for t in kwargs.values() if torch.is_tensor(t)),
+        state = [*model.parameters(), *model.buffers(), *remat.measure.input_tensors(args, kwargs),
                  *(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t))]
         if device.type == "cuda":
             sync()
@@ -111,71 +135,127 @@ class _Null:
         return False
 
 
+class RematCompiled:
+    """remat's compiled planning for one model, as optimize_checkpointing(compile=True) does it, with the
+    measured compiled peaks shared across budgets (the anchors are measured once)."""
+
+    def __init__(self, factory, device: torch.device) -> None:
+        self.model, self.inputs, loss_fn = factory(device)
+        self.loss_fn = loss_fn or remat.default_loss
+        self.device = device
+        t0 = time.perf_counter()
+        self.profile = remat.make_profile(self.model, self.inputs, loss_fn=self.loss_fn,
+                                          optimizer=adamw(self.model.parameters()))
+        self.profile_s = time.perf_counter() - t0
+        self.planner = remat.Planner(self.profile, granularity="op", regions=False)
+        self.loop = compiled_loop(self.model, self.model, True)
+        self.measured: dict = {}
+        self.args, self.kwargs = split_inputs(self.inputs)
+
+    def plan(self, budget: int):
+        t0 = time.perf_counter()
+        before = len(self.measured)
+        plan = plan_compiled(self.planner, budget, lambda p: peak_with_plan(
+            self.model, p, self.args, self.kwargs, self.loss_fn, self.device, self.profile, self.loop),
+            loop=str(self.loop), measured=self.measured)
+        return plan, time.perf_counter() - t0, len(self.measured) - before
+
+
+def run_model(name: str, factory, device: torch.device, repeats: int) -> list[dict]:
+    rows: list[dict] = []
+    rc = RematCompiled(factory, device)
+    print(f"{name}: profiled in {rc.profile_s:.1f} s", flush=True)
+
+    def remat_row(label: str, budget: int) -> None:
+        try:
+            plan, plan_s, compiles = rc.plan(budget)
+        except remat.InfeasibleBudgetError as e:
+            rows.append(dict(model=name, name=label, budget=budget, units=None, note=f"refused: least {fmt_bytes(e.min_feasible_bytes)}"))
+            print(rows[-1], flush=True)
+            return
+        m, inp, loss_fn = factory(device)
+        remat.apply_plan(m, plan)
+        comp = measure_compiled(m, inp, loss_fn or remat.default_loss, device, repeats)
+        rows.append(dict(model=name, name=label, budget=budget, units=len(plan.checkpointed),
+                         selective=sum("@ops" in u for u in plan.checkpointed), predicted=plan.predicted_peak_bytes,
+                         checked=plan.checked_peak_bytes, plan_s=plan_s, compiles=compiles, **comp))
+        print(rows[-1], flush=True)
+
+    none = rc.plan(10**15)[0]  # the compiled step without checkpointing (one compile)
+    hi = none.checked_peak_bytes
+    try:
+        rc.plan(0)
+    except remat.InfeasibleBudgetError as e:
+        lo = e.min_feasible_bytes
+    for f in (0.0, 0.25, 0.5, 0.75, 1.0):
+        remat_row(f"remat @ {f:.2f} of the range", int(lo + f * (hi - lo)))
+    for frac in AMB:
+        m, inp, loss_fn = factory(device)
+        comp = measure_compiled(m, inp, loss_fn or remat.default_loss, device, repeats, memory_budget=frac)
+        rows.append(dict(model=name, name=f"AMB {frac}", budget=None, units=None, **comp))
+        print(rows[-1], flush=True)
+        remat_row(f"remat @ AMB {frac}'s peak", comp["peak"])
+    return rows
+
+
+def table(rows: list[dict], device: torch.device, args) -> str:
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"# remat's compiled plans against activation_memory_budget on {device.type}", "",
+             f"Measured {when} on {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}, "
+             f"remat {remat.__version__}; `python benchmarks/compiled.py --models {args.models} --repeats {args.repeats}`. "
+             "Whole model compiled with inductor, AdamW, output kept. Every peak measured on a compiled step "
+             "(profiler allocator-level memory events on CPU, the allocator on CUDA). remat rows: the plan "
+             "`optimize_checkpointing(compile=True)` returns for the budget (predicted = its calibrated compiled "
+             "prediction, checked = measured while planning), measured again on a freshly compiled copy; "
+             "AMB rows: the plain model under `torch._functorch.config.activation_memory_budget`.", ""]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        lines += [f"## {model}", "",
+                  "| row | budget | units (@ops) | predicted | checked | measured peak | within budget | step | "
+                  "remat/AMB step at equal peak | planning (compiles) |",
+                  "|---|---:|---:|---:|---:|---:|:---:|---:|---:|---:|"]
+        amb_step = {}
+        for r in mine:
+            if r["name"].startswith("AMB"):
+                amb_step[r["name"]] = r["step_s"]
+        for r in mine:
+            if r.get("units") is None and not r["name"].startswith("AMB"):
+                lines.append(f"| {r['name']} | {fmt_bytes(r['budget'])} | - | - | - | - | - | - | - | {r['note']} |")
+                continue
+            ratio = "-"
+            if "@ AMB" in r["name"]:
+                key = r["name"].split("@ ")[1].split("'")[0]
+                ratio = f"{r['step_s'] / amb_step[key]:.3f}"
+            is_remat = r["name"].startswith("remat")
+            units = f"{r['units']} ({r['selective']})" if is_remat else "-"
+            planning = f"{r['plan_s']:.0f} s ({r['compiles']})" if is_remat else "-"
+            within = ("yes" if r["peak"] <= r["budget"] else "NO") if is_remat else "-"
+            lines.append(
+                f"| {r['name']} | {fmt_bytes(r['budget']) if r['budget'] else '-'} | {units} | "
+                f"{fmt_bytes(r['predicted']) if is_remat else '-'} | {fmt_bytes(r['checked']) if is_remat else '-'} | "
+                f"{fmt_bytes(r['peak'])} | {within} | {r['step_s'] * 1e3:.1f} ms | {ratio} | {planning} |")
+        least_remat = min((r["peak"] for r in mine if r["name"].startswith("remat") and r.get("units") is not None),
+                          default=None)
+        least_amb = min(r["peak"] for r in mine if r["name"].startswith("AMB"))
+        lines += ["", f"Least compiled peak measured: remat {fmt_bytes(least_remat)}, activation_memory_budget "
+                      f"{fmt_bytes(least_amb)}.", ""]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--models", default="gpt,llama")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
-
-    def factory():
-        return make_gpt(layers=args.layers, batch_size=args.batch, seq_len=args.seq, d_model=args.d_model,
-                        dropout=0.1, device=str(device))
-
-    model, inputs, loss_fn = factory()
-    loss_fn = loss_fn or remat.default_loss
-    planner = remat.Planner(remat.make_profile(model, inputs, loss_fn=loss_fn, optimizer=adamw(model.parameters())),
-                            granularity="op")
-    lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
-    plans = [("none", planner.no_checkpointing()), ("every block", planner.every_nth_block(1))]
-    for f in (0.0, 0.33, 0.67):
-        budget = int(lo + f * (hi - lo))
-        plans.append((f"remat @ {fmt_bytes(budget)}", remat.checked_plan(model, inputs, planner, budget, loss_fn=loss_fn)))
-
     rows = []
-    for name, plan in plans:
-        m, inp, _ = factory()
-        remat.apply_plan(m, plan)
-        eager = remat.measure_step(m, inp, loss_fn=loss_fn, optimizer_factory=adamw, repeats=args.repeats)
-        comp = measure_compiled(m, inp, loss_fn, device, args.repeats)
-        rows.append(dict(name=name, units=len(plan.checkpointed), selective=sum("@ops" in u for u in plan.checkpointed),
-                         predicted=plan.predicted_peak_bytes, eager_peak=eager.peak_bytes, eager_s=eager.step_time_s,
-                         **comp))
-        print(rows[-1], flush=True)
-    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
-        m, inp, _ = factory()
-        comp = measure_compiled(m, inp, loss_fn, device, args.repeats, memory_budget=frac)
-        rows.append(dict(name=f"compile, activation_memory_budget={frac}", units=None, selective=None, predicted=None,
-                         eager_peak=None, eager_s=None, **comp))
-        print(rows[-1], flush=True)
-
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"# remat under torch.compile on {device.type}", "",
-             f"Measured {when} on {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}, "
-             f"remat {remat.__version__}. GPT {args.layers} x {args.d_model}, batch {args.batch} x {args.seq}, "
-             "dropout 0.1, AdamW. Peaks of a whole step; compiled peaks by the profiler's allocator-level memory "
-             "events (CPU) or the allocator (CUDA); eager peaks by remat's meter.", "",
-             "| plan | units (@ops) | predicted (eager) | eager peak | compiled peak | compiled saved for backward "
-             "| eager step | compiled step | compile time |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        def mb(x):
-            return "-" if x is None else fmt_bytes(x)
-
-        def ms(x):
-            return "-" if x is None else f"{x * 1e3:.1f} ms"
-
-        units = "-" if r["units"] is None else f"{r['units']} ({r['selective']})"
-        lines.append(f"| {r['name']} | {units} | {mb(r['predicted'])} | {mb(r['eager_peak'])} | {mb(r['peak'])} | "
-                     f"{mb(r['saved'])} | {ms(r['eager_s'])} | {ms(r['step_s'])} | {r['compile_s']:.0f} s |")
-    text = "\n".join(lines) + "\n"
-    out = Path(args.out) if args.out else RESULTS / f"compile-{device.type}.md"
-    out.write_text(text)
+    for name in args.models.split(","):
+        rows += run_model(name, MODELS[name], device, args.repeats)
+        text = table(rows, device, args)
+        out = Path(args.out) if args.out else RESULTS / f"compile-{device.type}.md"
+        out.write_text(text)
     print(text)
 
 

@@ -129,6 +129,7 @@ class Keep:
 class UnitCost:
     """Measured costs of one candidate unit (a submodule, by qualified name)."""
 
+    #: the unit: a qualified module name, a segment ``blocks[0:4]``, a region ``up.2[conv1:conv2]``, or a selective option ``h.3@ops2``
     name: str
     #: qualified name of the closest enclosing unit, or None for a top-level unit
     parent: str | None
@@ -225,6 +226,7 @@ class UnitCost:
 class Profile:
     """Everything the solver needs to know about one training step, measured on a real batch."""
 
+    #: the costs of every candidate unit, in forward order
     units: tuple[UnitCost, ...]
     #: bytes allocated during the step (activations, gradients, temporaries) alive after each operator
     live_bytes: tuple[int, ...]
@@ -234,9 +236,11 @@ class Profile:
     saved_bytes: tuple[int, ...]
     #: timeline index of the first backward operator
     backward_start: int
+    #: bytes of the parameters (distinct storages)
     params_bytes: int
     #: parameter gradients at the end of backward (trainable parameters only)
     grads_bytes: int
+    #: bytes of the buffers
     buffers_bytes: int
     #: example inputs (the batch), alive all step
     inputs_bytes: int
@@ -244,9 +248,13 @@ class Profile:
     optimizer_state_bytes: int
     #: temporaries of the optimizer step on top of everything else alive then
     optimizer_step_bytes: int
+    #: measured forward time of one plain step, the loss included (seconds)
     forward_s: float
+    #: measured backward time of one plain step (seconds)
     backward_s: float
+    #: measured time of the optimizer step, on shadow copies (seconds)
     optimizer_s: float
+    #: where the profile was measured, e.g. "cpu"
     device: str
     #: how the graph was captured: "fx", "export" or "hooks"
     capture_path: str
@@ -254,6 +262,7 @@ class Profile:
     memory_recorded_with: str
     #: what the optimizer accounting covers, e.g. "AdamW" or "none (no optimizer given)"
     optimizer: str
+    #: what profiling found worth saying (paths taken, units left out)
     notes: tuple[str, ...] = field(default_factory=tuple)
     #: bytes allocated during the step alive just before each operator runs (after the frees that follow
     #: the previous one): where a recomputation starts (Note [Between operators] in remat.recording); None:
@@ -265,6 +274,7 @@ class Profile:
     #: processes training the model, and how it is wrapped for that ("" for one process): the profile is
     #: this rank's (Note [One plan for every rank] in remat.distributed)
     world_size: int = 1
+    #: how the model is wrapped for distributed training ("" for one process)
     wrapping: str = ""
     #: the training loop keeps the model's output referenced until the step ends (Note [Loop style] in
     #: remat.profile); False: it is dropped once the loss is computed

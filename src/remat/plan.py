@@ -35,7 +35,9 @@ def fmt_bytes(n: int | float | None) -> str:
 @dataclass(frozen=True)
 class Plan:
     """A checkpointing plan and its predictions. Every ``predicted_*`` figure comes from the memory
-    simulator (``remat.simulate``) over a measured profile; nothing here is measured on the plan itself."""
+    simulator (``remat.simulate``) over a measured profile (for a compiled loop, calibrated on measured
+    compiled steps: Note [Compiled steps] in remat.solve.calibrated); ``checked_peak_bytes`` is measured on
+    a real step with the plan."""
 
     #: the strategy that made the plan: "ilp", "none", "every_block", "every_2nd_block", "greedy", ...
     strategy: str
@@ -43,6 +45,7 @@ class Plan:
     checkpointed: tuple[str, ...]
     #: the budget asked for (bytes), or None for a strategy without one
     budget_bytes: int | None
+    #: the peak predicted for the plan (bytes): the memory simulator's for an eager loop, the calibrated compiled prediction when ``compiled``
     predicted_peak_bytes: int
     #: predicted peak with nothing checkpointed (bytes)
     baseline_peak_bytes: int
@@ -50,17 +53,23 @@ class Plan:
     min_peak_bytes: int
     #: the predicted peak split by category
     breakdown: PeakBreakdown
+    #: the plain step measured while profiling plus the predicted recompute (seconds)
     predicted_step_time_s: float
     #: measured step time with nothing checkpointed (seconds)
     baseline_step_time_s: float
+    #: the plan's predicted recompute time: its units' measured recomputations and checkpoint bookkeeping (seconds)
     predicted_recompute_s: float
     #: "optimal", "optimal within 1%" (large problems, Note [Solver gap] in remat.solve.ilp), "fits" (no
     #: checkpointing needed), "feasible" (time limit hit), "at least as good as the best flat plan" (nested
     #: search stopped: Note [Warm start]), "infeasible", "heuristic", "baseline"
     solver_status: str
+    #: seconds the solver took for this plan
     solve_time_s: float
+    #: how the model was captured: "fx", "export" or "hooks"
     capture_path: str = ""
+    #: the device the profile was measured on, e.g. "cpu", "cuda:0"
     device: str = ""
+    #: the optimizer whose state counts in the budget, e.g. "AdamW", or "none (...)"
     optimizer: str = ""
     #: peak of one real step with this plan: forward and ``loss.backward()`` measured, the optimizer's state
     #: and step temporaries added as predicted
@@ -93,6 +102,7 @@ class Plan:
     compiled: str = ""
     #: parameter names and shapes of the model the plan was made for (checked by apply_plan)
     model_signature: tuple[tuple[str, tuple[int, ...]], ...] = field(default_factory=tuple)
+    #: what the user should know about the plan: assumptions, settings remat changed, how it was checked
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property

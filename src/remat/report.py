@@ -34,20 +34,29 @@ class TradeoffRow:
     """One line of the tradeoff table. Bytes and seconds; ``predicted_*`` from the simulator,
     ``measured_*`` from real steps (None where not measured)."""
 
+    #: the row's strategy: "none", "every_block", ..., "remat" (block-level ILP) or "remat-op" (selective units allowed)
     strategy: str
+    #: the budget of a remat row (bytes); None for a hand rule
     budget_bytes: int | None
+    #: the units checkpointed, in forward order
     checkpointed: tuple[str, ...]
+    #: the memory model's peak for the plan (bytes); None for an infeasible row
     predicted_peak_bytes: int | None
+    #: peak of real training steps with the plan (bytes)
     measured_peak_bytes: int | None
+    #: the plain step measured while profiling plus the plan's predicted recompute (seconds)
     predicted_step_time_s: float | None
+    #: median of the real timed steps (seconds)
     measured_step_time_s: float | None
     #: measured step time over the measured no-checkpointing step time, minus 1
     measured_overhead: float | None
+    #: the ILP's time for a remat row (seconds); None for a hand rule
     solve_time_s: float | None
     #: "optimal", "fits", "baseline", "infeasible", ...
     status: str
     #: whether the measured peak is within the budget (None without a budget or a measurement)
     budget_met: bool | None
+    #: why a row has no plan (an unreachable budget: the least achievable peak)
     note: str = ""
     #: every timed step (seconds); with interleaved timing, entry i of every row is from round i
     measured_step_times_s: tuple[float, ...] = ()

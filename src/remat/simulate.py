@@ -89,16 +89,25 @@ class Row:
 class PeakBreakdown:
     """Where the bytes of a predicted peak go. All fields in bytes except ``phase``/``index``."""
 
+    #: the predicted peak (bytes): the sum of the parts below
     total_bytes: int
+    #: parameters
     params_bytes: int
+    #: gradients alive at the peak
     grads_bytes: int
+    #: the optimizer's state
     optimizer_state_bytes: int
+    #: buffers
     buffers_bytes: int
+    #: the batch
     inputs_bytes: int
+    #: activations saved for backward and alive at the peak
     saved_activations_bytes: int
+    #: everything else alive at the peak (outputs, gradients of activations, recomputed tensors)
     temporaries_bytes: int
     #: where in the step the peak happens, e.g. "backward" or "recompute of h.3"
     phase: str
+    #: the timeline index (operator) of the peak
     index: int
 
 

@@ -55,6 +55,7 @@ class SizeRow:
     """One size tried. Samples per second are ``size / step time`` (for ``dim="seq"``: positions per second
     per sequence of the batch)."""
 
+    #: the batch size (or sequence length, for dim="seq") of this row
     size: int
     #: its plan fits the budget (measured when ``measured_peak_bytes`` is set, else predicted)
     fits: bool
@@ -65,6 +66,7 @@ class SizeRow:
     least_peak_bytes: int
     #: the plan's peak, measured on one real step (optimizer predicted); None when not run
     measured_peak_bytes: int | None = None
+    #: size / the plan's predicted step time
     predicted_samples_per_s: float | None = None
     #: from the median of timed real steps (forward and backward; the optimizer step as profiled)
     measured_samples_per_s: float | None = None
@@ -84,17 +86,23 @@ class SizeRow:
 class BatchSizeReport:
     """What :func:`max_batch` found. ``max_plan``/``best_plan`` are ready for ``remat.apply_plan``."""
 
+    #: "batch" or "seq": the size that was grown
     dim: str
+    #: the budget searched under (bytes)
     budget_bytes: int
+    #: "ilp" (remat's plans), "every_block" or "none" (a hand rule at every size)
     strategy: str
     #: the largest size whose plan fits, confirmed on a real step
     max_size: int
+    #: the plan at max_size (apply it with remat.apply_plan on a model of that size)
     max_plan: Plan
     #: the size with the most measured samples per second among those timed
     best_size: int
+    #: the plan at best_size
     best_plan: Plan
     #: every size tried, smallest first
     rows: tuple[SizeRow, ...]
+    #: how the search went (sizes fitted, refused, checked)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def row(self, size: int) -> SizeRow:

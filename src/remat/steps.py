@@ -38,6 +38,7 @@ class StepMeasurement:
     peak_bytes: int
     #: median wall time of the timed steps (seconds)
     step_time_s: float
+    #: every timed step (seconds), in order
     step_times_s: tuple[float, ...]
     #: how the peak was measured: "cuda allocator" or "live tensor storages (CPU)"
     method: str

@@ -25,9 +25,13 @@ class EquivalenceReport:
     max_abs_diff: dict[str, float]
     #: names whose values differ beyond the tolerance, or whose presence/shape differs
     mismatched: tuple[str, ...]
+    #: the units checkpointed in the model checked
     checkpointed: tuple[str, ...]
+    #: the relative tolerance the comparison used
     rtol: float
+    #: the absolute tolerance the comparison used
     atol: float
+    #: differences that are not numbers: missing gradients, buffers of other shapes, outputs of another structure
     problems: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -87,7 +91,9 @@ def check_equivalence(
     loss_fn: LossFn | None = None,
     reference: nn.Module | None = None,
     seed: int = 0,
+    #: the relative tolerance the comparison used
     rtol: float = 0.0,
+    #: the absolute tolerance the comparison used
     atol: float = 0.0,
 ) -> EquivalenceReport:
     """Run one training step (forward, loss, backward) of a plain copy and of the checkpointed
@@ -109,6 +115,7 @@ def check_equivalence(
     loss_c, out_c, in_c = _run(ckpt, args, kwargs, loss_fn, seed, device)
     diffs: dict[str, float] = {}
     bad: list[str] = []
+    #: differences that are not numbers: missing gradients, buffers of other shapes, outputs of another structure
     problems: list[str] = []
 
     def cmp(name: str, x: torch.Tensor | None, y: torch.Tensor | None) -> None:

@@ -93,3 +93,33 @@ def test_a_budget_below_the_least_compiled_peak_is_refused_with_it():
         plan_compiled(p, least - 1, meter, loop="stand-in")
     assert e.value.min_feasible_bytes == least
     assert plan_compiled(p, least, meter, loop="stand-in").checked_peak_bytes == least
+
+
+class CurvedStand(CompiledStand):
+    """A compiled step whose peak bends below the line through the anchors (compiled code that saves less in
+    the middle of the range than at its ends, as measured on the built-in GPT)."""
+
+    def __call__(self, plan) -> int:
+        self.measured.append(plan.checkpointed)
+        fixed = self.planner.profile.fixed_bytes
+        lo, hi = self.planner.min_peak_bytes - fixed, self.planner.baseline_peak_bytes - fixed
+        x = (self.planner.model.peak_bytes(plan.checkpointed) - fixed - lo) / max(hi - lo, 1)
+        return fixed + int(lo + (hi - lo) * x ** 1.5)
+
+
+def test_slack_buys_a_cheaper_plan_and_the_compiles_are_bounded(monkeypatch):
+    import remat.solve.calibrated as calibrated
+
+    p = planner()
+    meter = CurvedStand(p)
+    lo, hi = meter(p.least_memory()), meter(p.no_checkpointing())
+    budget = (lo + hi) // 2
+    meter.measured.clear()
+    plan = plan_compiled(p, budget, meter, loop="stand-in")
+    assert plan.checked_peak_bytes <= budget
+    assert len(meter.measured) <= 3 + calibrated.REFINE_STEPS
+    # the first plan solved (no refinement) fits with slack: refining found a cheaper one that also fits
+    monkeypatch.setattr(calibrated, "REFINE_STEPS", 1)
+    first = plan_compiled(p, budget, CurvedStand(p), loop="stand-in")
+    assert budget - first.checked_peak_bytes > calibrated.CLOSE_ENOUGH * budget
+    assert plan.predicted_recompute_s < first.predicted_recompute_s

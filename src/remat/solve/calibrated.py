@@ -18,10 +18,11 @@ allocator-level memory events on CPU, remat.compiled) and uses the eager simulat
 * the compiled peak of any other plan is predicted by interpolating, in the plan's eager predicted peak,
   between the measured plans next to it (:class:`PeakCalibration`, piecewise linear; past the last point
   the offset of the nearest point);
-* the ILP is solved for the eager target whose calibrated compiled peak is the budget; the plan is
-  measured compiled; if it is over the budget its point joins the calibration and the target is solved
-  again (at most three times), else it is returned with its calibrated prediction (made before it ran)
-  and its measured peak.
+* the ILP is solved for the eager target whose calibrated compiled peak is the budget and the plan is
+  measured compiled; its point joins the calibration, and while the last plan was over the budget, or
+  within it with more than 2% to spare (a cheaper plan may fit), the target is solved again (at most
+  REFINE_STEPS plans per budget). The cheapest plan measured within the budget is returned with its
+  calibrated prediction (made before it ran) and its measured peak.
 
 Every returned plan's compiled peak is measured; the cost is one compile per measured plan (counted in
 the plan's notes).
@@ -87,18 +88,28 @@ class PeakCalibration:
         return None
 
 
+#: Note [Compiled steps]: plans solved and measured per budget after the anchors, at most; a plan measured
+#: within the budget with more than CLOSE_ENOUGH of it to spare is followed by a cheaper one solved for the
+#: calibration refined by it
+REFINE_STEPS = 4
+CLOSE_ENOUGH = 0.02
+
+
 def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan], int], *,
-                  agree: Callable[[Plan], Plan] = lambda plan: plan, loop: str = "") -> Plan:
+                  agree: Callable[[Plan], Plan] = lambda plan: plan, loop: str = "",
+                  measured: dict[tuple[str, ...], int] | None = None) -> Plan:
     """The least-recompute plan whose *compiled* step measures within ``budget_bytes`` (Note [Compiled
     steps]). ``measure(plan)``: the measured peak (bytes) of one compiled step with ``plan`` (one compile);
     ``agree``: every rank's copy of rank 0's plan (distributed); ``loop``: how the loop compiles, for the
-    notes. Each returned plan has ``predicted_peak_bytes`` = its calibrated compiled prediction (for an
+    notes; ``measured``: the compiled peaks of plans measured already, by their units (shared by several
+    budgets, and filled in). Each returned plan has ``predicted_peak_bytes`` = its calibrated compiled prediction (for an
     anchor, its measured peak: it was measured to calibrate), ``checked_peak_bytes`` = its measured peak,
     ``min_peak_bytes`` = the least measured compiled peak. Raises InfeasibleBudgetError below that."""
     from remat.solve import UNDER_COMPILE
 
     t0 = time.perf_counter()
-    measured: dict[tuple[str, ...], int] = {}
+    measured = {} if measured is None else measured
+    before = len(measured)
 
     def check(plan: Plan) -> int:
         if plan.checkpointed not in measured:
@@ -108,7 +119,7 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
     def done(plan: Plan, predicted: int, why: str) -> Plan:
         peak = check(plan)
         note = (f"planned for the compiled step ({loop}): compiled peak predicted {fmt_bytes(predicted)}, measured "
-                f"{fmt_bytes(peak)} on a compiled step, {why}; {len(measured)} plan{'s' if len(measured) > 1 else ''} compiled and measured in "
+                f"{fmt_bytes(peak)} on a compiled step, {why}; {len(measured) - before} plan{'' if len(measured) - before == 1 else 's'} compiled and measured in "
                 f"{time.perf_counter() - t0:.1f} s (Note [Compiled steps] in remat.solve.calibrated)")
         return dataclasses.replace(
             plan, budget_bytes=budget_bytes, predicted_peak_bytes=predicted, checked_peak_bytes=peak,
@@ -126,21 +137,27 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
     least = min(check(p) for p in anchors)
     if budget_bytes < least:
         raise planner.infeasible(budget_bytes, least_bytes=least, compiled=loop)
-    calibration = PeakCalibration(tuple((p.predicted_peak_bytes, check(p)) for p in [none, *anchors]))
+    # every plan measured so far calibrates (those of earlier budgets too, when ``measured`` is shared)
+    calibration = PeakCalibration(tuple((planner.model.peak_bytes(units), peak) for units, peak in measured.items()))
+    best: tuple[Plan, int] | None = None  # the cheapest plan measured within the budget, with its prediction
     target = None
-    for _ in range(3):
+    for _ in range(REFINE_STEPS):
         new_target = calibration.eager_target(budget_bytes)
         if new_target is None or new_target == target or new_target < planner.min_peak_bytes:
             break
         target = new_target
         plan = agree(planner.plan_for_budget(target))
+        seen = plan.checkpointed in measured
         predicted = calibration.predict(plan.predicted_peak_bytes)
-        if plan.checkpointed in measured and measured[plan.checkpointed] > budget_bytes:
-            break  # the calibration cannot move the target off a plan already measured over the budget
-        if check(plan) <= budget_bytes:
-            return done(plan, predicted, "within the budget")
-        calibration = calibration.with_point(plan.predicted_peak_bytes, check(plan))
+        peak = check(plan)
+        if peak <= budget_bytes and (best is None or plan.predicted_recompute_s < best[0].predicted_recompute_s):
+            best = (plan, predicted)
+        if seen or (peak <= budget_bytes and budget_bytes - peak <= CLOSE_ENOUGH * budget_bytes):
+            break  # nothing new to learn, or too little slack left to buy a cheaper plan with
+        calibration = calibration.with_point(plan.predicted_peak_bytes, peak)
+    if best is not None:
+        return done(best[0], best[1], "within the budget")
     fits = [p for p in anchors if check(p) <= budget_bytes]
-    best = min(fits, key=lambda p: p.predicted_recompute_s)
-    return done(best, check(best), f"the {'least-memory plan' if best is anchors[0] else 'hand rule every block'} "
+    best_anchor = min(fits, key=lambda p: p.predicted_recompute_s)
+    return done(best_anchor, check(best_anchor), f"the {'least-memory plan' if best_anchor is anchors[0] else 'hand rule every block'} "
                 "(measured to calibrate): the plans predicted cheaper measured over the budget")
