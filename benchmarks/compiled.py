@@ -27,7 +27,7 @@ per row (not across rows: each row compiles its own model). Writes benchmarks/re
 from __future__ import annotations
 
 import argparse
-import copy
+import json
 import platform
 import statistics
 import time
@@ -69,7 +69,9 @@ def llama(device):
     return model, {"input_ids": ids, "labels": ids}, lambda out: out.loss
 
 
-MODELS = {"gpt": gpt, "llama": llama}
+#: name -> (factory, the loop keeps the output until the step ends); measure_compiled drops it after the loss,
+#: as the Hugging Face Trainer does; the GPT's output is its loss
+MODELS = {"gpt": (gpt, True), "llama": (llama, False)}
 
 
 def measure_compiled(model, inputs, loss_fn, device: torch.device, repeats: int, *,
@@ -139,13 +141,13 @@ class RematCompiled:
     """remat's compiled planning for one model, as optimize_checkpointing(compile=True) does it, with the
     measured compiled peaks shared across budgets (the anchors are measured once)."""
 
-    def __init__(self, factory, device: torch.device) -> None:
+    def __init__(self, factory, device: torch.device, output_alive: bool) -> None:
         self.model, self.inputs, loss_fn = factory(device)
         self.loss_fn = loss_fn or remat.default_loss
         self.device = device
         t0 = time.perf_counter()
         self.profile = remat.make_profile(self.model, self.inputs, loss_fn=self.loss_fn,
-                                          optimizer=adamw(self.model.parameters()))
+                                          optimizer=adamw(self.model.parameters()), output_alive=output_alive)
         self.profile_s = time.perf_counter() - t0
         self.planner = remat.Planner(self.profile, granularity="op", regions=False)
         self.loop = compiled_loop(self.model, self.model, True)
@@ -161,9 +163,9 @@ class RematCompiled:
         return plan, time.perf_counter() - t0, len(self.measured) - before
 
 
-def run_model(name: str, factory, device: torch.device, repeats: int) -> list[dict]:
+def run_model(name: str, factory, output_alive: bool, device: torch.device, repeats: int) -> list[dict]:
     rows: list[dict] = []
-    rc = RematCompiled(factory, device)
+    rc = RematCompiled(factory, device, output_alive)
     print(f"{name}: profiled in {rc.profile_s:.1f} s", flush=True)
 
     def remat_row(label: str, budget: int) -> None:
@@ -181,12 +183,15 @@ def run_model(name: str, factory, device: torch.device, repeats: int) -> list[di
                          checked=plan.checked_peak_bytes, plan_s=plan_s, compiles=compiles, **comp))
         print(rows[-1], flush=True)
 
+    t0 = time.perf_counter()
     none = rc.plan(10**15)[0]  # the compiled step without checkpointing (one compile)
     hi = none.checked_peak_bytes
     try:
         rc.plan(0)
     except remat.InfeasibleBudgetError as e:
         lo = e.min_feasible_bytes
+    rows.append(dict(model=name, name="anchors", profile_s=rc.profile_s, plan_s=time.perf_counter() - t0,
+                     compiles=len(rc.measured)))
     for f in (0.0, 0.25, 0.5, 0.75, 1.0):
         remat_row(f"remat @ {f:.2f} of the range", int(lo + f * (hi - lo)))
     for frac in AMB:
@@ -203,7 +208,8 @@ def table(rows: list[dict], device: torch.device, args) -> str:
     lines = [f"# remat's compiled plans against activation_memory_budget on {device.type}", "",
              f"Measured {when} on {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}, "
              f"remat {remat.__version__}; `python benchmarks/compiled.py --models {args.models} --repeats {args.repeats}`. "
-             "Whole model compiled with inductor, AdamW, output kept. Every peak measured on a compiled step "
+             "Whole model compiled with inductor, AdamW; the loss is the GPT's output, the Llama's output is dropped "
+             "after its loss (as the Hugging Face Trainer does). Every peak measured on a compiled step "
              "(profiler allocator-level memory events on CPU, the allocator on CUDA). remat rows: the plan "
              "`optimize_checkpointing(compile=True)` returns for the budget (predicted = its calibrated compiled "
              "prediction, checked = measured while planning), measured again on a freshly compiled copy; "
@@ -218,6 +224,8 @@ def table(rows: list[dict], device: torch.device, args) -> str:
         for r in mine:
             if r["name"].startswith("AMB"):
                 amb_step[r["name"]] = r["step_s"]
+        anchors = next(r for r in mine if r["name"] == "anchors")
+        mine = [r for r in mine if r is not anchors]
         for r in mine:
             if r.get("units") is None and not r["name"].startswith("AMB"):
                 lines.append(f"| {r['name']} | {fmt_bytes(r['budget'])} | - | - | - | - | - | - | - | {r['note']} |")
@@ -238,7 +246,10 @@ def table(rows: list[dict], device: torch.device, args) -> str:
                           default=None)
         least_amb = min(r["peak"] for r in mine if r["name"].startswith("AMB"))
         lines += ["", f"Least compiled peak measured: remat {fmt_bytes(least_remat)}, activation_memory_budget "
-                      f"{fmt_bytes(least_amb)}.", ""]
+                      f"{fmt_bytes(least_amb)}. Profiling took {anchors['profile_s']:.1f} s; the anchors (no "
+                      f"checkpointing, the least-memory plan, every block: {anchors['compiles']} compiles) "
+                      f"{anchors['plan_s']:.0f} s, measured once and shared by every budget's planning, whose column "
+                      "counts only its own further compiles.", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -250,11 +261,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
-    rows = []
+    out = Path(args.out) if args.out else RESULTS / f"compile-{device.type}.md"
+    saved = out.with_suffix(".json")  # every model's rows: a run of some models keeps the others'
+    rows = [r for r in (json.loads(saved.read_text()) if saved.exists() else []) if r["model"] not in args.models.split(",")]
     for name in args.models.split(","):
-        rows += run_model(name, MODELS[name], device, args.repeats)
-        text = table(rows, device, args)
-        out = Path(args.out) if args.out else RESULTS / f"compile-{device.type}.md"
+        factory, output_alive = MODELS[name]
+        rows += run_model(name, factory, output_alive, device, args.repeats)
+        saved.write_text(json.dumps(rows, indent=1))
+        text = table(sorted(rows, key=lambda r: list(MODELS).index(r["model"])), device, args)
         out.write_text(text)
     print(text)
 

@@ -21,5 +21,5 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
 fi
 # everything else with the torch installed pinned (a loose torch requirement could pull another build)
 "$VPY" -c "import torch; print('torch==' + torch.__version__)" > .venv/torch-constraint.txt
-"$VPY" -m pip install -q -c .venv/torch-constraint.txt -e ".[dev${REMAT_EXTRAS:+,$REMAT_EXTRAS}]"
+"$VPY" -m pip install -q -c .venv/torch-constraint.txt -e ".[dev]"
 "$VPY" -c "import torch, remat; print(f'remat {remat.__version__} with torch {torch.__version__} in .venv')"

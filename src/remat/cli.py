@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "whole units only (block: rows 'remat'), or both")
     t.add_argument("--warmup", type=float, default=3.0,
                    help="seconds of warm-up steps before measuring (default 3; the first steps run slow)")
+    _compile_args(t)
     t.add_argument("--json", type=Path, help="write every row with all fields to this file")
     t.add_argument("--plot", type=Path, help="write measured peak vs step time to this PNG (needs matplotlib)")
 
@@ -120,10 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", type=Path, help="write the plan as JSON (for remat.apply_plan)")
     pl.add_argument("--granularity", choices=["block", "op"], default="op",
                     help="allow selective (op-level) units (op, the default) or whole units only (block)")
-    pl.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
-                    help="the loop trains the model under torch.compile (default backend: inductor): plan and check "
-                         "the compiled step (3-6 compiles)")
-    pl.add_argument("--compile-mode", metavar="MODE", help="torch.compile mode the loop uses (with --compile)")
+    _compile_args(pl)
 
     pr = sub.add_parser("profile", parents=[common], help="per-unit costs and the capture path")
     pr.add_argument("--warmup", type=float, default=3.0,
@@ -154,6 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--granularity", choices=["block", "op"], default="op",
                    help="with --budget: allow selective (op-level) units (op, the default) or whole units only")
     return p
+
+
+def _compile_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+                        help="the loop trains the model under torch.compile (default backend: inductor): plan and "
+                             "check the compiled step (3-7 compiles per budget)")
+    parser.add_argument("--compile-mode", metavar="MODE", help="torch.compile mode the loop uses (with --compile)")
+
+
+def _compile_setting(args) -> dict | bool:
+    """``optimize_checkpointing``'s ``compile`` from --compile and --compile-mode (False: eager)."""
+    backend, mode = getattr(args, "compile", None), getattr(args, "compile_mode", None)
+    if mode and not backend:
+        raise UsageError("--compile-mode goes with --compile")
+    return {k: v for k, v in (("backend", backend), ("mode", mode)) if v} if backend else False
 
 
 def _device(arg: str | None) -> torch.device:
@@ -224,6 +237,7 @@ def cmd_tradeoff(args, out, err) -> int:
     from rich.table import Table
 
     model, inputs, loss_fn, desc, device = _target(args)
+    compile = _compile_setting(args)
     _header(out, desc, device, args)
     with err.status("profiling") as st:
         profile, _ = _profile(args, model, inputs, loss_fn, device, st.update)
@@ -231,7 +245,7 @@ def cmd_tradeoff(args, out, err) -> int:
         rows = tradeoff(model, inputs, profile, loss_fn=loss_fn, optimizer_factory=OPTIMIZERS[args.optimizer],
                         budgets=budgets, points=args.points, repeats=args.repeats, warmup_s=args.warmup,
                         granularities={"block": ("block",), "op": ("op",), "both": ("block", "op")}[args.granularity],
-                        progress=st.update)
+                        progress=st.update, compile=compile)
     planner_min = min((r.predicted_peak_bytes for r in rows if r.predicted_peak_bytes), default=None)
     table = Table(title="memory / step-time tradeoff of one training step", title_justify="left")
     for col, just in [("budget", "right"), ("strategy", "left"), ("units", "right"),
@@ -256,6 +270,29 @@ def cmd_tradeoff(args, out, err) -> int:
             *([" / ".join(f"{p / 2**20:.2f}" for p in r.measured_peak_per_rank_bytes) or "-"] if per_rank else []),
         )
     out.print(table)
+    if compile:  # Note [Compiled tradeoff] in remat.report
+        settings = ", ".join(f"{k}={v}" for k, v in compile.items())
+        out.print(f"every row compiled with torch.compile ({settings}): peak measured on a "
+                  f"compiled step ({'the CUDA allocator' if device.type == 'cuda' else 'the profiler allocator-level memory events'}, "
+                  "optimizer as profiled); predicted: remat's calibrated compiled prediction, made before the plan was "
+                  f"measured; step time the median of {args.repeats} compiled forward and backward passes plus the "
+                  "profiled optimizer step. Hand rules' peaks are the measured points the calibration starts from.")
+    else:
+        _eager_footer(out, rows, profile, device, args, planner_min)
+    meta = dict(target=desc, device=str(device), optimizer=args.optimizer, torch=torch.__version__,
+                remat=__version__, machine=platform.platform(), date=datetime.now(timezone.utc).isoformat(),
+                capture_path=profile.capture_path, memory_recorded_with=profile.memory_recorded_with,
+                compiled=str(compile) if compile else "")
+    if args.json and _rank() == 0:
+        args.json.write_text(rows_to_json(rows, meta))
+        out.print(f"rows written to {args.json}")
+    if args.plot and _rank() == 0:
+        _plot(out, args.plot, lambda path: plot_rows(rows, path, f"{desc} on {device}"))
+    return 0
+
+
+def _eager_footer(out, rows, profile, device, args, planner_min) -> None:
+    per_rank = any(r.measured_peak_per_rank_bytes for r in rows)
     out.print(f"predicted: remat's memory model over one profile (capture: {profile.capture_path}, memory "
               f"recorded on {profile.memory_recorded_with} tensors); measured: real training steps, peak as "
               f"{'the CUDA allocator' if device.type == 'cuda' else 'live tensor storages (CPU)'}, step time the "
@@ -267,15 +304,6 @@ def cmd_tradeoff(args, out, err) -> int:
               + (" remat-op: remat's plan with selective units allowed; (k @ops): k units checkpointed "
                  "selectively (keeping some operators' outputs)." if any(r.strategy == "remat-op" for r in rows)
                  else ""))
-    meta = dict(target=desc, device=str(device), optimizer=args.optimizer, torch=torch.__version__,
-                remat=__version__, machine=platform.platform(), date=datetime.now(timezone.utc).isoformat(),
-                capture_path=profile.capture_path, memory_recorded_with=profile.memory_recorded_with)
-    if args.json and _rank() == 0:
-        args.json.write_text(rows_to_json(rows, meta))
-        out.print(f"rows written to {args.json}")
-    if args.plot and _rank() == 0:
-        _plot(out, args.plot, lambda path: plot_rows(rows, path, f"{desc} on {device}"))
-    return 0
 
 
 def _plot(out, path: Path, draw) -> None:
@@ -290,10 +318,7 @@ def _plot(out, path: Path, draw) -> None:
 def _optimize(args, model, inputs, loss_fn) -> Plan:
     """optimize_checkpointing with the command line's budget, optimizer and time limit."""
     factory = OPTIMIZERS[args.optimizer]
-    backend, mode = getattr(args, "compile", None), getattr(args, "compile_mode", None)
-    if mode and not backend:
-        raise UsageError("--compile-mode goes with --compile")
-    compile = {k: v for k, v in (("backend", backend), ("mode", mode)) if v} if backend else False
+    compile = _compile_setting(args)
     return optimize_checkpointing(model, args.budget, inputs, loss_fn=loss_fn,
                                   optimizer=factory(model.parameters()) if factory else None,
                                   time_limit_s=args.time_limit, granularity=getattr(args, "granularity", "op"),

@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from remat.api import plan_checked, prepare_hf_for_training
+from remat.api import peak_with_plan, plan_checked, prepare_hf_for_training
+from remat.compiled import compiled_loop
 from remat.costs import Profile
 from remat.errors import InfeasibleBudgetError
 from remat.distributed import ranks_for
@@ -27,6 +28,7 @@ from remat.steps import measure_step, measure_step_in_place, time_interleaved, w
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
+from remat.solve.calibrated import plan_compiled
 
 
 @dataclass(frozen=True)
@@ -105,15 +107,25 @@ def tradeoff(
     interleave: bool | None = None,
     granularities: tuple[str, ...] = ("block",),
     progress: Callable[[str], None] | None = None,
+    compile: bool | dict | None = None,
 ) -> list[TradeoffRow]:
     """Plan and measure. ``model`` must be plain (not checkpointed); it is checkpointed and restored
     in turn, and each measurement trains a deep copy, so ``model`` ends as it started.
 
     Rows: ``hand_rules`` (default: ``planner.baselines()``), then per budget remat's checked plan
     and, with ``greedy``, the greedy plan for that budget. Step times are interleaved across plans
-    (Note [Interleaved timing]) unless ``interleave`` is False; the default interleaves on CPU."""
+    (Note [Interleaved timing]) unless ``interleave`` is False; the default interleaves on CPU.
+
+    ``compile`` (True, or a dict of ``torch.compile`` settings): every row is the compiled step's
+    (:func:`_tradeoff_compiled`): remat's plans as ``optimize_checkpointing(..., compile=...)`` makes them,
+    predicted and measured peaks of compiled steps, step times of compiled forward and backward passes
+    measured on ``model`` itself (restored after each) plus the optimizer step as profiled."""
     notes, undo = prepare_hf_for_training(model)  # every row is a training step as remat runs it (no KV cache)
     try:
+        if compile:
+            return _tradeoff_compiled(model, inputs, profile, loss_fn=loss_fn or default_loss, budgets=budgets,
+                                      points=points, warmup=warmup, repeats=repeats, granularities=granularities,
+                                      loop=compiled_loop(model, model, compile), say=progress or (lambda m: None))
         return _tradeoff(model, inputs, profile, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
                          budgets=budgets, points=points, warmup=warmup, repeats=repeats, warmup_s=warmup_s,
                          planner=planner, hand_rules=hand_rules, greedy=greedy, interleave=interleave,
@@ -284,6 +296,98 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
             measured_step_times_s=tuple(m.step_times_s),
         ))
     return rows
+
+
+def _tradeoff_compiled(model, inputs, profile, *, loss_fn, budgets, points, warmup, repeats, granularities,
+                       loop, say) -> list[TradeoffRow]:
+    """Note [Compiled tradeoff]: the table for a compiled loop. Every plan's peak is measured on a compiled step
+    (Note [Compiled steps] in remat.solve.calibrated; one measurement per distinct plan, shared by the hand
+    rules and every budget), remat's rows are ``plan_compiled``'s plans, and the budgets run from the least
+    compiled peak measured to the compiled no-checkpointing peak. Step times: ``repeats`` compiled forward and
+    backward passes per plan after ``warmup``, on ``model`` itself (its gradients, buffers and RNG restored
+    after each: no copy of the model), plus the optimizer step's profiled time."""
+    args, kwargs = split_inputs(inputs)
+    device = model_device(model)
+    planners = {g: Planner(profile, granularity=g, regions=False) for g in granularities}
+    first = planners[granularities[0]]
+    measured: dict[tuple[str, ...], int] = {}
+
+    def measure(plan: Plan) -> int:
+        say(f"compiling and measuring {plan.strategy} ({len(plan.checkpointed)} units)")
+        return peak_with_plan(model, plan, args, kwargs, loss_fn, device, profile, loop)
+
+    plans: list[tuple[Plan | _Infeasible, int | None, str]] = []
+    for rule in first.baselines():
+        if rule.checkpointed not in measured:
+            measured[rule.checkpointed] = measure(rule)
+        plans.append((dataclasses.replace(rule, checked_peak_bytes=measured[rule.checkpointed], compiled=str(loop)),
+                      None, ""))
+    if budgets is None:
+        lo = min(measured.values())
+        try:
+            plan_compiled(first, 0, measure, loop=str(loop), measured=measured)
+        except InfeasibleBudgetError as e:
+            lo = e.min_feasible_bytes
+        hi = measured[()]
+        budgets = [hi] if points <= 1 or hi <= lo else [int(lo + (hi - lo) * i / (points - 1)) for i in range(points)]
+    for b in budgets:
+        say(f"planning for {fmt_bytes(b)}")
+        for g in granularities:
+            try:
+                plans.append((plan_compiled(planners[g], b, measure, loop=str(loop), measured=measured), b, ""))
+            except InfeasibleBudgetError as e:
+                plans.append((_Infeasible("ilp" if g == "block" else "ilp-op"), b,
+                              f"below the least achievable compiled peak {fmt_bytes(e.min_feasible_bytes)}"))
+    times: dict[tuple[str, ...], tuple[float, ...]] = {}
+    for plan, _, _ in plans:
+        if isinstance(plan, _Infeasible) or plan.checkpointed in times:
+            continue
+        say(f"timing {plan.strategy} ({len(plan.checkpointed)} units), compiled")
+        times[plan.checkpointed] = _compiled_step_times(model, plan, args, kwargs, loss_fn, device, profile, loop,
+                                                        warmup, repeats)
+    plain_s = statistics.median(times[()]) if () in times else None
+    rows = []
+    for plan, budget, note in plans:
+        if isinstance(plan, _Infeasible):
+            rows.append(_infeasible_row(plan, budget, note))
+            continue
+        ts = times[plan.checkpointed]
+        step_s = statistics.median(ts)
+        peak = plan.checked_peak_bytes
+        rows.append(TradeoffRow(
+            strategy=_STRATEGY.get(plan.strategy, plan.strategy), budget_bytes=budget, checkpointed=plan.checkpointed,
+            # a hand rule's compiled peak is not predicted: it is one of the measured points
+            predicted_peak_bytes=plan.predicted_peak_bytes if budget is not None else None,
+            measured_peak_bytes=peak, predicted_step_time_s=plan.predicted_step_time_s, measured_step_time_s=step_s,
+            measured_overhead=step_s / plain_s - 1 if plain_s else None,
+            solve_time_s=plan.solve_time_s if plan.strategy in _STRATEGY else None, status=plan.solver_status,
+            budget_met=None if budget is None else peak <= budget, note=note or ("" if budget is not None else
+                                                                              "compiled peak measured"),
+            measured_step_times_s=ts))
+    return rows
+
+
+def _compiled_step_times(model, plan, args, kwargs, loss_fn, device, profile, loop, warmup: int,
+                         repeats: int) -> tuple[float, ...]:
+    """Seconds of ``repeats`` compiled forward-and-backward passes of ``model`` checkpointed as ``plan`` says,
+    after ``warmup`` (the first compiles), each plus the optimizer step's profiled time (Note [Compiled
+    tradeoff]). ``model`` ends without checkpointing, with its gradients, buffers and RNG state as before."""
+    from remat.measure import Clock, run_step, trainable_parameters
+    from remat.state import fresh_grads, preserved
+
+    clock = Clock(device)
+    checkpoint_plan(model, plan)
+    try:
+        with loop.step(model) as call, preserved(model), torch.random.fork_rng(devices=[]):
+            out = []
+            for i in range(max(warmup, 1) + repeats):
+                with fresh_grads(trainable_parameters(model)):
+                    s = clock.time(lambda: run_step(call, args, kwargs, loss_fn, output_alive=profile.output_alive))
+                if i >= max(warmup, 1):
+                    out.append(s + profile.optimizer_s)
+            return tuple(out)
+    finally:
+        remove_checkpointing(model)
 
 
 def rows_to_json(rows: list[TradeoffRow], meta: dict[str, Any]) -> str:

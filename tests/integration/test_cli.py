@@ -180,3 +180,19 @@ def test_plan_for_the_compiled_step(capsys, tmp_path):
     assert "compiled step:" in out and "(compiled)" in out
     code, _, err = run(capsys, "plan", *TINY_UNET, "--budget", "1", "--compile-mode", "max-autotune")
     assert code == 2 and "--compile-mode goes with --compile" in err
+
+
+def test_tradeoff_of_the_compiled_step(capsys, tmp_path):
+    """remat tradeoff --compile: every row's peak measured on a compiled step, remat's rows within their budgets,
+    in the memory of one model (timed in place)."""
+    code, out, err = run(capsys, "tradeoff", *TINY_UNET, "--points", "2", "--repeats", "1", "--warmup", "0",
+                         "--compile", "aot_eager", "--json", str(tmp_path / "rows.json"))
+    assert code == 0, err
+    assert "every row compiled with torch.compile (backend=aot_eager)" in out
+    data = json.loads((tmp_path / "rows.json").read_text())
+    assert "aot_eager" in data["meta"]["compiled"]
+    rows = data["rows"]
+    assert [r["strategy"] for r in rows[:2]] == ["none", "every_block"]
+    mine = [r for r in rows if r["strategy"] == "remat-op"]
+    assert len(mine) == 2 and all(r["budget_met"] and r["measured_peak_bytes"] <= r["budget_bytes"] for r in mine)
+    assert mine[-1]["budget_bytes"] == rows[0]["measured_peak_bytes"]  # the sweep ends at the compiled plain peak

@@ -55,10 +55,10 @@ def _shorter(limit_s: float | None, cap_s: float) -> float:
     return cap_s if limit_s is None else min(limit_s, cap_s)
 
 
-#: Note [Under torch.compile] in remat.rewrite; figures from benchmarks/compiled.py (GPT, CPU)
-UNDER_COMPILE = ("predicted for eager execution: under torch.compile the partitioner decides what compiled code "
-                 "keeps (on the built-in GPT, CPU, compiled peaks were 0.87-1.23x remat's eager prediction; "
-                 "benchmarks/compiled.py)")
+#: the note on every eager plan that checkpoints something (Note [Compiled steps] in remat.solve.calibrated);
+#: figures from benchmarks/compiled.py (GPT, CPU)
+UNDER_COMPILE = ("planned for the eager step: if your loop compiles the model, plan with compile=True (or a dict of "
+                 "its torch.compile settings): compiled peaks were 0.87-1.23x the eager prediction on the built-in GPT")
 
 
 class Planner:
