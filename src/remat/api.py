@@ -339,11 +339,13 @@ def measure_checked_peak(
 
 
 def peak_with_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
-                   profile: Profile, loop: CompiledLoop | None = None) -> int:
+                   profile: Profile, loop: CompiledLoop | None = None,
+                   then: Callable[[Callable[..., Any]], None] | None = None) -> int:
     """:func:`measure_checked_peak` of one step of ``model`` checkpointed as ``plan`` says, for the loop and
     optimizer ``profile`` was made for; with ``loop``, of the step compiled as the loop compiles it (compiled
-    afresh, one warm-up step that compiles, then the measured step, metered at allocator level). Leaves
-    ``model`` without checkpointing."""
+    afresh, one warm-up step that compiles, then the measured step, metered at allocator level). ``then(call)``
+    runs afterwards with the plan still applied (and compiled: ``call`` runs the forward), e.g. to time steps
+    without compiling again. Leaves ``model`` without checkpointing."""
     remove_checkpointing(model)
     checkpoint_plan(model, plan)
     try:
@@ -351,11 +353,14 @@ def peak_with_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss
             if loop is not None:  # compiles: not measured
                 with preserved(model), torch.random.fork_rng(devices=[]), fresh_grads(trainable_parameters(model)):
                     run_step(call, args, kwargs, loss_fn, output_alive=profile.output_alive)
-            return measure_checked_peak(
+            peak = measure_checked_peak(
                 model, args, kwargs, loss_fn, device, output_alive=profile.output_alive, grads_held=profile.grads_held,
                 grads_held_in_forward=profile.grads_held_in_forward,
                 optimizer_state_bytes=profile.optimizer_state_bytes, optimizer_step_bytes=profile.optimizer_step_bytes,
                 call=call, allocator_level=loop is not None)
+            if then is not None:
+                then(call)
+            return peak
     finally:
         remove_checkpointing(model)
 

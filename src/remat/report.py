@@ -311,10 +311,17 @@ def _tradeoff_compiled(model, inputs, profile, *, loss_fn, budgets, points, warm
     planners = {g: Planner(profile, granularity=g, regions=False) for g in granularities}
     first = planners[granularities[0]]
     measured: dict[tuple[str, ...], int] = {}
+    times: dict[tuple[str, ...], tuple[float, ...]] = {}
 
     def measure(plan: Plan) -> int:
+        """The compiled peak; the step is timed in the same compile (each plan compiles once)."""
         say(f"compiling and measuring {plan.strategy} ({len(plan.checkpointed)} units)")
-        return peak_with_plan(model, plan, args, kwargs, loss_fn, device, profile, loop)
+
+        def timed(call) -> None:
+            times[plan.checkpointed] = _compiled_step_times(model, call, args, kwargs, loss_fn, device, profile,
+                                                            warmup, repeats)
+
+        return peak_with_plan(model, plan, args, kwargs, loss_fn, device, profile, loop, then=timed)
 
     plans: list[tuple[Plan | _Infeasible, int | None, str]] = []
     for rule in first.baselines():
@@ -338,13 +345,6 @@ def _tradeoff_compiled(model, inputs, profile, *, loss_fn, budgets, points, warm
             except InfeasibleBudgetError as e:
                 plans.append((_Infeasible("ilp" if g == "block" else "ilp-op"), b,
                               f"below the least achievable compiled peak {fmt_bytes(e.min_feasible_bytes)}"))
-    times: dict[tuple[str, ...], tuple[float, ...]] = {}
-    for plan, _, _ in plans:
-        if isinstance(plan, _Infeasible) or plan.checkpointed in times:
-            continue
-        say(f"timing {plan.strategy} ({len(plan.checkpointed)} units), compiled")
-        times[plan.checkpointed] = _compiled_step_times(model, plan, args, kwargs, loss_fn, device, profile, loop,
-                                                        warmup, repeats)
     plain_s = statistics.median(times[()]) if () in times else None
     rows = []
     for plan, budget, note in plans:
@@ -367,27 +367,23 @@ def _tradeoff_compiled(model, inputs, profile, *, loss_fn, budgets, points, warm
     return rows
 
 
-def _compiled_step_times(model, plan, args, kwargs, loss_fn, device, profile, loop, warmup: int,
+def _compiled_step_times(model, call, args, kwargs, loss_fn, device, profile, warmup: int,
                          repeats: int) -> tuple[float, ...]:
-    """Seconds of ``repeats`` compiled forward-and-backward passes of ``model`` checkpointed as ``plan`` says,
-    after ``warmup`` (the first compiles), each plus the optimizer step's profiled time (Note [Compiled
-    tradeoff]). ``model`` ends without checkpointing, with its gradients, buffers and RNG state as before."""
+    """Seconds of ``repeats`` compiled forward-and-backward passes (``call``: the compiled forward, already
+    compiled) after ``warmup`` more, each plus the optimizer step's profiled time (Note [Compiled tradeoff]).
+    ``model``'s gradients, buffers and RNG state are as before."""
     from remat.measure import Clock, run_step, trainable_parameters
     from remat.state import fresh_grads, preserved
 
     clock = Clock(device)
-    checkpoint_plan(model, plan)
-    try:
-        with loop.step(model) as call, preserved(model), torch.random.fork_rng(devices=[]):
-            out = []
-            for i in range(max(warmup, 1) + repeats):
-                with fresh_grads(trainable_parameters(model)):
-                    s = clock.time(lambda: run_step(call, args, kwargs, loss_fn, output_alive=profile.output_alive))
-                if i >= max(warmup, 1):
-                    out.append(s + profile.optimizer_s)
-            return tuple(out)
-    finally:
-        remove_checkpointing(model)
+    with preserved(model), torch.random.fork_rng(devices=[]):
+        out = []
+        for i in range(warmup + repeats):
+            with fresh_grads(trainable_parameters(model)):
+                s = clock.time(lambda: run_step(call, args, kwargs, loss_fn, output_alive=profile.output_alive))
+            if i >= warmup:
+                out.append(s + profile.optimizer_s)
+        return tuple(out)
 
 
 def rows_to_json(rows: list[TradeoffRow], meta: dict[str, Any]) -> str:
