@@ -214,7 +214,10 @@ def solve_ilp(
         log.debug("ILP solution exceeds the budget by %d bytes after rounding; tightening", over)
         target -= over
     if fallback is not None and model.peak_bytes(fallback) <= budget_bytes:
-        return fallback, f"least-memory plan (ILP: {why})", time.perf_counter() - t0
+        # the fallback meets the budget: the solver's "infeasible" is its rounded rows at the edge (Note [Sound
+        # scaling]) or its time limit, not the budget's, and must not read as if the budget were not met
+        why = "none found on its rounded rows at the edge of feasibility" if why == "infeasible" else why
+        return fallback, f"least-memory plan (meets the budget; the ILP: {why})", time.perf_counter() - t0
     return None, why, time.perf_counter() - t0
 
 
