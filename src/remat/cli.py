@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budgets", type=_gib_list, help="budgets in GiB, comma-separated, e.g. 1.5,2,3")
     g.add_argument("--points", type=int, default=6,
                    help="number of budgets from the least achievable to the no-checkpointing peak (default 6)")
-    t.add_argument("--repeats", type=int, default=5, help="timed steps per plan (median; default 5)")
+    t.add_argument("--repeats", type=int, default=5,
+                   help="timed steps per plan (median; default 5; on CPU twice as many, interleaved round-robin)")
     t.add_argument("--granularity", choices=["block", "op", "both"], default="op",
                    help="remat rows with selective (op-level) units allowed (op, the default: rows 'remat-op'), "
                         "whole units only (block: rows 'remat'), or both")

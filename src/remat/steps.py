@@ -44,8 +44,38 @@ class StepMeasurement:
     method: str
 
 
+def as_factory(optimizer: torch.optim.Optimizer | OptimizerFactory | None,
+               model: nn.Module) -> OptimizerFactory | None:
+    """``measure_step``'s optimizer argument as a factory of optimizers over a copy's parameters: a factory is
+    itself; an optimizer instance (what ``optimize_checkpointing`` takes, e.g. from a model's own
+    ``configure_optimizers``) gives new optimizers of its class with its parameter groups' settings over the
+    copy's parameters at the same positions in ``model.parameters()`` (built by the class's constructor and
+    ``add_param_group`` of the new optimizer: the user's is never called, Note [Never call the user's
+    optimizer])."""
+    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    from remat.profile.optimizer import hyperparameters, independent_copy
+
+    position = {id(p): i for i, p in enumerate(model.parameters())}
+    groups = [([position[id(p)] for p in g["params"] if id(p) in position], hyperparameters(g))
+              for g in optimizer.param_groups]
+    groups = [(idx, hp) for idx, hp in groups if idx]
+
+    def factory(params) -> torch.optim.Optimizer:
+        params = list(params)
+        (first, hp), rest = groups[0], groups[1:]
+        opt = independent_copy(optimizer, hp, [params[i] for i in first])
+        for idx, hp in rest:
+            opt.add_param_group({"params": [params[i] for i in idx], **hp})
+        return opt
+
+    return factory if groups else None
+
+
 def _trainee(model: nn.Module, optimizer_factory: OptimizerFactory | None, plan: Any = None):
-    """A deep copy of ``model`` (checkpointed as ``plan`` says, when given) without gradients, and its optimizer."""
+    """A deep copy of ``model`` (checkpointed as ``plan`` says, when given) without gradients, and its optimizer
+    (``optimizer_factory``: a factory or an optimizer instance, :func:`as_factory`)."""
+    optimizer_factory = as_factory(optimizer_factory, model)
     m = copy.deepcopy(model)
     if plan is not None:
         from remat.rewrite import checkpoint_plan, remove_checkpointing
@@ -59,14 +89,15 @@ def _trainee(model: nn.Module, optimizer_factory: OptimizerFactory | None, plan:
 @keeps_rng
 def measure_step(
     model: nn.Module, example_inputs: Any, *, loss_fn: LossFn | None = None,
-    optimizer_factory: OptimizerFactory | None = None, warmup: int = 1, repeats: int = 3,
+    optimizer_factory: OptimizerFactory | torch.optim.Optimizer | None = None, warmup: int = 1, repeats: int = 3,
     measure_memory: bool = True, output_alive: bool = True,
 ) -> StepMeasurement:
     """Measured peak memory (whole step) and median step time of real training steps of ``model``.
     ``output_alive``: whether the loop keeps the output until the step ends (Note [Loop style]).
 
     Trains a deep copy (``model`` is not modified) with ``optimizer_factory(params)`` (None: no optimizer
-    step; gradients are set to None after each step). Runs ``warmup`` untimed steps (which create the
+    step; gradients are set to None after each step); ``optimizer_factory`` may also be an optimizer instance,
+    the argument ``optimize_checkpointing`` takes (its class and settings are copied, :func:`as_factory`). Runs ``warmup`` untimed steps (which create the
     optimizer state), ``repeats`` timed steps, then one step under :func:`measure_peak`."""
     m, opt = _trainee(model, optimizer_factory)
     return _measured_steps(m, opt, example_inputs, loss_fn or default_loss, warmup=warmup, repeats=repeats,
@@ -82,6 +113,7 @@ def measure_step_in_place(
     replicated by DDP): it **trains** ``model`` (its parameters change) with a new optimizer; for throwaway
     models such as the command line's targets under torchrun. Every rank must call it alike."""
     model.zero_grad(set_to_none=True)
+    optimizer_factory = as_factory(optimizer_factory, model)
     opt = optimizer_factory(model.parameters()) if optimizer_factory else None
     return _measured_steps(model, opt, example_inputs, loss_fn or default_loss, warmup=warmup, repeats=repeats,
                            measure_memory=measure_memory, output_alive=output_alive)

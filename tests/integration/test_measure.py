@@ -89,3 +89,31 @@ def test_memory_allocated_before_and_written_during_the_work_counts_from_the_sta
     assert measure_peak(work, torch.device("cpu"), []) == 8192 + 4096
     with found_storages_are_fresh():
         assert measure_peak(work, torch.device("cpu"), []) == 8192
+
+
+def test_measure_step_takes_the_optimizer_optimize_checkpointing_takes():
+    """Issue (real size): measure_step wanted optimizer_factory(params) where optimize_checkpointing takes the
+    optimizer, so a model's own configure_optimizers could not serve both. An instance (two parameter groups,
+    weight decay on one) measures as the equivalent factory does, and is never called or given state."""
+    model = mlp()
+    x = torch.randn(4, 16)
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    rest = [p for p in model.parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                            lr=3e-4)
+    opt.step = lambda *a, **k: (_ for _ in ()).throw(AssertionError("the user's optimizer was stepped"))
+    given = remat.measure_step(model, x, loss_fn=lambda out: out.square().mean(), optimizer_factory=opt, repeats=1)
+    def same_groups(ps):
+        ps = list(ps)
+        return torch.optim.AdamW([{"params": [p for p in ps if p.dim() > 1], "weight_decay": 0.1},
+                                  {"params": [p for p in ps if p.dim() <= 1], "weight_decay": 0.0}], lr=3e-4)
+
+    factory = remat.measure_step(model, x, loss_fn=lambda out: out.square().mean(), repeats=1,
+                                 optimizer_factory=same_groups)
+    assert given.peak_bytes == factory.peak_bytes > 0
+    assert not opt.state and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    from remat.steps import as_factory
+
+    copy = as_factory(opt, model)(list(mlp().parameters()))
+    assert type(copy) is torch.optim.AdamW and [g["weight_decay"] for g in copy.param_groups] == [0.1, 0.0]
+    assert [len(g["params"]) for g in copy.param_groups] == [len(decay), len(rest)]
