@@ -168,6 +168,27 @@ def test_integrations_say_which_extra_to_install(monkeypatch):
         importlib.import_module("remat.integrations.lightning")
 
 
+def test_the_callback_line_says_nesting_selective_units_and_the_peaks():
+    """Issue (callback's words): "checkpointing 2 units (model, model.layers.6)" read as the whole model plus a
+    layer where layers.6 was nested inside model; the line says nesting and selective policies, and the
+    predicted and checked peaks."""
+    import dataclasses
+
+    from remat.integrations.first_step import FirstStep
+    from remat.solve import Planner
+    from remat.solve.synthetic import chain_profile
+
+    planner = Planner(chain_profile([30 * 2**20] * 3, [2**20] * 3, [1e-3] * 3, nested_fraction=0.5))
+    plan = dataclasses.replace(planner.make_plan(["u0", "u0.sub", "u2"], "ilp"), checked_peak_bytes=40 * 2**20,
+                               budget_bytes=50 * 2**20,
+                               saved_ops={"u2": ("aten.addmm.default#0", "aten.addmm.default#1")})
+    first = FirstStep(budget_gb=0.05)
+    first.applied = plan
+    line = first.summary()
+    assert "u0.sub inside u0" in line and "u2 (selective: keeps addmm x2)" in line, line
+    assert "budget 50.0 MiB" in line and "predicted peak" in line and "checked 40.0 MiB" in line
+
+
 def test_callback_needs_a_budget_or_a_plan():
     from remat.integrations.first_step import FirstStep
 

@@ -27,7 +27,7 @@ from torch import nn
 from remat.api import apply_plan, optimize_checkpointing
 from remat.errors import InvalidInputError, MissingDependencyError
 from remat.measure import AllocatorMeter, StepMeter, input_tensors, model_device, tensor_bytes
-from remat.plan import GiB, Plan
+from remat.plan import GiB, Plan, fmt_bytes, policy_summary
 
 log = logging.getLogger(__name__)
 
@@ -141,18 +141,30 @@ class FirstStep:
         return out
 
     def summary(self) -> str:
+        """The one line users see: the units (nesting and selective policies said, as ``str(plan)`` says them),
+        the budget, the predicted, checked and measured peaks."""
         p = self.applied
         if p is None:
             return "remat: no plan yet"
-        checked = "" if p.checked_peak_bytes is None else f", checked {p.checked_peak_bytes / GiB:.3f} GiB"
+
+        def unit(name: str) -> str:
+            out = name
+            if name in p.saved_ops:
+                out += f" (selective: {policy_summary(p.saved_ops[name])})"
+            if name in p.nested_in:
+                out += f" inside {p.nested_in[name]}"
+            return out
+
+        units = ", ".join(unit(u) for u in p.checkpointed[:6]) + (", ..." if len(p.checkpointed) > 6 else "")
+        checked = "" if p.checked_peak_bytes is None else f", checked {fmt_bytes(p.checked_peak_bytes)}"
         if self.measured_peak_bytes is not None:
-            checked += f", measured on the second training step {self.measured_peak_bytes / GiB:.3f} GiB"
-        budget = "" if p.budget_bytes is None else f"budget {p.budget_bytes / GiB:.3f} GiB, "
+            checked += f", measured on the second training step {fmt_bytes(self.measured_peak_bytes)}"
+        budget = "" if p.budget_bytes is None else f"budget {fmt_bytes(p.budget_bytes)}, "
         if self.reserved_bytes:
-            budget += f"plus {self.reserved_bytes / GiB:.3f} GiB set aside for DDP's gradient buckets, "
-        return (f"remat: checkpointing {len(p.checkpointed)} units ({', '.join(p.checkpointed[:6])}"
-                f"{', ...' if len(p.checkpointed) > 6 else ''}); {budget}predicted peak "
-                f"{p.predicted_peak_bytes / GiB:.3f} GiB{checked} (no checkpointing: {p.baseline_peak_bytes / GiB:.3f} GiB)")
+            budget += f"plus {fmt_bytes(self.reserved_bytes)} set aside for DDP's gradient buckets, "
+        compiled = " for the compiled step" if p.compiled else ""
+        return (f"remat: checkpointing {len(p.checkpointed)} units{compiled} ({units}); {budget}predicted peak "
+                f"{fmt_bytes(p.predicted_peak_bytes)}{checked} (no checkpointing: {fmt_bytes(p.baseline_peak_bytes)})")
 
 
 def ddp_bucket_bytes(model: nn.Module) -> int:

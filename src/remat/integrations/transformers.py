@@ -66,9 +66,12 @@ class RematCallback(RematCallbackBase, TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.first.applied is not None or model is None:
             return
-        if getattr(args, "gradient_checkpointing", False):
-            logger.warning("remat: gradient_checkpointing=True is taken over by remat's plan (the model's own "
-                           "checkpointing is turned off when the plan is applied); leave it False with RematCallback")
+        # transformers 5 names it activation_checkpointing (gradient_checkpointing is its deprecated alias)
+        flag = next((name for name in ("activation_checkpointing", "gradient_checkpointing")
+                     if getattr(args, name, False) is True), None)
+        if flag is not None:
+            logger.warning(f"remat: {flag}=True is taken over by remat's plan (the model's own checkpointing is "
+                           f"turned off when the plan is applied); leave it False with RematCallback")
         accumulating = getattr(args, "gradient_accumulation_steps", 1) > 1
 
         # Note [Compiled Trainer]: with torch_compile=True accelerate wraps the model in torch.compile, so this
