@@ -230,8 +230,8 @@ def optimize_checkpointing(
     None (the default) detects it: a model wrapped by ``torch.compile`` or with submodules compiled in place
     (``block.compile()``, torchtitan's order) is planned for its compiled step; False plans the eager step.
     The predicted and checked peaks are then the compiled step's, measured by the allocator (CUDA) or the
-    profiler's allocator-level memory events (CPU) on compiled steps of 3-7 plans (one compile each, the cost
-    of compiled planning; 1 when the budget needs no checkpointing, 3 to refuse one below the least peak). Regions (Note [Regions] in remat.capture) are not offered for a compiled loop. The
+    profiler's allocator-level memory events (CPU) on compiled steps of 1-7 plans (one compile each, the cost
+    of compiled planning: 1 when the budget needs no checkpointing, 3 to refuse one below the least peak). Regions (Note [Regions] in remat.capture) are not offered for a compiled loop. The
     model is profiled eagerly (the module ``torch.compile`` wraps) and recompiles on its next call (Note
     [Under torch.compile] in remat.rewrite).
 

@@ -52,14 +52,20 @@ def test_every_plan_measures_within_the_budget_and_is_predicted_before_it_is_mea
     p = planner()
     meter = CompiledStand(p)
     lo = min(meter(p.least_memory()), meter(p.every_nth_block(1)))
-    hi = meter(p.no_checkpointing())
+    hi, every_c = meter(p.no_checkpointing()), meter(p.every_nth_block(1))
     meter.measured.clear()
     for f in (0.0, 0.2, 0.5, 0.8):
         budget = int(lo + f * (hi - lo))
         plan = plan_compiled(p, budget, meter, loop="stand-in")
         assert plan.checked_peak_bytes <= budget, (f, plan.checked_peak_bytes, budget)
         assert plan.checked_peak_bytes == meter(plan)
-        assert plan.compiled == "stand-in" and plan.min_peak_bytes == lo
+        assert plan.compiled == "stand-in"
+        if budget >= every_c:
+            # above every block's compiled peak the least-memory plan is not compiled: the least peak is the
+            # eager prediction, and the plan says so
+            assert plan.min_peak_bytes == p.min_peak_bytes and "least peak: the eager prediction" in plan.notes[-1]
+        else:
+            assert plan.min_peak_bytes == lo
         assert UNDER_COMPILE not in plan.notes and "planned for the compiled step" in plan.notes[-1]
         # the eager plan for this budget would measure over it: the compiled plan is a tighter one
         eager = p.plan_for_budget(budget)
@@ -123,3 +129,19 @@ def test_slack_buys_a_cheaper_plan_and_the_compiles_are_bounded(monkeypatch):
     first = plan_compiled(p, budget, CurvedStand(p), loop="stand-in")
     assert budget - first.checked_peak_bytes > calibrated.CLOSE_ENOUGH * budget
     assert plan.predicted_recompute_s < first.predicted_recompute_s
+
+
+def test_above_every_blocks_compiled_peak_the_least_memory_plan_is_not_compiled():
+    """Each compile is the cost of compiled planning: a budget between every block's compiled peak and no
+    checkpointing needs neither the least-memory plan nor its promise (Note [Compiled steps])."""
+    p = Planner(random_chain_profile(8, seed=3, nested=True), granularity="block")  # least below every block
+    meter = CompiledStand(p)
+    every, hi = meter(p.every_nth_block(1)), meter(p.no_checkpointing())
+    assert meter(p.least_memory()) < every
+    meter.measured.clear()
+    plan_compiled(p, (every + hi) // 2, meter, loop="stand-in")
+    assert p.least_memory().checkpointed not in meter.measured
+    assert meter.measured[:2] == [(), p.every_nth_block(1).checkpointed]
+    meter.measured.clear()
+    plan_compiled(p, every - 1, meter, loop="stand-in")  # below it: the least-memory plan is the promise
+    assert p.least_memory().checkpointed in meter.measured

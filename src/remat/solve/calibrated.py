@@ -12,9 +12,10 @@ checkpoint little (fused kernels save less). The eager memory model cannot say t
 So for a compiled loop remat measures compiled steps (the allocator on CUDA, the profiler's
 allocator-level memory events on CPU, remat.compiled) and uses the eager simulator only to *order* plans:
 
-* three anchors are measured first: no checkpointing (a budget above its compiled peak needs no plan),
-  the least-memory plan and "every block" (the least of the two is the least peak remat promises, as in
-  Note [Least peak is a promise] in remat.api);
+* anchors are measured first: no checkpointing (a budget above its compiled peak needs no plan), "every
+  block", and, for a budget below every block's compiled peak, the least-memory plan (the lower of the two
+  is then the least peak remat promises, as in Note [Least peak is a promise] in remat.api; above it the
+  least-memory plan is not compiled and the plan's least peak is the eager prediction, said in its notes);
 * the compiled peak of any other plan is predicted by interpolating, in the plan's eager predicted peak,
   between the measured plans next to it (:class:`PeakCalibration`, piecewise linear; past the last point
   the offset of the nearest point);
@@ -118,7 +119,7 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
 
     def done(plan: Plan, predicted: int, why: str) -> Plan:
         peak = check(plan)
-        note = (f"planned for the compiled step ({loop}): compiled peak predicted {fmt_bytes(predicted)}, measured "
+        note = (f"planned for the compiled step ({loop}){least_note}: compiled peak predicted {fmt_bytes(predicted)}, measured "
                 f"{fmt_bytes(peak)} on a compiled step, {why}; {len(measured) - before} plan{'' if len(measured) - before == 1 else 's'} compiled and measured in "
                 f"{time.perf_counter() - t0:.1f} s (Note [Compiled steps] in remat.solve.calibrated)")
         return dataclasses.replace(
@@ -126,6 +127,7 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
             baseline_peak_bytes=check(none), min_peak_bytes=least, compiled=loop,
             notes=tuple(n for n in plan.notes if n != UNDER_COMPILE) + (note,))
 
+    least_note = ""  # set where the least peak reported is not measured compiled
     none = agree(planner.no_checkpointing())
     if check(none) <= budget_bytes:  # the anchors are not needed: the least peak stays the eager prediction
         least = planner.min_peak_bytes
@@ -133,10 +135,20 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
             none, strategy="ilp" if planner.granularity == "block" else "ilp-op", solver_status="fits",
             notes=("the compiled step fits the budget without checkpointing (least peak: the eager prediction, "
                    "not measured compiled)",)), check(none), "within the budget (measured: no checkpointing)")
-    anchors = [agree(planner.least_memory()), agree(planner.every_nth_block(1))]
-    least = min(check(p) for p in anchors)
-    if budget_bytes < least:
-        raise planner.infeasible(budget_bytes, least_bytes=least, compiled=loop)
+    every = agree(planner.every_nth_block(1))
+    anchors = [every]
+    least_plan = agree(planner.least_memory())
+    if budget_bytes < check(every) or least_plan.checkpointed in measured:
+        # the least-memory plan is measured only where the budget is below every block's compiled peak (or it
+        # was measured already): above it, the interpolation between every block and no checkpointing serves
+        anchors.append(least_plan)
+        least = min(check(p) for p in anchors)
+        if budget_bytes < least:
+            raise planner.infeasible(budget_bytes, least_bytes=least, compiled=loop)
+    else:  # a promise remat did not measure: the least peak is the eager prediction, and the plan says so
+        least = planner.min_peak_bytes
+        least_note = (" (least peak: the eager prediction, the least-memory plan not compiled: the budget is above "
+                      "every block's compiled peak)")
     # every plan measured so far calibrates (those of earlier budgets too, when ``measured`` is shared)
     calibration = PeakCalibration(tuple((planner.model.peak_bytes(units), peak) for units, peak in measured.items()))
     best: tuple[Plan, int] | None = None  # the cheapest plan measured within the budget, with its prediction
@@ -159,5 +171,5 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
         return done(best[0], best[1], "within the budget")
     fits = [p for p in anchors if check(p) <= budget_bytes]
     best_anchor = min(fits, key=lambda p: p.predicted_recompute_s)
-    return done(best_anchor, check(best_anchor), f"the {'least-memory plan' if best_anchor is anchors[0] else 'hand rule every block'} "
+    return done(best_anchor, check(best_anchor), f"the {'hand rule every block' if best_anchor is every else 'least-memory plan'} "
                 "(measured to calibrate): the plans predicted cheaper measured over the budget")
