@@ -12,9 +12,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from remat._compat import compiled_submodules, profiler_memory_trace, submodules_called, uncompiled
+from remat._compat import profiler_memory_trace, uncompiled
 from remat.capture import ModelGraph, capture
-from remat.compiled import CompiledLoop, compiled_loop
+from remat.compiled import CompiledLoop, compiled_loop, eager_submodules
 from remat.costs import Profile
 from remat.distributed import Ranks, Wrapping, ranks_for, wrapping_of
 from remat.errors import InternalError, InvalidInputError, PlanMismatchError, RematError
@@ -82,7 +82,7 @@ def make_profile(
     loss_fn = loss_fn or default_loss
     _, undo = prepare_hf_for_training(model)
     try:
-        with submodules_called(model, compiled_submodules(model), None):  # profiled eagerly
+        with eager_submodules(model):
             profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
                                     output_alive=output_alive, wrapping=wrapping_of(model))
         return loop_grads(profile, grad_accumulation, zero_grad_after_forward)
@@ -250,7 +250,7 @@ def optimize_checkpointing(
         compiled=str(loop)))
     notes, undo = prepare_hf_for_training(model)
     try:
-        with preserved(model, on_success=False), loop.eager(model) if loop else contextlib.nullcontext():
+        with preserved(model, on_success=False), eager_submodules(model):
             profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
                                     output_alive=output_alive, wrapping=wrapping)
             profile = loop_grads(profile, grad_accumulation, zero_grad_after_forward)
@@ -375,7 +375,7 @@ def checked_plan(model: nn.Module, example_inputs: Any, planner: Planner, budget
     _, args, kwargs, device = validate(model, max(budget_bytes, 1) / GiB, example_inputs)
     _, undo = prepare_hf_for_training(model)
     try:
-        with preserved(model):
+        with preserved(model), eager_submodules(model):
             return plan_checked(model, args, kwargs, loss_fn or default_loss, device, planner, budget_bytes)
     finally:
         undo()

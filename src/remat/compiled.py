@@ -52,11 +52,6 @@ class CompiledLoop:
         with submodules_called(model, list(self.blocks), lambda m: compile_fn(m._call_impl, settings)):
             yield model
 
-    @contextlib.contextmanager
-    def eager(self, model: nn.Module) -> Iterator[None]:
-        """Within the block, ``model``'s compiled submodules run eagerly (for profiling)."""
-        with submodules_called(model, list(self.blocks), None):
-            yield
 
 
 def compiled_loop(model: nn.Module, inner: nn.Module, compile: bool | dict | None) -> CompiledLoop | None:
@@ -85,3 +80,12 @@ def compiled_loop(model: nn.Module, inner: nn.Module, compile: bool | dict | Non
     else:
         source = "compile=True" if compile is True else "compile={...}"
     return CompiledLoop(blocks=blocks, settings=tuple(settings.items()), source=source)
+
+
+@contextlib.contextmanager
+def eager_submodules(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s submodules compiled in place (``Module.compile()``) run eagerly: remat's
+    recorder is a dispatch mode, which compiled code bypasses, so profiling and eager checks run them
+    eagerly, whether or not the plan is made for the compiled step; their compiled calls are back afterwards."""
+    with submodules_called(model, compiled_submodules(model), None):
+        yield

@@ -95,7 +95,7 @@ class RematCallback(RematCallbackBase, TrainerCallback):
                 try:
                     self.first.run(module, inputs, optimizer=optimizer, output_alive=False,
                                    grad_accumulation=accumulating, ddp=trains_in_ddp(args),
-                                   compile=compile_settings if compile_settings is not None else False)
+                                   compile=compile_settings)  # None: blocks compiled in place are detected
                 finally:
                     self._planning = False
                 logger.warning(self.first.summary())

@@ -103,9 +103,10 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
     steps]). ``measure(plan)``: the measured peak (bytes) of one compiled step with ``plan`` (one compile);
     ``agree``: every rank's copy of rank 0's plan (distributed); ``loop``: how the loop compiles, for the
     notes; ``measured``: the compiled peaks of plans measured already, by their units (shared by several
-    budgets, and filled in). Each returned plan has ``predicted_peak_bytes`` = its calibrated compiled prediction (for an
-    anchor, its measured peak: it was measured to calibrate), ``checked_peak_bytes`` = its measured peak,
-    ``min_peak_bytes`` = the least measured compiled peak. Raises InfeasibleBudgetError below that."""
+    budgets, and filled in). Each returned plan has ``predicted_peak_bytes`` = its calibrated compiled
+    prediction (for an anchor, its measured peak: it was measured to calibrate), ``checked_peak_bytes`` = its
+    measured peak, ``min_peak_bytes`` = the least measured compiled peak (the eager prediction, said in the
+    notes, where the least-memory plan was not compiled). Raises InfeasibleBudgetError below the least."""
     from remat.solve import UNDER_COMPILE
 
     t0 = time.perf_counter()
@@ -119,9 +120,11 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
 
     def done(plan: Plan, predicted: int, why: str) -> Plan:
         peak = check(plan)
-        note = (f"planned for the compiled step ({loop}){least_note}: compiled peak predicted {fmt_bytes(predicted)}, measured "
-                f"{fmt_bytes(peak)} on a compiled step, {why}; {len(measured) - before} plan{'' if len(measured) - before == 1 else 's'} compiled and measured in "
-                f"{time.perf_counter() - t0:.1f} s (Note [Compiled steps] in remat.solve.calibrated)")
+        compiles = len(measured) - before
+        note = (f"planned for the compiled step ({loop}){least_note}: compiled peak predicted {fmt_bytes(predicted)}, "
+                f"measured {fmt_bytes(peak)} on a compiled step, {why}; {compiles} plan{'' if compiles == 1 else 's'} "
+                f"compiled and measured in {time.perf_counter() - t0:.1f} s (Note [Compiled steps] in "
+                "remat.solve.calibrated)")
         return dataclasses.replace(
             plan, budget_bytes=budget_bytes, predicted_peak_bytes=predicted, checked_peak_bytes=peak,
             baseline_peak_bytes=check(none), min_peak_bytes=least, compiled=loop,
