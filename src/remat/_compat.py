@@ -7,12 +7,13 @@ breaks here with a message that says which, instead of deep inside a stage.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401 - checked on 2.11, 2.13
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 - checked on 2.11, 2.13
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401 - checked on 2.11, 2.13
+from torch.utils._pytree import keystr as _keystr, tree_flatten_with_path as _tree_flatten_with_path
 
 #: torch versions the entries below were run on
 CHECKED_ON = ("2.11", "2.13")
@@ -344,3 +345,12 @@ def submodules_called(model: torch.nn.Module, names: list[str], call: Callable |
     finally:
         for m, impl in saved:
             m._compiled_call_impl = impl
+
+
+def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
+    """The leaves of a pytree with their paths written as code (``[1]``, ``['logits']``); a tree whose
+    node types have no keys (a container registered without them) gives ``<leaf i>``."""
+    try:
+        return [(_keystr(path), leaf) for path, leaf in _tree_flatten_with_path(tree)[0]]
+    except Exception:  # noqa: BLE001 - a node type registered without flatten_with_keys
+        return [(f" <leaf {i}>", leaf) for i, leaf in enumerate(tree_flatten(tree)[0])]

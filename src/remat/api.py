@@ -18,7 +18,7 @@ from remat.compiled import CompiledLoop, compiled_loop, eager_submodules
 from remat.costs import Profile
 from remat.distributed import Ranks, Wrapping, ranks_for, wrapping_of
 from remat.errors import InternalError, InvalidInputError, PlanMismatchError, RematError
-from remat.measure import LossFn, default_loss, found_storages_are_fresh, input_tensors, measure_peak, model_device, run_step, split_inputs, \
+from remat.measure import DefaultLoss, LossFn, default_loss, found_storages_are_fresh, input_tensors, measure_peak, model_device, run_step, split_inputs, \
     tensor_bytes, trainable_parameters
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.profile import profile_model
@@ -241,7 +241,8 @@ def optimize_checkpointing(
     """
     given, model = model, uncompiled(model)
     budget_bytes, args, kwargs, device = validate(model, budget_gb, example_inputs)
-    loss_fn = loss_fn or default_loss
+    default = DefaultLoss() if loss_fn is None else None
+    loss_fn = loss_fn or default
     loop = compiled_loop(given, model, compile)
     wrapping, ranks = ranks_for(model, timeout_s, same=dict(
         budget_gb=budget_gb, granularity=granularity, output_alive=output_alive, check=check,
@@ -254,6 +255,7 @@ def optimize_checkpointing(
             profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
                                     output_alive=output_alive, wrapping=wrapping)
             profile = loop_grads(profile, grad_accumulation, zero_grad_after_forward)
+            notes += (default.note,) if default is not None and default.note else ()
             planner = Planner(profile, time_limit_s=time_limit_s, granularity=granularity,
                               ranks=ranks.gather(profile) if ranks is not None else None, regions=loop is None)
             if check and loop is not None:

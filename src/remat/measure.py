@@ -44,6 +44,7 @@ from remat._compat import (
     storage_key,
     rng_states_reported,
     storage_resizes_reported,
+    leaves_with_paths,
     tree_flatten,
 )
 from remat.errors import InvalidInputError
@@ -371,23 +372,68 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def default_loss(output: Any) -> torch.Tensor:
-    """The loss remat uses when none is given: the output itself if it is a scalar tensor;
-    ``output.loss`` or ``output["loss"]`` if present; else the sum of all floating-point tensors
-    in the output (a stand-in whose gradients exercise every output)."""
+    """The loss remat uses when none is given (Note [The default loss]): the output itself if it is a
+    scalar tensor; ``output.loss`` or ``output["loss"]`` if present; else the one scalar tensor with a
+    gradient in the output (nanoGPT's ``(logits, loss)``); else, when the output holds no scalar, the sum
+    of its floating-point tensors (a stand-in whose gradients exercise every output). An output with
+    several scalar tensors is refused: pass ``loss_fn``."""
+    return loss_from_output(output)[0]
+
+
+# Note [The default loss]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# Without loss_fn, remat profiles, plans and checks the step on a loss read from the model's output, and
+# it must not guess where the output is ambiguous: summing nanoGPT's (logits, loss) trains on
+# sum(logits) + loss (414.7 against 6.95), with other gradients and another peak than the user's step.
+# A scalar output, an output's `.loss`/`["loss"]`, or the one scalar tensor with a gradient among the
+# output's tensors is the loss; an output with no scalar in it carries no loss, and the sum of its
+# floating-point tensors stands in (the loop computes its loss from them outside the model); several
+# scalars are refused. Which one was taken is said in the plan's notes (`loss_from_output`'s second value).
+
+
+class DefaultLoss:
+    """:func:`default_loss`, remembering what it took from the output (``note``, for the plan's notes)."""
+
+    def __init__(self) -> None:
+        self.note: str | None = None
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        loss, self.note = loss_from_output(output)
+        return loss
+
+
+def loss_from_output(output: Any) -> tuple[torch.Tensor, str | None]:
+    """``default_loss(output)`` and, where it is not plainly the output's loss, what it took (for the
+    plan's notes)."""
     if isinstance(output, torch.Tensor) and output.numel() == 1:
-        return output.reshape(())
+        return output.reshape(()), None
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
     if isinstance(loss, torch.Tensor):
-        return loss
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return loss, None
+    tensors = [(path, t) for path, t in leaves_with_paths(output)
+               if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    scalars = [(path, t) for path, t in tensors if t.numel() == 1 and t.requires_grad]
+    if len(scalars) == 1:
+        path, t = scalars[0]
+        return (t if t.dim() == 0 else t.reshape(())), (f"the default loss is output{path}, the one scalar tensor with a gradient in the "
+                               f"model's output of {len(tensors)} tensors; pass loss_fn= if the loop's loss is another")
+    if len(scalars) > 1:
+        raise InvalidInputError(
+            f"cannot tell the loss in the model's output ({type(output).__name__}): it holds {len(scalars)} "
+            f"scalar tensors with gradients ({', '.join('output' + p for p, _ in scalars)}); pass "
+            "loss_fn=lambda out: ... giving the loss the loop calls backward on"
+        )
     if not tensors:
         raise InvalidInputError(
             f"cannot derive a loss from the model's output ({type(output).__name__}: no floating-point "
             "tensor in it); pass loss_fn=lambda out: ..."
         )
-    return sum(t.sum() for t in tensors)  # type: ignore[return-value]
+    note = None if len(tensors) == 1 and isinstance(output, torch.Tensor) else (
+        f"the default loss is the sum of the {len(tensors)} floating-point tensors of the model's output (it "
+        "holds no loss); pass loss_fn= for the loop's loss")
+    return sum(t.sum() for _, t in tensors), note  # type: ignore[return-value]
 
 
 def checked_loss(loss_fn: LossFn, out: Any) -> torch.Tensor:

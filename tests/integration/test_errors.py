@@ -125,6 +125,43 @@ def test_loss_must_be_scalar_with_gradient():
         remat.optimize_checkpointing(model, 1.0, inputs, loss_fn=lambda out: out.detach().sum())
 
 
+
+
+class _LogitsAndLoss(nn.Module):
+    """nanoGPT's ``GPT.forward(idx, targets)``: returns ``(logits, loss)``."""
+
+    def __init__(self, heads: int = 1) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 5)
+        self.heads = heads
+
+    def forward(self, x, y):
+        logits = self.head(self.body(x))
+        losses = tuple(nn.functional.cross_entropy(logits, y) * (i + 1) for i in range(self.heads))
+        return (logits, *losses)
+
+
+def test_default_loss_of_a_logits_and_loss_output_is_the_loss():
+    torch.manual_seed(0)
+    model = _LogitsAndLoss()
+    x, y = torch.randn(4, 8), torch.randint(0, 5, (4,))
+    logits, loss = model(x, y)
+    assert remat.default_loss((logits, loss)) is loss  # not sum(logits) + loss
+    plan = remat.optimize_checkpointing(model, 1.0, (x, y))
+    assert any("default loss" in n and "output[1]" in n for n in plan.notes), plan.notes
+
+
+def test_default_loss_refuses_an_output_it_cannot_read():
+    torch.manual_seed(0)
+    model = _LogitsAndLoss(heads=2)
+    x, y = torch.randn(4, 8), torch.randint(0, 5, (4,))
+    with pytest.raises(remat.InvalidInputError, match=r"2 scalar tensors.*pass loss_fn="):
+        remat.default_loss(model(x, y))
+    with pytest.raises(remat.InvalidInputError, match=r"2 scalar tensors.*pass loss_fn="):
+        remat.optimize_checkpointing(model, 1.0, (x, y))
+
+
 def test_model_without_trainable_parameters():
     model, inputs, loss_fn = resnet()
     model.requires_grad_(False)
