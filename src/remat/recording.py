@@ -10,7 +10,8 @@ their position in ``Recording.storages``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
+import statistics
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -75,6 +76,8 @@ class ForwardOp:
     #: named in selective policies (False: the product of a random operator's output, which compile runs
     #: inside that operator: Note [Operators named alike under compile] in remat.rewrite); never kept
     named: bool = True
+    #: floating-point operations (torch.utils.flop_counter; 0 for operators without a formula)
+    flops: int = 0
 
 
 def _frozen(d: Mapping) -> Mapping:
@@ -197,3 +200,49 @@ class CheckpointOverhead:
     #: bytes on the device each checkpointed call holds outside the dispatcher until its recomputation: the
     #: CPU RNG state (5 KB) when the device is the CPU (on CUDA the saved RNG states live in host memory)
     held_bytes: int = 0
+
+
+# Note [Twins share their times]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Identical blocks (a transformer's layers) measure a few percent apart from run to run, so a solver
+# reading raw times picks `layers.6` in one run and `layers.1` in the next for the same budget, and the
+# same model, batch and budget did not give the same plan (seen under the Hugging Face Trainer). Modules
+# whose forwards run the same operators creating the same bytes, call for call, are twins: each gets the
+# median of its twins' measured times, per module and per operator at the same position, so twins cost
+# exactly alike and the solver's choice among them does not depend on noise. What differs between
+# twins (nothing, by construction) is not averaged away.
+
+
+def twin_groups(rec: Recording, modules: Sequence[str]) -> list[list[str]]:
+    """Groups of two or more of ``modules`` whose recorded forwards are the same operators creating the
+    same bytes, call for call (Note [Twins share their times])."""
+    groups: dict[tuple, list[str]] = {}
+    for m in modules:
+        spans = rec.spans.get(m, ())
+        if not spans:
+            continue
+        sig = tuple(tuple((rec.forward_ops[i].name, tuple(-1 if s is None else rec.storages[s].nbytes
+                                                           for s in rec.forward_ops[i].created))
+                          for i in range(a, b + 1) if i < len(rec.forward_ops)) for a, b in spans)
+        groups.setdefault(sig, []).append(m)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def shared_by_twins(rec: Recording, times: UnitTimes, modules: Sequence[str]) -> tuple[Recording, UnitTimes]:
+    """``rec``'s operator seconds and ``times``' per-module times with every group of twins among
+    ``modules`` given its median (Note [Twins share their times])."""
+    seconds: dict[int, float] = {}
+    per = {k: dict(getattr(times, k)) for k in ("forward_s", "recompute_s", "backward_s")}
+    for group in twin_groups(rec, modules):
+        starts = [[a for a, _ in rec.spans[m]] for m in group]
+        length = [b - a + 1 for a, b in rec.spans[group[0]]]
+        for call, n in enumerate(length):
+            for k in range(n):
+                idx = [s[call] + k for s in starts]
+                mid = statistics.median(rec.forward_ops[i].seconds for i in idx)
+                seconds.update({i: mid for i in idx})
+        for table in per.values():
+            have = [table[m] for m in group if m in table]
+            if len(have) == len(group):
+                table.update(dict.fromkeys(group, statistics.median(have)))
+    return rec.with_op_seconds(seconds), dataclasses.replace(times, **per)

@@ -16,7 +16,7 @@ def chain(**changes) -> Recording:
         n_ops=10, backward_start=5, after_backward_bytes=0,
         storages=(Storage(100, 0, 8), Storage(50, 1, 7), Storage(10, 2, 9)),
         saved=(SavedTensor(0, ("a",), (1,), at=2, unpacked_at=7), SavedTensor(1, (), (), at=3, unpacked_at=6)),
-        forward_ops=(ForwardOp("aten.mm.default", (0,)), ForwardOp("aten.relu.default", (1,)),
+        forward_ops=(ForwardOp("aten.mm.default", (0,), flops=1000), ForwardOp("aten.relu.default", (1,)),
                      ForwardOp("aten.sum.default", (2,))),
         writes=(), spans={"a": ((0, 1),)}, calls={"a": 1}, inputs={"a": ((),)},
         last_use={0: 1, 1: 2}, flops={"a": 1000},

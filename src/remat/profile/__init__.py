@@ -44,6 +44,7 @@ from remat.measure import LossFn, input_tensors, tensor_bytes, trainable_paramet
 from remat.profile.calibrate import align_forward, calibrate_sizes, diverged, ops_summary, plain_forward_ops, \
     plain_step_fits
 from remat.profile.optimizer import optimizer_costs
+from remat.recording import shared_by_twins
 from remat.profile.recorder import record_step
 from remat.profile.timing import checkpoint_overhead, time_units
 from remat.profile.units import module_and_segment_specs, region_specs, selective_specs
@@ -151,6 +152,7 @@ def profile_model(
         if fixed:
             notes.append(f"{fixed} storage size(s) on fake tensors differed from the real kernels' and were "
                          "corrected from the real forward")
+    rec, times = shared_by_twins(rec, times, timed)  # Note [Twins share their times] in remat.recording
     if graph.capture_path == "hooks":
         # a policy names operators by their position in the unit's forward, which must not depend on
         # the data (Note [Selective checkpointing]); without a captured graph that is not known

@@ -65,7 +65,7 @@ class _Recorder(StorageTracker):
         #: per hooked module and forward call, the records of the tracked storages it took as inputs
         self.inputs: dict[str, list[list[StorageRecord]]] = defaultdict(list)
         #: (operator, records of the storages it created, draws random numbers, named) of every forward operator
-        self.forward_ops: list[tuple[str, list[StorageRecord | None], bool, bool]] = []
+        self.forward_ops: list[tuple[str, list[StorageRecord | None], bool, bool, int]] = []
         self.names = PolicyNames()
 
     # module hooks
@@ -101,7 +101,8 @@ class _Recorder(StorageTracker):
         if self.backward:
             return
         named = self.names.key(func, args, kwargs) is not None  # Note [Operators named alike under compile]
-        self.forward_ops.append((str(func), new_records(self, out), draws_random(func, args, kwargs), named))
+        n = flop_count(func, args, kwargs, out)
+        self.forward_ops.append((str(func), new_records(self, out), draws_random(func, args, kwargs), named, n))
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
                 rec = self.by_key.get(storage_key(t))
@@ -114,7 +115,6 @@ class _Recorder(StorageTracker):
                 if isinstance(t, torch.Tensor):
                     key = storage_key(t)
                     self.writes.append((tuple(self.stack), key, self.by_key.get(key), str(func), self.index))
-        n = flop_count(func, args, kwargs, out)
         for u in set(self.stack):
             self.flops[u] += n
 
@@ -133,8 +133,8 @@ class _Recorder(StorageTracker):
             storages=tuple(Storage(r.nbytes, 0 if id(r) in held else r.alloc_index, r.free_index,
                                    id(r) in grads) for r in self.records),
             saved=tuple(SavedTensor(idx(p.rec), p.stack, p.calls, p.at, p.unpacked_at) for p in self.packs),
-            forward_ops=tuple(ForwardOp(name, tuple(idx(r) for r in recs), random, named=named)
-                              for name, recs, random, named in self.forward_ops),
+            forward_ops=tuple(ForwardOp(name, tuple(idx(r) for r in recs), random, named=named, flops=flops)
+                              for name, recs, random, named, flops in self.forward_ops),
             writes=tuple(Write(stack, idx(r), self.preexisting.get(key), op, at)
                          for stack, key, r, op, at in self.writes),
             spans={u: tuple((a, b) for a, b in sp) for u, sp in self.spans.items() if sp},

@@ -91,8 +91,8 @@ SAVED_OPS = frozenset({
     "_flash_attention_forward", "_efficient_attention_forward",
 })
 
-#: Note [Policy menus]: the shares of a unit's keepable operator time at which its greedy policies stop
-POLICY_TIME_SHARES = (0.5, 0.75, 0.9, 1.0)
+#: Note [Policy menus]: the shares of a unit's keepable bytes at which its greedy policies stop
+POLICY_BYTE_SHARES = (0.25, 0.5, 0.75, 1.0)
 
 
 def policy_menu(rec: Recording, start: int, end: int) -> list[frozenset[int]]:
@@ -102,12 +102,20 @@ def policy_menu(rec: Recording, start: int, end: int) -> list[frozenset[int]]:
     indices) whose outputs are kept. Recomputing with a policy runs every operator it does not keep
     (``torch.utils.checkpoint``'s selective mode reruns the whole forward and hands back the kept
     outputs), so against checkpointing the whole unit, keeping operator ``i`` costs the bytes of its
-    new storages until the recomputation and saves its measured time ``t_i``: a knapsack per unit.
-    The menu is its greedy frontier: operators ranked by time saved per byte kept (matmuls first,
-    cheap memory-heavy ops last), cut where the kept operators reach each share of the keepable time
-    in POLICY_TIME_SHARES; plus the hand policy of the field (keep the matrix products, attention
-    kernels and convolutions: SAVED_OPS). The ILP then costs each option exactly, against the
-    whole-step memory model, and picks at most one option per unit.
+    new storages until the recomputation and saves its time: a knapsack per unit. The menu is its
+    greedy frontier: operators ranked by the work saved per byte kept, cut where the kept operators
+    reach each share of the keepable bytes in POLICY_BYTE_SHARES; plus the hand policy of the field
+    (keep the matrix products, attention kernels and convolutions: SAVED_OPS). The ILP then costs each
+    option exactly, with measured times, against the whole-step memory model, and picks at most one
+    option per unit.
+
+    The menu is made of what does not change from run to run, so that the same model, batch and budget
+    give the same plan (issue: two runs of a Llama gave two 8-unit plans): the rank is FLOPs per byte
+    (torch.utils.flop_counter: matrix products and attention first), then bytes (the smaller first),
+    then the position in the forward; measured times, which move by a few percent per run, only break
+    what is still tied (never: positions differ). Operators without a FLOP formula (elementwise,
+    norms, softmax) are memory-bound, their time about proportional to their bytes, so ranking them by
+    size loses little against ranking by measured time per byte.
 
     An operator is keepable when it creates storage (views and in-place ops allocate nothing), does
     not draw random numbers (Note [Selective checkpointing]: skipping a draw would shift the ones
@@ -115,28 +123,25 @@ def policy_menu(rec: Recording, start: int, end: int) -> list[frozenset[int]]:
     mutated entries). Only operators up to ``end``, the last one the recomputation runs (Note [Early
     stop]), are worth keeping."""
     written = {w.storage for w in rec.writes if w.storage is not None}
-    ops: list[tuple[int, int, float]] = []  # (index, bytes created, seconds)
+    ops: list[tuple[int, int, int]] = []  # (index, bytes created, FLOPs)
     for i in range(start, end + 1):
         op = rec.forward_ops[i]
         new = [s for s in op.created if s is not None]
         if not new or op.random or not op.named or any(s in written for s in new):
             continue
-        ops.append((i, sum(rec.storages[s].nbytes for s in new), op.seconds))
+        ops.append((i, sum(rec.storages[s].nbytes for s in new), op.flops))
     if len(ops) < 2:
         return []
-    ranked = sorted(ops, key=lambda o: o[2] / max(o[1], 1), reverse=True)
-    total = sum(t for _, _, t in ops)
+    ranked = sorted(ops, key=lambda o: (-o[2] / max(o[1], 1), o[1], o[0]))
+    total = sum(b for _, b, _ in ops)
     menu: list[frozenset[int]] = []
-    for share in POLICY_TIME_SHARES:
-        if share >= 1.0:  # every keepable operator (not cut by the rounding of a float sum)
-            menu.append(frozenset(i for i, _, _ in ops))
-            continue
-        acc, kept = 0.0, []
-        for i, _, t in ranked:
-            if acc >= share * total and kept:
+    for share in POLICY_BYTE_SHARES:
+        acc, kept = 0, []
+        for i, b, _ in ranked:
+            if kept and acc + b > share * total:
                 break
             kept.append(i)
-            acc += t
+            acc += b
         menu.append(frozenset(kept))
     menu.append(frozenset(i for i, _, _ in ops if rec.forward_ops[i].name.split(".")[1] in SAVED_OPS))
     out: list[frozenset[int]] = []
