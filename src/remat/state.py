@@ -93,3 +93,65 @@ def fresh_grads(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
     finally:
         for t, g in zip(tensors, saved):
             t.grad = g
+
+
+# Note [Attributes kept]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# Planning runs the user's code (a LightningModule's training_step, 11 times on the first batch in
+# issue #24.1): what it does to the module's own attributes -- a step counter, a list of losses, a tensor
+# of examples seen, a torchmetrics Metric's states and update count -- must not outlive planning, or the
+# epoch's metrics count the first batch a dozen times. `kept_attributes` snapshots the plain data in
+# every submodule's __dict__ (not nn.Module's own fields, not submodules, parameters or buffers, which
+# `preserved` handles) and puts it back in place: tensors copied into the same objects, lists, dicts and
+# sets refilled (their identity kept), numbers, strings and tuples rebound; attributes added meanwhile are
+# deleted. Other objects (a logger, a file, a user's own class) are left as they are: their side effects,
+# like a print, remain, and are said in the plan's notes with the number of calls.
+
+_MODULE_FIELDS = frozenset(vars(nn.Module()))
+_IMMUTABLE = (int, float, complex, bool, str, bytes, tuple, frozenset, type(None))
+
+
+@contextlib.contextmanager
+def kept_attributes(module: nn.Module) -> Iterator[None]:
+    """Put the plain data in ``module``'s and its submodules' attributes back as it was when the block
+    ends, however it ends (Note [Attributes kept])."""
+    saved: list[tuple[nn.Module, dict[str, tuple[object, object]]]] = []
+    for m in module.modules():
+        own = {}
+        for k, v in m.__dict__.items():
+            if k in _MODULE_FIELDS or k == "forward" or isinstance(v, nn.Module):
+                continue
+            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
+                own[k] = (v, v.detach().clone())
+            elif isinstance(v, (list, dict, set)):
+                own[k] = (v, v.copy())
+            elif isinstance(v, _IMMUTABLE):
+                own[k] = (v, None)
+            else:
+                own[k] = (v, _OTHER)
+        saved.append((m, own))
+    try:
+        yield
+    finally:
+        for m, own in saved:
+            for k in [k for k in m.__dict__ if k not in own and k not in _MODULE_FIELDS and k != "forward"
+                      and not isinstance(m.__dict__[k], nn.Module)]:
+                del m.__dict__[k]
+            for k, (v, copy) in own.items():
+                if copy is _OTHER:
+                    continue
+                m.__dict__[k] = v
+                if isinstance(v, torch.Tensor):
+                    with torch.no_grad():
+                        if v.shape == copy.shape:  # type: ignore[union-attr]
+                            v.copy_(copy)  # type: ignore[arg-type]
+                        else:
+                            m.__dict__[k] = copy
+                elif isinstance(v, list):
+                    v[:] = copy  # type: ignore[index]
+                elif isinstance(v, (dict, set)):
+                    v.clear()
+                    v.update(copy)  # type: ignore[arg-type]
+
+
+_OTHER = object()

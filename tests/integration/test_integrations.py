@@ -378,3 +378,52 @@ def test_hf_trainer_under_ddp_two_ranks():
     assert len(plans) == 2 and plans[0] == plans[1] and plans[0], out.stdout
     assert len(measured) == 2 and max(measured) <= 0.07 * 1024 + 0.05, measured  # printed to 0.1 MiB
     assert len(reserved) == 2 and float(reserved[0]) > 0
+
+
+def test_lightning_planning_leaves_no_trace_of_its_training_step_calls():
+    """Issue #24.1: remat runs ``training_step`` while it plans; what those calls did to the module (a
+    torchmetrics metric updated, a counter, a list of losses, a tensor attribute) is undone, so after ``fit``
+    each equals the run without remat."""
+    L = pytest.importorskip("lightning.pytorch")
+    torchmetrics = pytest.importorskip("torchmetrics")
+    from remat.integrations.lightning import RematCallback
+
+    calls = []
+
+    def train(callbacks):
+        base = lightning_module(L)
+
+        class Counting(type(base)):
+            def __init__(self):
+                super().__init__()
+                self.mean_loss = torchmetrics.MeanMetric()
+                self.steps, self.losses = 0, []
+                self.seen = torch.zeros(())
+
+            def training_step(self, batch, batch_idx):
+                calls.append(batch_idx)
+                loss = super().training_step(batch, batch_idx)
+                self.mean_loss.update(loss.detach())
+                self.steps += 1
+                self.losses.append(round(loss.item(), 6))
+                self.seen += batch[0].shape[0]
+                return loss
+
+        torch.manual_seed(0)
+        module = Counting()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=callbacks, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, torch.utils.data.DataLoader(lightning_batches(), batch_size=4, shuffle=False))
+        return module
+
+    plain = train([])
+    calls.clear()
+    callback = RematCallback(budget_gb=1.0)
+    planned = train([callback])
+    assert callback.plan is not None and len(calls) > 3  # remat did call training_step while planning
+    assert planned.steps == plain.steps == 3
+    assert planned.losses == plain.losses
+    assert planned.seen.item() == plain.seen.item() == 12
+    assert planned.mean_loss.update_count == plain.mean_loss.update_count == 3
+    assert planned.mean_loss.compute().item() == plain.mean_loss.compute().item()
+    assert f"ran {len(calls) - 3} times" in callback.plan.notes[-1], len(calls)  # how often it ran, said in the plan

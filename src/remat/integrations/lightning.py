@@ -11,7 +11,10 @@ in remat.integrations.first_step): the training step remat profiles is your ``tr
 step's gradients are alive through the forward); a module passed to ``fit`` compiled (``torch.compile(module)``)
 is planned for its compiled training step (with torch.compile's defaults unless ``compile={...}`` says the
 settings). While remat profiles, ``self.log``/``self.log_dict`` of the module do nothing (a
-profiling step is not a training step). The plan is logged (``remat/*`` metrics and an info line) and kept
+profiling step is not a training step), and what its ``training_step`` calls (14 on a 2-block GPT) did to the
+module's attributes is undone afterwards (Note [Attributes kept] in remat.state: tensors, lists, dicts, sets,
+numbers, torchmetrics metrics); other side effects (prints, your own loggers, files) are not, and the plan's
+notes give the count of calls. The plan is logged (``remat/*`` metrics and an info line) and kept
 in ``callback.plan``, with the measured peak of the second optimizer step (the first with the optimizer's state) in
 ``callback.measured_peak_bytes``; its unit names are the LightningModule's own, so ``plan.save(path)`` and
 ``RematCallback(plan=path)`` (or ``remat.apply_plan(module, plan)``) reuse it. Manual optimization is not
@@ -31,6 +34,7 @@ from torch import nn
 from remat.errors import UnsupportedError
 from remat.integrations.first_step import RematCallbackBase, missing_framework
 from remat.plan import Plan
+from remat.state import kept_attributes
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +60,25 @@ class _TrainingStep(nn.Module):
         super().__init__()
         self.module = module
         self.batch_idx = batch_idx
+        self.counter = _Calls()
+
+    @property
+    def calls(self) -> int:
+        return self.counter.n
 
     def forward(self, batch):
+        self.counter.n += 1
         return self.module.training_step(batch, self.batch_idx)
+
+
+class _Calls:
+    """A call count that copies of the module it counts for share (remat measures some steps on a copy)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __deepcopy__(self, memo) -> "_Calls":
+        return self
 
 
 def _own_names(plan: Plan) -> Plan:
@@ -108,19 +128,24 @@ class _RematLightning(RematCallbackBase):
             if compiled:
                 pl_module.forward, pl_module.training_step = ctx["original_forward"], ctx["original_training_step"]
             try:
-                plan = self.first.run(step, (batch,), optimizer=optimizers[0] if len(optimizers) == 1 else None,
-                                      output_alive=True, grad_accumulation=trainer.accumulate_grad_batches > 1,
-                                      # Lightning's closure: training_step, zero_grad, backward
-                                      zero_grad_after_forward=True,
-                                      autocast=trainer.precision_plugin.forward_context(),
-                                      ddp=type(trainer.strategy).__name__ == "DDPStrategy",
-                                      compile=True if compiled else None)
+                with kept_attributes(pl_module):  # Note [Attributes kept] in remat.state
+                    plan = self.first.run(step, (batch,), optimizer=optimizers[0] if len(optimizers) == 1 else None,
+                                          output_alive=True, grad_accumulation=trainer.accumulate_grad_batches > 1,
+                                          # Lightning's closure: training_step, zero_grad, backward
+                                          zero_grad_after_forward=True,
+                                          autocast=trainer.precision_plugin.forward_context(),
+                                          ddp=type(trainer.strategy).__name__ == "DDPStrategy",
+                                          compile=True if compiled else None)
             finally:
                 for name, value in quiet.items():
                     if value is None:
                         pl_module.__dict__.pop(name, None)
                     else:
                         pl_module.__dict__[name] = value
+            plan = dataclasses.replace(plan, notes=plan.notes + (
+                f"training_step ran {step.calls} times on the first batch while remat planned; what it did to "
+                "the module's attributes (tensors, lists, dicts, numbers, torchmetrics metrics) was undone and "
+                "self.log did nothing, other side effects (prints, your own loggers, files) were not undone",))
             self.first.applied = _own_names(plan)
         log.info(self.first.summary())
         if trainer.logger is not None:
