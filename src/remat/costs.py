@@ -98,6 +98,31 @@ class Drop:
     #: first timeline index at which it is alive again (its call's recomputation); None: the unit's
     #: ``recompute_at`` (units called once)
     until_index: int | None = None
+    #: the storage's index in the recording (Profile.tensors names it); None when not known. Not part of
+    #: the cost: two drops of equal bytes and times compare equal
+    storage: int | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One of the step's largest storages, as the recording saw it (Note [What holds the peak] in
+    remat.simulate)."""
+
+    #: its index in the recording (``Drop.storage``)
+    storage: int
+    nbytes: int
+    #: timeline index of the operator that made it, and of the first after it died (None: alive at the end)
+    alloc_index: int
+    free_index: int | None
+    #: shape and dtype of the first tensor seen on it, e.g. (4, 256, 50304) and "float32"
+    shape: tuple[int, ...]
+    dtype: str
+    #: the operator that made it ("aten.mm.default"; "" when unknown) and the innermost module it ran in
+    #: ("" outside every module: the loss, the optimizer)
+    op: str
+    module: str
+    #: a parameter's gradient
+    is_grad: bool = False
 
 
 @dataclass(frozen=True)
@@ -285,6 +310,8 @@ class Profile:
     #: the loop zeroes gradients between forward and backward (Lightning): the previous step's gradients are
     #: alive through the forward (Note [Accumulated gradients])
     grads_held_in_forward: bool = False
+    #: the step's largest storages (Note [What holds the peak] in remat.simulate); empty when not recorded
+    tensors: tuple[TensorInfo, ...] = ()
 
     @property
     def fixed_bytes(self) -> int:
@@ -356,6 +383,7 @@ class Profile:
         )
         for k in ("live_bytes", "grad_bytes", "saved_bytes", "notes"):
             d[k] = tuple(d[k])
+        d["tensors"] = tuple(TensorInfo(**{**t, "shape": tuple(t["shape"])}) for t in d.get("tensors", ()))
         if d.get("before_bytes") is not None:
             d["before_bytes"] = tuple(d["before_bytes"])
         return cls(**d)

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from remat.costs import CallSpan, Drop, Keep, UnitCost
+from remat.costs import CallSpan, Drop, Keep, TensorInfo, UnitCost
 from remat.recording import CheckpointOverhead, Recording, SavedTensor, UnitTimes
 
 log = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ def _call_effects(rec: Recording, spec: UnitSpec, in_call, start: int, end: int,
             continue
         if spec.keep is not None and created_by.get(s) in spec.keep:
             continue  # a selective checkpoint keeps it
-        drops.append(Drop(st.nbytes, free_from, r_at if until else None))
+        drops.append(Drop(st.nbytes, free_from, r_at if until else None, storage=s))
     # Note [Checkpoint holds its inputs]: non-reentrant checkpoint keeps the unit's inputs in its
     # recompute closure, alive while any tensor saved inside the unit waits to be read back: until
     # the unit's backward is done, or, when some saved tensor is never read (a node that no
@@ -281,3 +281,20 @@ def _recompute_share(rec: Recording, start: int, end: int, keep: frozenset[int])
         if i not in keep:
             again += t
     return again / total if total > 0 else 1.0
+
+
+def largest_tensors(rec: Recording, n: int = 64) -> tuple[TensorInfo, ...]:
+    """The ``n`` largest storages of the step with the operator and innermost module that made them (Note
+    [What holds the peak] in remat.simulate)."""
+    made_by = {s: i for i, op in enumerate(rec.forward_ops) for s in op.created if s is not None}
+    spans = [(a, b, name) for name, ss in rec.spans.items() for a, b in ss]
+    out = []
+    for s in sorted(range(len(rec.storages)), key=lambda k: (-rec.storages[k].nbytes, k))[:n]:
+        st = rec.storages[s]
+        i = made_by.get(s)
+        inside = [(b - a, name) for a, b, name in spans if a <= st.alloc_index <= b] if i is not None else []
+        out.append(TensorInfo(
+            storage=s, nbytes=st.nbytes, alloc_index=st.alloc_index, free_index=st.free_index, shape=st.shape,
+            dtype=st.dtype, op="" if i is None else rec.forward_ops[i].name,
+            module=min(inside)[1] if inside else "", is_grad=st.is_grad))
+    return tuple(out)

@@ -90,6 +90,7 @@ class ProfileFit:
             live_bytes=series([p.live_bytes for p in ps]), grad_bytes=series([p.grad_bytes for p in ps]),
             saved_bytes=series([p.saved_bytes for p in ps]), before_bytes=series([p.before_bytes for p in ps]),
             after_backward_bytes=None if None in after else int(num(after, True)),
+            tensors=(),  # the measured sizes' tensors, not this size's: a fitted breakdown names none
             notes=ps[0].notes + (f"fitted at size {n} from profiles at sizes {list(self.sizes)} "
                                  "(Note [Profiles by size] in remat.extrapolate)",))
 

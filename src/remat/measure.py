@@ -88,6 +88,9 @@ class StorageRecord:
     free_index: int | None = None
     #: first seen as an alias of an operator's input, not allocated by one (Note [Memory found])
     found: bool = False
+    #: the shape and dtype of the tensor first seen on it ("" when made by a resize)
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
 
 
 _FOUND_HELD: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_found_held", default=True)
@@ -198,7 +201,10 @@ class StorageTracker(TorchDispatchMode):
         rec = self.by_key.get(key)
         if rec is not None:
             return rec
-        return self._new_record(st, key, allocated_bytes(st.nbytes(), t.device))
+        rec = self._new_record(st, key, allocated_bytes(st.nbytes(), t.device))
+        if rec is not None:
+            rec.shape, rec.dtype = tuple(t.shape), str(t.dtype).removeprefix("torch.")
+        return rec
 
     def held_before(self) -> list[StorageRecord]:
         """Note [Memory found]: an operator may return, as an alias of one of its inputs (an in-place write,

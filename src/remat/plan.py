@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from remat.simulate import PeakBreakdown
+from remat import simulate
+from remat.simulate import HeldTensor, PeakBreakdown
 
 GiB = 2**30
 MiB = 2**20
@@ -27,9 +28,7 @@ def policy_summary(saved_ops: tuple[str, ...] | list[str]) -> str:
 
 def fmt_bytes(n: int | float | None) -> str:
     """Human-readable bytes (GiB above 1 GiB, else MiB)."""
-    if n is None:
-        return "-"
-    return f"{n / GiB:.3f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
+    return "-" if n is None else simulate.fmt_bytes(n)
 
 
 @dataclass(frozen=True)
@@ -141,6 +140,9 @@ class Plan:
             ("temporaries_bytes", "temporaries"),
         ]:
             lines.append(f"    {label:<32}{fmt_bytes(getattr(b, key))}")
+        if b.largest:
+            lines.append(f"  what holds the peak (largest first; no plan frees {fmt_bytes(b.unfreeable_bytes)} of these):")
+            lines += [f"    {h}" for h in b.largest]
         if self.checkpointed:
             lines.append(f"  checkpointed ({len(self.checkpointed)}): " + ", ".join(
                 f"{u} (inside {self.nested_in[u]})" if u in self.nested_in else u for u in self.checkpointed))
@@ -167,7 +169,8 @@ class Plan:
         d["mutated_buffers"] = {k: tuple(v) for k, v in d.get("mutated_buffers", {}).items()}
         d["saved_ops"] = {k: tuple(v) for k, v in d.get("saved_ops", {}).items()}
         d["nested_in"] = dict(d.get("nested_in", {}))
-        d["breakdown"] = PeakBreakdown(**d["breakdown"])
+        d["breakdown"] = PeakBreakdown(**{**d["breakdown"], "largest": tuple(
+            HeldTensor(**{**h, "shape": tuple(h["shape"])}) for h in d["breakdown"].get("largest", ()))})
         return cls(**d)
 
     def save(self, path: str | Path) -> None:

@@ -27,6 +27,9 @@ class Storage:
     free_index: int | None = None
     #: a parameter's gradient (alive once backward has run)
     is_grad: bool = False
+    #: the shape and dtype of the first tensor seen on it (what holds the peak: Note [What holds the peak])
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
 
 
 @dataclass(frozen=True)

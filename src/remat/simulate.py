@@ -86,6 +86,41 @@ class Row:
 
 
 @dataclass(frozen=True)
+class HeldTensor:
+    """Something alive at a plan's predicted peak (Note [What holds the peak])."""
+
+    #: "parameters", "gradients", "optimizer state" (the whole category), or "tensor" (one storage)
+    kind: str
+    nbytes: int
+    #: a tensor's shape and dtype, the operator and innermost module that made it ("" for a category)
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    op: str = ""
+    module: str = ""
+    #: some plan could free it (saved inside a candidate unit); False: no checkpointing plan can
+    freeable: bool = False
+    #: why no plan frees it, or which units would
+    why: str = ""
+
+    def __str__(self) -> str:
+        if self.kind != "tensor":
+            return f"{self.kind}: {fmt_bytes(self.nbytes)} (no checkpointing plan frees them)"
+        op = self.op.removeprefix("aten.").removesuffix(".default")
+        made = f"{op} in {self.module}" if op and self.module else (op or "backward")
+        return (f"{fmt_bytes(self.nbytes)} {self.dtype} {list(self.shape)} ({made}): "
+                f"{'freeable' if self.freeable else 'no plan frees it'}, {self.why}")
+
+
+def fmt_bytes(n: int | float) -> str:
+    """Human-readable bytes (GiB above 1 GiB, else MiB); ``remat.plan.fmt_bytes`` for the public one."""
+    return f"{n / 2**30:.3f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+#: how many tensors the breakdown names (Note [What holds the peak])
+HELD_TENSORS = 5
+
+
+@dataclass(frozen=True)
 class PeakBreakdown:
     """Where the bytes of a predicted peak go. All fields in bytes except ``phase``/``index``."""
 
@@ -109,6 +144,15 @@ class PeakBreakdown:
     phase: str
     #: the timeline index (operator) of the peak
     index: int
+    #: what holds the peak, largest first: parameters, gradients, optimizer state and the largest tensors
+    #: alive then, each saying whether a plan could free it (Note [What holds the peak]); empty when the
+    #: profile has no tensor list
+    largest: tuple[HeldTensor, ...] = ()
+
+    @property
+    def unfreeable_bytes(self) -> int:
+        """Bytes of ``largest`` (not of the whole peak) that no checkpointing plan frees."""
+        return sum(h.nbytes for h in self.largest if not h.freeable)
 
 
 class MemoryModel:
@@ -370,7 +414,53 @@ class MemoryModel:
             temporaries_bytes=temporaries,
             phase=phase,
             index=i,
+            largest=self.held_at(i, chosen, grads),
         )
+
+    def held_at(self, i: int, chosen: frozenset[str], grads: int) -> tuple[HeldTensor, ...]:
+        """Note [What holds the peak]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        A least peak says only "temporaries 491 MiB" until it names what they are: at GPT-2 small size the
+        logits (4 x 256 x 50,304 fp32, 196 MiB), their log-softmax and its gradient, made by the head and
+        the loss outside every block, hold the peak of every plan, and no checkpointing can remove them.
+        At the peak's operator ``i`` the breakdown lists the fixed categories (parameters, optimizer state,
+        gradients then alive) and the HELD_TENSORS largest of the profile's tensors (``Profile.tensors``)
+        alive there with the plan's drops taken out, each with the operator and module that made it and
+        whether some plan could free it: a storage some candidate unit drops (saved inside it, freed until
+        its recomputation) is freeable; a gradient, a tensor made outside every module (the loss) or one no
+        candidate drops (a unit's output, the head's logits) is not. Tensors a recomputation makes again
+        are not in the recording: they are in ``temporaries``."""
+        p = self.profile
+        if not p.tensors:
+            return ()
+        dropped: set[int] = set()
+        droppers: dict[int, list[str]] = {}
+        for u in self.units.values():
+            for d in u.drops:
+                if d.storage is not None:
+                    droppers.setdefault(d.storage, []).append(u.name)
+        for v in chosen:
+            u = self.units[inner_unit(v)]
+            for d in u.drops:
+                until = d.until_index if d.until_index is not None else u.recompute_at
+                if d.storage is not None and d.free_from <= i and (until is None or i < until):
+                    dropped.add(d.storage)
+        alive = [t for t in p.tensors if t.alloc_index <= i and (t.free_index is None or i < t.free_index)
+                 and t.storage not in dropped and not t.is_grad]
+        held = [HeldTensor("parameters", p.params_bytes), HeldTensor("optimizer state", p.optimizer_state_bytes),
+                HeldTensor("gradients", grads)]
+        for t in alive[:HELD_TENSORS]:
+            units = droppers.get(t.storage, [])
+            if units:
+                why = "saved inside " + ", ".join(sorted(units, key=len)[:3])
+            elif t.alloc_index >= p.backward_start:
+                why = "a gradient made in backward"
+            elif not t.module:
+                why = "made outside every candidate unit (the model's own code or the loss)"
+            else:
+                why = f"not saved inside any candidate unit ({t.module}'s output, or a module no plan checkpoints)"
+            held.append(HeldTensor("tensor", t.nbytes, t.shape, t.dtype, t.op, t.module, bool(units), why))
+        return tuple(sorted((h for h in held if h.nbytes), key=lambda h: -h.nbytes))
 
     def recompute_s(self, plan: Iterable[str]) -> float:
         """Predicted extra time of ``plan``: the measured recompute time of its units plus checkpoint's

@@ -169,3 +169,29 @@ def test_gradient_accumulation_planned_for_held_gradients(name):
     assert plan.grads_held and "gradients accumulated" in str(plan)
     assert plan.checked_peak_bytes <= budget
     assert accumulation_peak(m, inputs, loss_fn, opt) <= budget
+
+
+def test_the_breakdown_names_what_holds_the_least_peak():
+    """Issue #23: at a large vocabulary the least peak is held by the loss head's vocabulary-sized tensors and
+    the optimizer state, which no plan frees; the breakdown names them (shape, dtype, bytes, operator), in
+    str(plan), the JSON and the infeasible error, and says which tensors a plan could free."""
+    vocab, batch, seq = 4096, 4, 32
+    torch.manual_seed(0)
+    model, inputs, _ = make_gpt(layers=2, batch_size=batch, seq_len=seq, d_model=32, heads=2, vocab=vocab)
+    planner = Planner(make_profile(model, inputs, optimizer=torch.optim.AdamW(model.parameters())))
+    least = planner.least_memory()
+    held = least.breakdown.largest
+    top = [h for h in held if h.kind == "tensor"][0]
+    assert top.shape[-1] == vocab and top.nbytes == batch * seq * vocab * 4 and top.dtype == "float32"
+    assert not top.freeable and top.op in ("aten._log_softmax.default", "aten.mm.default", "")
+    state = next(h for h in held if h.kind == "optimizer state")
+    assert state.nbytes == planner.profile.optimizer_state_bytes > 0 and not state.freeable
+    assert held == tuple(sorted(held, key=lambda h: -h.nbytes))
+    text = str(least)
+    assert "what holds the peak" in text and f"float32 [{batch * seq}, {vocab}]" in text
+    assert remat.Plan.from_dict(least.to_dict()) == least  # the JSON keeps it
+    # without checkpointing, the peak holds activations a plan frees (saved inside the blocks)
+    plain = planner.no_checkpointing().breakdown.largest
+    assert any(h.freeable and "saved inside h." in h.why for h in plain), plain
+    with pytest.raises(remat.InfeasibleBudgetError, match=r"what holds it .*no plan frees .* of the largest.*float32 \[128, 4096\].*no plan frees it"):
+        planner.plan_for_budget(planner.min_peak_bytes // 2)

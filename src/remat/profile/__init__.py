@@ -38,7 +38,7 @@ from torch import nn
 
 from remat.capture import ModelGraph, quiet_loggers, unit_parent
 from remat.costs import Profile
-from remat.effects import unit_costs
+from remat.effects import largest_tensors, unit_costs
 from remat.errors import InvalidInputError
 from remat.measure import LossFn, input_tensors, tensor_bytes, trainable_parameters
 from remat.profile.calibrate import align_forward, calibrate_sizes, diverged, ops_summary, plain_forward_ops, \
@@ -199,6 +199,7 @@ def profile_model(
         memory_recorded_with=recorded,
         optimizer=opt.label,
         notes=tuple(notes),
+        tensors=largest_tensors(rec),
     )
 
 

@@ -131,7 +131,7 @@ class _Recorder(StorageTracker):
             n_ops=n_ops, backward_start=backward_start, after_backward_bytes=after_backward_bytes,
             # a storage held from before the step counts from its start (Note [Memory found] in remat.measure)
             storages=tuple(Storage(r.nbytes, 0 if id(r) in held else r.alloc_index, r.free_index,
-                                   id(r) in grads) for r in self.records),
+                                   id(r) in grads, r.shape, r.dtype) for r in self.records),
             saved=tuple(SavedTensor(idx(p.rec), p.stack, p.calls, p.at, p.unpacked_at) for p in self.packs),
             forward_ops=tuple(ForwardOp(name, tuple(idx(r) for r in recs), random, named=named, flops=flops)
                               for name, recs, random, named, flops in self.forward_ops),

@@ -158,6 +158,12 @@ class Planner:
             f"measured on one real step; predicted {fmt_bytes(self.min_peak_bytes)}" if not compiled else \
             f"measured on compiled steps ({compiled}); eager prediction {fmt_bytes(self.min_peak_bytes)}"
         least_bytes = self.min_peak_bytes if least_bytes is None else least_bytes
+        every = self.every_nth_block(1)
+        rule = " It equals checkpointing every block's prediction:" if every.checkpointed and \
+            every.predicted_peak_bytes == self.min_peak_bytes else ""
+        holds = (f"{rule} what holds it (Note [What holds the peak] in remat.simulate; "
+                 f"no plan frees {fmt_bytes(b.unfreeable_bytes)} of the largest): " +
+                 "; ".join(str(h) for h in b.largest[:4]) + ".") if b.largest else ""
         return InfeasibleBudgetError(
             f"budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes) is below the least peak any "
             f"checkpointing plan reaches: {fmt_bytes(least_bytes)} ({least_bytes} bytes, "
@@ -165,7 +171,7 @@ class Planner:
             f"(parameters {fmt_bytes(b.params_bytes)}, optimizer state {fmt_bytes(b.optimizer_state_bytes)}, "
             f"buffers {fmt_bytes(b.buffers_bytes)}, inputs {fmt_bytes(b.inputs_bytes)}), plus gradients "
             f"{fmt_bytes(b.grads_bytes)}, saved activations {fmt_bytes(b.saved_activations_bytes)} and "
-            f"temporaries {fmt_bytes(b.temporaries_bytes)}. Raise budget_gb to at least "
+            f"temporaries {fmt_bytes(b.temporaries_bytes)}.{holds} Raise budget_gb to at least "
             f"{math.ceil(least_bytes / 2**30 * 1000) / 1000:.3f}, or shrink the batch.",
             budget_bytes=budget_bytes,
             min_feasible_bytes=least_bytes,
