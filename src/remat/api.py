@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -250,11 +251,13 @@ def optimize_checkpointing(
         time_limit_s=time_limit_s, optimizer=None if optimizer is None else type(optimizer).__name__,
         compiled=str(loop)))
     notes, undo = prepare_hf_for_training(model)
+    started = time.perf_counter()
     try:
         with preserved(model, on_success=False), eager_submodules(model):
             profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
                                     output_alive=output_alive, wrapping=wrapping)
             profile = loop_grads(profile, grad_accumulation, zero_grad_after_forward)
+            profiled = time.perf_counter()
             notes += (default.note,) if default is not None and default.note else ()
             planner = Planner(profile, time_limit_s=time_limit_s, granularity=granularity,
                               ranks=ranks.gather(profile) if ranks is not None else None, regions=loop is None)
@@ -275,6 +278,9 @@ def optimize_checkpointing(
             if loop is not None and any(u.is_region for u in profile.candidates()):
                 notes += ("regions of modules' forwards (Note [Regions] in remat.capture) are not offered for a "
                           "compiled loop: their forward runs a traced graph node by node, untested under compile",)
+            notes += (f"planning took {time.perf_counter() - started:.1f} s: profile {profiled - started:.1f} s, "
+                      f"solve{' and check' if check else ''} {time.perf_counter() - profiled:.1f} s (one plain step "
+                      f"measured {profile.step_time_s:.3f} s)",)
             plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)
             with stage("rewrite", model, args, kwargs, loss_fn):
                 remove_checkpointing(model)
@@ -415,7 +421,10 @@ def plan_checked(
         return checked[plan.checkpointed]
 
     def done(plan: Plan, measured: int, why: str) -> Plan:
-        note = f"checked on one real step: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}"
+        note = (f"checked on one real step: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}; "
+                f"{len(checked)} plans measured, one real step each (the least-memory plan and every block, whose "
+                "measured least is the least peak promised, and this one)" if len(checked) > 1 else
+                f"checked on one real step: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}")
         return dataclasses.replace(plan, budget_bytes=budget_bytes, checked_peak_bytes=measured,
                                    min_peak_bytes=promise, notes=plan.notes + (note,))
 
