@@ -421,10 +421,10 @@ def plan_checked(
         return checked[plan.checkpointed]
 
     def done(plan: Plan, measured: int, why: str) -> Plan:
-        note = (f"checked on one real step: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}; "
-                f"{len(checked)} plans measured, one real step each (the least-memory plan and every block, whose "
-                "measured least is the least peak promised, and this one)" if len(checked) > 1 else
-                f"checked on one real step: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}")
+        note = f"checked on one real step: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}"
+        if len(checked) > 1:
+            note += (f"; {len(checked)} plans measured, one real step each (the least-memory plan and every block, "
+                     "whose measured least is the least peak promised, and this one)")
         return dataclasses.replace(plan, budget_bytes=budget_bytes, checked_peak_bytes=measured,
                                    min_peak_bytes=promise, notes=plan.notes + (note,))
 

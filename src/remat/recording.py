@@ -220,10 +220,12 @@ def twin_groups(rec: Recording, modules: Sequence[str]) -> list[list[str]]:
     """Groups of two or more of ``modules`` whose recorded forwards are the same operators creating the
     same bytes, call for call (Note [Twins share their times])."""
     groups: dict[tuple, list[str]] = {}
+    seen: set[tuple] = set()
     for m in modules:
         spans = rec.spans.get(m, ())
-        if not spans:
+        if not spans or spans in seen:  # a wrapper and its only child run the same operators: not twins
             continue
+        seen.add(spans)
         sig = tuple(tuple((rec.forward_ops[i].name, tuple(-1 if s is None else rec.storages[s].nbytes
                                                            for s in rec.forward_ops[i].created))
                           for i in range(a, b + 1) if i < len(rec.forward_ops)) for a, b in spans)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -417,6 +418,16 @@ class MemoryModel:
             largest=self.held_at(i, chosen, grads),
         )
 
+    @functools.cached_property
+    def _droppers(self) -> dict[int, list[str]]:
+        """Per recorded storage, the candidate units that drop it (Note [What holds the peak])."""
+        out: dict[int, list[str]] = {}
+        for u in self.units.values():
+            for d in u.drops:
+                if d.storage is not None:
+                    out.setdefault(d.storage, []).append(u.name)
+        return out
+
     def held_at(self, i: int, chosen: frozenset[str], grads: int) -> tuple[HeldTensor, ...]:
         """Note [What holds the peak]
         ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -433,12 +444,8 @@ class MemoryModel:
         p = self.profile
         if not p.tensors:
             return ()
+        droppers = self._droppers
         dropped: set[int] = set()
-        droppers: dict[int, list[str]] = {}
-        for u in self.units.values():
-            for d in u.drops:
-                if d.storage is not None:
-                    droppers.setdefault(d.storage, []).append(u.name)
         for v in chosen:
             u = self.units[inner_unit(v)]
             for d in u.drops:
@@ -454,7 +461,7 @@ class MemoryModel:
             if units:
                 why = "saved inside " + ", ".join(sorted(units, key=len)[:3])
             elif t.alloc_index >= p.backward_start:
-                why = "a gradient made in backward"
+                why = "an activation's gradient, made in backward"
             elif not t.module:
                 why = "made outside every candidate unit (the model's own code or the loss)"
             else:

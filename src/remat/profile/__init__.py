@@ -44,10 +44,10 @@ from remat.measure import LossFn, input_tensors, tensor_bytes, trainable_paramet
 from remat.profile.calibrate import align_forward, calibrate_sizes, diverged, ops_summary, plain_forward_ops, \
     plain_step_fits
 from remat.profile.optimizer import optimizer_costs
-from remat.recording import shared_by_twins
 from remat.profile.recorder import record_step
 from remat.profile.timing import checkpoint_overhead, time_units
 from remat.profile.units import module_and_segment_specs, region_specs, selective_specs
+from remat.recording import shared_by_twins
 from remat.state import preserved
 
 log = logging.getLogger(__name__)

@@ -109,13 +109,14 @@ def policy_menu(rec: Recording, start: int, end: int) -> list[frozenset[int]]:
     option exactly, with measured times, against the whole-step memory model, and picks at most one
     option per unit.
 
-    The menu is made of what does not change from run to run, so that the same model, batch and budget
-    give the same plan (issue: two runs of a Llama gave two 8-unit plans): the rank is FLOPs per byte
-    (torch.utils.flop_counter: matrix products and attention first), then bytes (the smaller first),
-    then the position in the forward; measured times, which move by a few percent per run, only break
-    what is still tied (never: positions differ). Operators without a FLOP formula (elementwise,
-    norms, softmax) are memory-bound, their time about proportional to their bytes, so ranking them by
-    size loses little against ranking by measured time per byte.
+    The menu is made of what does not change from run to run, so that the same model and batch get the
+    same options in every run (two runs of a Llama under the Trainer gave two 8-unit plans): the rank is
+    FLOPs per byte (torch.utils.flop_counter: matrix products and attention first), then bytes (the
+    smaller first), then the position in the forward; measured times, which move by a few percent per
+    run, are not read. Operators without a FLOP formula (elementwise, norms, softmax) are memory-bound,
+    their time about proportional to their bytes, so ranking them by size loses little against ranking
+    by measured time per byte. (The ILP still costs the options with measured times: plans of nearly
+    equal cost can still swap between runs.)
 
     An operator is keepable when it creates storage (views and in-place ops allocate nothing), does
     not draw random numbers (Note [Selective checkpointing]: skipping a draw would shift the ones
