@@ -62,7 +62,7 @@ def profile_model(
     optimizer: torch.optim.Optimizer | None,
     graph: ModelGraph,
     device: torch.device,
-    timing_steps: int = 4,
+    timing_steps: int = 3,
     output_alive: bool = True,
     record_real: str | None = None,
     world_size: int = 1,

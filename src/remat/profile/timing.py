@@ -133,13 +133,13 @@ def time_units(
                         step_forward=min(best["step_forward"], timing["step_forward"]),
                         step_backward=min(best["step_backward"], timing["step_backward"]))
     assert best is not None
-    # the step's own forward and backward, timed without hooks (their cost is not the model's)
-    for _ in range(2):
-        marks = {"start": clock.mark()}
-        with fresh_grads(targets):
-            run_step(model, args, kwargs, loss_fn, on=lambda event: marks.__setitem__(event, clock.mark()))
-        best["step_forward"] = min(best["step_forward"], clock.seconds(marks["start"], marks["loss"]))
-        best["step_backward"] = min(best["step_backward"], clock.seconds(marks["loss"], marks["backward"]))
+    # the step's own forward and backward, timed without hooks (their cost is not the model's): once, the
+    # least with the hooked steps' (each real step here is one more call of the user's training step)
+    marks = {"start": clock.mark()}
+    with fresh_grads(targets):
+        run_step(model, args, kwargs, loss_fn, on=lambda event: marks.__setitem__(event, clock.mark()))
+    best["step_forward"] = min(best["step_forward"], clock.seconds(marks["start"], marks["loss"]))
+    best["step_backward"] = min(best["step_backward"], clock.seconds(marks["loss"], marks["backward"]))
     # each operator's time again, warm (step 0's were the first calls): keep the lesser of the two
     # (not for a model wrapped by FSDP2 or DDP: a forward without backward leaves FSDP2's parameters
     # unsharded and DDP waiting for a reduction; its operator times only rank selective options, which the
