@@ -141,7 +141,7 @@ class Plan:
         ]:
             lines.append(f"    {label:<32}{fmt_bytes(getattr(b, key))}")
         if b.largest:
-            lines.append(f"  what holds the peak (largest first; no plan frees {fmt_bytes(b.unfreeable_bytes)} of these):")
+            lines.append(f"  what holds the predicted peak (largest first; no plan frees {fmt_bytes(b.unfreeable_bytes)} of these):")
             lines += [f"    {h}" for h in b.largest]
         if self.checkpointed:
             lines.append(f"  checkpointed ({len(self.checkpointed)}): " + ", ".join(

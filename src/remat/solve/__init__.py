@@ -161,7 +161,7 @@ class Planner:
         every = self.every_nth_block(1)
         rule = " It equals checkpointing every block's prediction:" if every.checkpointed and \
             every.predicted_peak_bytes == self.min_peak_bytes else ""
-        holds = (f"{rule} what holds it (Note [What holds the peak] in remat.simulate; "
+        holds = (f"{rule} what holds it, as predicted (Note [What holds the peak] in remat.simulate; "
                  f"no plan frees {fmt_bytes(b.unfreeable_bytes)} of the largest): " +
                  "; ".join(str(h) for h in b.largest[:4]) + ".") if b.largest else ""
         return InfeasibleBudgetError(
