@@ -12,7 +12,7 @@ The pipeline, one module (or package) per stage, each handing a frozen dataclass
     solve/     Profile + budget         -> Plan         ILP (PuLP/CBC) and the hand rules
     rewrite    Plan                     -> the model, checkpointed in place (reversible)
     measure    one training step, one clock, one peak meter, used by every stage that runs the model
-    steps      real steps measured (peak, step time) on copies, or in place for sharded models
+    steps      real steps measured (peak, step time) on one copy, or in place for sharded models
     distributed  one plan for every rank under FSDP2 / DDP
     verify     plain vs checkpointed    -> EquivalenceReport
     extrapolate  profiles at a few sizes -> profiles fitted at any size (no torch)

@@ -300,7 +300,7 @@ def _eager_footer(out, rows, profile, device, args, planner_min) -> None:
               + (f"median of {args.repeats} steps, the slowest rank's, each plan measured in place on every rank "
                  f"(the target's model is trained by these steps). " if per_rank else
                  f"median of {2 * args.repeats if device.type == 'cpu' else args.repeats} steps"
-                 f"{' (plans interleaved round-robin, each on its own copy)' if device.type == 'cpu' else ''}. ")
+                 f"{' (plans interleaved round-robin, each applied in turn to one copy of the model)' if device.type == 'cpu' else ''}. ")
               + f"Least achievable peak (predicted): {fmt_bytes(planner_min)}."
               + (" remat-op: remat's plan with selective units allowed; (k @ops): k units checkpointed "
                  "selectively (keeping some operators' outputs)." if any(r.strategy == "remat-op" for r in rows)

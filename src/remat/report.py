@@ -24,7 +24,7 @@ from remat.costs import Profile
 from remat.errors import InfeasibleBudgetError
 from remat.distributed import ranks_for
 from remat.measure import OptimizerFactory, default_loss, model_device, split_inputs
-from remat.steps import measure_step, measure_step_in_place, time_interleaved, warm_up
+from remat.steps import measure_plans, measure_step_in_place
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
@@ -110,7 +110,8 @@ def tradeoff(
     compile: bool | dict | None = None,
 ) -> list[TradeoffRow]:
     """Plan and measure. ``model`` must be plain (not checkpointed); it is checkpointed and restored
-    in turn, and each measurement trains a deep copy, so ``model`` ends as it started.
+    in turn, and the measured steps train one deep copy of it (each plan applied to the copy in turn: one copy
+    however many plans), so ``model`` ends as it started.
 
     Rows: ``hand_rules`` (default: ``planner.baselines()``), then per budget remat's checked plan
     and, with ``greedy``, the greedy plan for that budget. Step times are interleaved across plans
@@ -230,44 +231,15 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
     # Note [Warm-up]: the first steps of a process run slow (thread pools, allocator, clocks): on the
     # 2-core CPU this project is developed on, markedly so for the first dozen or so. Warm up first, with
     # the least-memory plan so that warming up fits wherever the plans do.
-    say("warming up")
+    # Note [Interleaved timing]: on a shared CPU, step times drift within a minute; timing the plans one
+    # after another compares drifts, not plans. Round-robin one step of every plan per round and take the
+    # median per plan. Every step runs on one copy of the model, each plan applied in turn (issue #23).
     least = min(distinct.values(), key=lambda p: p.predicted_peak_bytes)
-    checkpoint_plan(model, least)
-    try:
-        warm_up(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory, seconds=warmup_s)
-    finally:
-        remove_checkpointing(model)
-    measured: dict[frozenset[str], Any] = {}
-    for i, (key, plan) in enumerate(order):
-        say(f"measuring the peak of {plan.strategy} ({len(plan.checkpointed)} units) [{i + 1}/{len(order)}]")
-        checkpoint_plan(model, plan)
-        try:
-            measured[key] = measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
-                                         warmup=1, repeats=0, output_alive=profile.output_alive)
-        finally:
-            remove_checkpointing(model)
     interleave = model_device(model).type == "cpu" if interleave is None else interleave
-    say("timing steps")
-    if interleave:
-        # Note [Interleaved timing]: on a shared CPU, step times drift within a minute; timing
-        # the plans one after another compares drifts, not plans. Round-robin one step of every plan
-        # per round (each plan on its own copy of the model) and take the median per plan.
-        times = time_interleaved(model, inputs, [p for _, p in order], loss_fn=loss_fn,
-                                 optimizer_factory=optimizer_factory, warmup=warmup, rounds=2 * repeats,
-                                 output_alive=profile.output_alive)
-    else:
-        times = []
-        for key, plan in order:
-            checkpoint_plan(model, plan)
-            try:
-                times.append(measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
-                                          warmup=warmup, repeats=repeats, measure_memory=False,
-                                          output_alive=profile.output_alive).step_times_s)
-            finally:
-                remove_checkpointing(model)
-    for (key, _), ts in zip(order, times):
-        measured[key] = dataclasses.replace(measured[key], step_time_s=statistics.median(ts),
-                                            step_times_s=tuple(ts))
+    results = measure_plans(model, inputs, [p for _, p in order], loss_fn=loss_fn, optimizer_factory=optimizer_factory,
+                            warm_with=least, warmup_s=warmup_s, warmup=warmup, repeats=repeats, interleave=interleave,
+                            output_alive=profile.output_alive, progress=say)
+    measured: dict[frozenset[str], Any] = {key: m for (key, _), m in zip(order, results)}
     plain_time = measured[frozenset()].step_time_s
     rows = []
     for plan, budget, note in plans:

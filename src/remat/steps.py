@@ -1,16 +1,18 @@
 """Real training steps of a model, measured: peak memory and step time of whole steps (forward, backward,
-optimizer step), on deep copies of the model (``measure_step``, ``warm_up``, ``time_interleaved``) or, for
+optimizer step), on a deep copy of the model (``measure_step``, ``warm_up``; ``measure_plans`` and
+``time_interleaved`` apply each plan in turn to one copy) or, for
 models that cannot be copied (sharded by FSDP2, replicated by DDP), in place (``measure_step_in_place``).
 Built on the one measurement layer in ``remat.measure``."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -72,18 +74,51 @@ def as_factory(optimizer: torch.optim.Optimizer | OptimizerFactory | None,
     return factory if groups else None
 
 
-def _trainee(model: nn.Module, optimizer_factory: OptimizerFactory | None, plan: Any = None):
-    """A deep copy of ``model`` (checkpointed as ``plan`` says, when given) without gradients, and its optimizer
-    (``optimizer_factory``: a factory or an optimizer instance, :func:`as_factory`)."""
-    optimizer_factory = as_factory(optimizer_factory, model)
-    m = copy.deepcopy(model)
-    if plan is not None:
+class _Trainee:
+    """One deep copy of ``model`` without gradients, and its optimizer (``optimizer_factory``: a factory or an
+    optimizer instance, :func:`as_factory`), on which training steps run. With ``plans``, the copy starts plain
+    (remat's checkpointing removed) and each plan is applied in turn (:meth:`under`): however many plans are
+    measured, one copy of the model and one optimizer state exist at a time (issue #23: one copy per plan
+    held 3.3x a plain training process's memory at GPT-2-small size). Without, the copy is checkpointed as
+    ``model`` is."""
+
+    def __init__(self, model: nn.Module, optimizer_factory: Any, *, plans: bool = False) -> None:
+        from remat.rewrite import remove_checkpointing
+
+        factory = as_factory(optimizer_factory, model)
+        self.model = copy.deepcopy(model)
+        if plans:
+            remove_checkpointing(self.model)
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer = factory(self.model.parameters()) if factory else None
+
+    @contextlib.contextmanager
+    def under(self, plan: Any) -> Iterator[None]:
+        """The copy checkpointed as ``plan`` says while the block runs, plain again after."""
         from remat.rewrite import checkpoint_plan, remove_checkpointing
 
-        remove_checkpointing(m)
-        checkpoint_plan(m, plan)
-    m.zero_grad(set_to_none=True)
-    return m, optimizer_factory(m.parameters()) if optimizer_factory else None
+        checkpoint_plan(self.model, plan)
+        try:
+            yield
+        finally:
+            remove_checkpointing(self.model)
+
+    def step(self, args: tuple, kwargs: dict, loss_fn: LossFn, output_alive: bool = True) -> None:
+        run_step(self.model, args, kwargs, loss_fn, output_alive=output_alive, optimizer=self.optimizer)
+        if self.optimizer is None:
+            self.model.zero_grad(set_to_none=True)
+
+    def peak(self, args: tuple, kwargs: dict, loss_fn: LossFn, output_alive: bool = True) -> int:
+        """The peak of one step, all of it (parameters, buffers, inputs, optimizer state, the step's own)."""
+        from remat.distributed import wrapping_of
+
+        m, opt = self.model, self.optimizer
+        state = [*m.parameters(), *m.buffers(), *input_tensors(args, kwargs)]
+        if opt is not None:
+            state += [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        with found_storages_are_fresh(wrapping_of(m).kind == "fsdp2"):  # Note [Memory found]
+            return measure_peak(lambda live_now: self.step(args, kwargs, loss_fn, output_alive), model_device(m),
+                                state)
 
 
 @keeps_rng
@@ -99,8 +134,8 @@ def measure_step(
     step; gradients are set to None after each step); ``optimizer_factory`` may also be an optimizer instance,
     the argument ``optimize_checkpointing`` takes (its class and settings are copied, :func:`as_factory`). Runs ``warmup`` untimed steps (which create the
     optimizer state), ``repeats`` timed steps, then one step under :func:`measure_peak`."""
-    m, opt = _trainee(model, optimizer_factory)
-    return _measured_steps(m, opt, example_inputs, loss_fn or default_loss, warmup=warmup, repeats=repeats,
+    trainee = _Trainee(model, optimizer_factory)
+    return _measured_steps(trainee, example_inputs, loss_fn or default_loss, warmup=warmup, repeats=repeats,
                            measure_memory=measure_memory, output_alive=output_alive)
 
 
@@ -113,38 +148,29 @@ def measure_step_in_place(
     replicated by DDP): it **trains** ``model`` (its parameters change) with a new optimizer; for throwaway
     models such as the command line's targets under torchrun. Every rank must call it alike."""
     model.zero_grad(set_to_none=True)
-    optimizer_factory = as_factory(optimizer_factory, model)
-    opt = optimizer_factory(model.parameters()) if optimizer_factory else None
-    return _measured_steps(model, opt, example_inputs, loss_fn or default_loss, warmup=warmup, repeats=repeats,
+    trainee = _Trainee.__new__(_Trainee)  # the model itself, not a copy
+    factory = as_factory(optimizer_factory, model)
+    trainee.model, trainee.optimizer = model, factory(model.parameters()) if factory else None
+    return _measured_steps(trainee, example_inputs, loss_fn or default_loss, warmup=warmup, repeats=repeats,
                            measure_memory=measure_memory, output_alive=output_alive)
 
 
-def _measured_steps(m: nn.Module, opt: torch.optim.Optimizer | None, example_inputs: Any, loss_fn: LossFn, *,
-                    warmup: int, repeats: int, measure_memory: bool, output_alive: bool) -> StepMeasurement:
-    from remat.distributed import wrapping_of
-
+def _measured_steps(trainee: _Trainee, example_inputs: Any, loss_fn: LossFn, *, warmup: int, repeats: int,
+                    measure_memory: bool, output_alive: bool) -> StepMeasurement:
     args, kwargs = split_inputs(example_inputs)
-    device = model_device(m)
-    clock = Clock(device)
-
-    def step() -> None:
-        run_step(m, args, kwargs, loss_fn, output_alive=output_alive, optimizer=opt)
-        if opt is None:
-            m.zero_grad(set_to_none=True)
-
+    clock = Clock(model_device(trainee.model))
     for _ in range(warmup):
-        step()
-    times = [clock.time(step) for _ in range(repeats)]
+        trainee.step(args, kwargs, loss_fn, output_alive)
+    times = [clock.time(lambda: trainee.step(args, kwargs, loss_fn, output_alive)) for _ in range(repeats)]
     median = statistics.median(times) if times else 0.0
     if not measure_memory:
         return StepMeasurement(0, median, tuple(times), "not measured")
-    state = [*m.parameters(), *m.buffers(), *input_tensors(args, kwargs)]
-    if opt is not None:
-        state += [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    with found_storages_are_fresh(wrapping_of(m).kind == "fsdp2"):  # Note [Memory found]
-        peak = measure_peak(lambda live_now: step(), device, state)
-    return StepMeasurement(peak, median, tuple(times),
-                           "cuda allocator" if device.type == "cuda" else "live tensor storages (CPU)")
+    peak = trainee.peak(args, kwargs, loss_fn, output_alive)
+    return StepMeasurement(peak, median, tuple(times), _method(trainee.model))
+
+
+def _method(model: nn.Module) -> str:
+    return "cuda allocator" if model_device(model).type == "cuda" else "live tensor storages (CPU)"
 
 
 @keeps_rng
@@ -154,20 +180,77 @@ def warm_up(
 ) -> int:
     """Run training steps on a deep copy of ``model`` until three consecutive step times agree within
     5%, ``seconds`` pass or ``max_steps`` run (see Note [Warm-up] in remat.report). Returns the steps run."""
-    loss_fn = loss_fn or default_loss
-    m, opt = _trainee(model, optimizer_factory)
     args, kwargs = split_inputs(example_inputs)
-    clock = Clock(model_device(m))
+    return _warm(_Trainee(model, optimizer_factory), args, kwargs, loss_fn or default_loss, seconds, max_steps)
+
+
+def _warm(trainee: _Trainee, args: tuple, kwargs: dict, loss_fn: LossFn, seconds: float, max_steps: int = 50,
+          output_alive: bool = True) -> int:
+    clock = Clock(model_device(trainee.model))
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < max_steps and time.perf_counter() - start < seconds:
-        times.append(clock.time(lambda: run_step(m, args, kwargs, loss_fn, optimizer=opt)))
-        if opt is None:
-            m.zero_grad(set_to_none=True)
+        times.append(clock.time(lambda: trainee.step(args, kwargs, loss_fn, output_alive)))
         last = times[-3:]
         if len(times) >= 5 and max(last) <= 1.05 * min(last):
             break
     return len(times)
+
+
+@keeps_rng
+def measure_plans(
+    model: nn.Module, example_inputs: Any, plans: list, *, loss_fn: LossFn | None = None,
+    optimizer_factory: OptimizerFactory | torch.optim.Optimizer | None = None, warm_with: Any = None,
+    warmup_s: float = 0.0, warmup: int = 2, repeats: int = 5, interleave: bool = True, seed: int = 0,
+    output_alive: bool = True, progress: Any = None,
+) -> list[StepMeasurement]:
+    """Each plan's measured peak and step times, every step on one deep copy of ``model`` (plain, each plan
+    applied in turn, :class:`_Trainee`; ``model`` itself is not modified). First the copy warms up (Note
+    [Warm-up] in remat.report) for up to ``warmup_s`` seconds under ``warm_with`` (a plan; the least-memory
+    one, so that warming up fits wherever the plans do); then each plan runs one step and one measured step
+    (its peak); then the steps are timed: with ``interleave``, ``2 * repeats`` rounds of one step per plan
+    in a shuffled order after ``warmup`` such rounds (Note [Interleaved timing]); without, ``warmup`` and
+    ``repeats`` steps per plan in turn."""
+    loss_fn = loss_fn or default_loss
+    say = progress or (lambda message: None)
+    args, kwargs = split_inputs(example_inputs)
+    trainee = _Trainee(model, optimizer_factory, plans=True)
+    clock = Clock(model_device(model))
+    if warmup_s > 0:
+        say("warming up")
+        with trainee.under(warm_with if warm_with is not None else plans[0]):
+            _warm(trainee, args, kwargs, loss_fn, warmup_s, output_alive=output_alive)
+    peaks = []
+    for i, plan in enumerate(plans):
+        say(f"measuring the peak of {plan.strategy} ({len(plan.checkpointed)} units) [{i + 1}/{len(plans)}]")
+        with trainee.under(plan):
+            trainee.step(args, kwargs, loss_fn, output_alive)
+            peaks.append(trainee.peak(args, kwargs, loss_fn, output_alive))
+    say("timing steps")
+
+    def timed(plan) -> float:
+        with trainee.under(plan):
+            return clock.time(lambda: trainee.step(args, kwargs, loss_fn, output_alive))
+
+    times: list[list[float]] = [[] for _ in plans]
+    if interleave:
+        for _ in range(warmup):
+            for plan in plans:
+                timed(plan)
+        rng = random.Random(seed)
+        for _ in range(2 * repeats):
+            order = list(range(len(plans)))
+            rng.shuffle(order)
+            for i in order:
+                times[i].append(timed(plans[i]))
+    else:
+        for i, plan in enumerate(plans):
+            for _ in range(warmup):
+                timed(plan)
+            times[i] = [timed(plan) for _ in range(repeats)]
+    method = _method(trainee.model)
+    return [StepMeasurement(peak, statistics.median(ts) if ts else 0.0, tuple(ts), method)
+            for peak, ts in zip(peaks, times)]
 
 
 @keeps_rng
@@ -177,29 +260,27 @@ def time_interleaved(
     output_alive: bool = True,
 ) -> list[list[float]]:
     """Step times (seconds) of ``model`` under each plan, timed round-robin: every round runs one
-    training step of every plan, in a shuffled order, each plan on its own deep copy with its own
-    optimizer. ``model`` itself is not modified. Returns one list of ``rounds`` times per plan."""
+    training step of every plan, in a shuffled order, on one deep copy of ``model`` with each plan applied in
+    turn (:class:`_Trainee`). ``model`` itself is not modified. Returns one list of ``rounds`` times per plan."""
     loss_fn = loss_fn or default_loss
     args, kwargs = split_inputs(example_inputs)
     clock = Clock(model_device(model))
-    copies = [_trainee(model, optimizer_factory, plan) for plan in plans]
+    trainee = _Trainee(model, optimizer_factory, plans=True)
 
-    def step(m: nn.Module, opt: torch.optim.Optimizer | None) -> float:
-        seconds = clock.time(lambda: run_step(m, args, kwargs, loss_fn, output_alive=output_alive, optimizer=opt))
-        if opt is None:
-            m.zero_grad(set_to_none=True)
-        return seconds
+    def step(plan) -> float:
+        with trainee.under(plan):
+            return clock.time(lambda: trainee.step(args, kwargs, loss_fn, output_alive))
 
     for _ in range(warmup):
-        for m, opt in copies:
-            step(m, opt)
-    times: list[list[float]] = [[] for _ in copies]
+        for plan in plans:
+            step(plan)
+    times: list[list[float]] = [[] for _ in plans]
     rng = random.Random(seed)
     for _ in range(rounds):
-        order = list(range(len(copies)))
+        order = list(range(len(plans)))
         rng.shuffle(order)
         for i in order:
-            times[i].append(step(*copies[i]))
+            times[i].append(step(plans[i]))
     return times
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
 
 import remat
+from remat.examples import GPT, make_gpt
 from remat.measure import Clock, measure_peak, run_step, tensor_bytes
 
 
@@ -159,3 +163,59 @@ def test_a_step_is_measured_without_cyclic_collection_whenever_the_collector_wou
         (gc.enable if was else gc.disable)()
     assert peaks[0] == peaks[1]
     assert gc.isenabled() is was  # the user's collector state is put back
+
+
+class _Counted(GPT):
+    """A GPT that knows how many of its copies are alive: deep copies register in ``alive`` (nn.Module's
+    ``__setstate__`` runs for each), and every forward records how many there are besides the original."""
+
+    alive: weakref.WeakSet = weakref.WeakSet()
+    most = 0
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        type(self).alive.add(self)
+
+    def forward(self, idx, targets=None):
+        if len(type(self).alive) > 1:
+            gc.collect()  # copies no cycle holds any more are not counted
+        type(self).most = max(type(self).most, len(type(self).alive))
+        return super().forward(idx, targets)
+
+
+def test_tradeoff_measures_every_plan_on_at_most_one_copy_of_the_model():
+    """Issue #23: `remat tradeoff` held one copy of the model (with its own optimizer state) per plan while it
+    timed them round-robin: 12.5 GiB RSS on a GPT-2-small where a plain training process needs 3.8. The
+    table's steps must run on at most one copy at a time, whatever the number of plans."""
+    model, inputs, _ = make_gpt(layers=2, batch_size=2, seq_len=16, d_model=32, vocab=64)
+    model.__class__ = _Counted
+    _Counted.alive, _Counted.most = weakref.WeakSet(), 0
+    adam = lambda ps: torch.optim.Adam(ps)  # noqa: E731
+    profile = remat.make_profile(model, inputs, optimizer=torch.optim.Adam(model.parameters()))
+    rows = remat.tradeoff(model, inputs, profile, loss_fn=None, optimizer_factory=adam, budgets=[], warmup=1,
+                          repeats=1, warmup_s=0.0)  # the hand rules' rows: no plan, every block, every 2nd block
+    assert len({r.checkpointed for r in rows if r.measured_peak_bytes}) == 3  # three plans were measured
+    assert _Counted.most <= 1, f"{_Counted.most} copies of the model alive at once"
+
+
+def test_a_long_step_is_timed_once(monkeypatch):
+    """Note [Long steps are timed once] (issue #23: profiling a GPT-2 small took 8.9 training steps' time). A
+    step of LONG_STEP_S or more (forced here: every step counts as long) is timed by the first hooked step
+    alone: the profile runs the model 4 times (the capture, the fake recording, the plain forward that checks
+    it, one timed step) where a short step runs it 8 times (three hooked steps, one unhooked, one forward-only
+    operator log), and still has every time it needs."""
+    import remat.profile.timing as timing
+
+    counts = {}
+    for long in (False, True):
+        if long:
+            monkeypatch.setattr(timing, "LONG_STEP_S", 0.0)
+        model, inputs, _ = make_gpt(layers=2, batch_size=2, seq_len=16, d_model=32, vocab=64)
+        calls = []
+        model.register_forward_pre_hook(lambda m, a: calls.append(1))
+        profile = remat.make_profile(model, inputs, optimizer=torch.optim.Adam(model.parameters()))
+        counts[long] = len(calls)
+        blocks = [u for u in profile.units if u.name in ("h.0", "h.1")]
+        assert profile.forward_s > 0 and profile.backward_s > 0 and all(u.recompute_s > 0 for u in blocks)
+        assert any(u.saved_ops for u in profile.units)  # selective options, ranked by FLOPs, not times
+    assert counts == {False: 8, True: 4}, counts

@@ -27,6 +27,19 @@ from remat.rewrite import checkpoint_modules, keep_ops
 from remat.state import fresh_grads
 
 
+# Note [Long steps are timed once]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Timing repeats steps because a short step's times are noisy (a 50 ms CPU step moves by milliseconds) and
+# the first steps of a process run slow (allocator, thread pools: tens of milliseconds in all). Neither
+# matters for a step of a second or more, where each repeat costs a whole training step of the user's time
+# (issue #23: 12-22 steps' time to plan a GPT-2 small, 8.9 of them profiling). So when the first timed step
+# (forward and backward, hooked, with the top-level units checkpointed) takes at least LONG_STEP_S, its
+# times are the profile's: no further hooked steps, no unhooked step (hooks cost microseconds per unit
+# call), and each operator's second timing is that of the plain forward profiling runs anyway to check the
+# fake recording's sizes (Note [Fake sizes] in remat.profile.calibrate).
+LONG_STEP_S = 1.0
+
+
 def _least(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: min(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {*a, *b}}
 
@@ -34,14 +47,15 @@ def _least(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 def time_units(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, units: list[str],
     checkpointed: list[str], mutated: dict[str, tuple[str, ...]], steps: int, forward_calls: dict[str, int],
-    distributed: bool = False,
+    distributed: bool = False, warm_ops: tuple[LoggedOp, ...] | None = None,
 ) -> tuple[UnitTimes, tuple[LoggedOp, ...]]:
     """Real forward + backward with ``checkpointed`` units checkpointed (mutates ``model``'s forwards: run
     it under ``remat.state.preserved``); per-unit times from hooks on ``units`` (a unit's forward time is
     the sum over its ``forward_calls`` calls, default 1). Also returns the operators of the real forward
     with their sizes and the least of two timings of each (selective checkpointing's recompute cost).
     ``distributed``: the model is wrapped by FSDP2 or DDP, whose hooks expect a backward after every
-    forward: no forward-only pass."""
+    forward: no forward-only pass. ``warm_ops``: the operators of a plain forward already logged, whose times
+    are each operator's second timing when the step is long (Note [Long steps are timed once])."""
     clock = Clock(device)
     cuda = device.type == "cuda"
     targets = grad_targets(trainable_parameters(model), (args, kwargs))
@@ -64,7 +78,10 @@ def time_units(
     pre = [*model.parameters(), *model.buffers(), *input_tensors(args, kwargs)]
     best: dict[str, Any] | None = None
     forward_ops: tuple[LoggedOp, ...] = ()
+    long = False  # Note [Long steps are timed once]
     for step in range(max(2, steps)):  # step 0 logs the operators and warms up; the others are timed
+        if long:
+            break
         calls: dict[str, int] = defaultdict(int)
         starts: dict[tuple[str, int], Any] = {}
         fwd: dict[str, float] = {}
@@ -125,7 +142,9 @@ def time_units(
         timing = dict(mutated=changed, forward=fwd, recompute=dict(recompute), backward=bwd,
                       step_forward=clock.seconds(marks["start"], marks["loss"]),
                       step_backward=clock.seconds(marks["loss"], marks["backward"]))
-        if step == 1:
+        if step == 0 and timing["step_forward"] + timing["step_backward"] >= LONG_STEP_S:
+            best, long = timing, True
+        elif step == 1:
             best = timing
         elif step > 1:
             best = dict(mutated=best["mutated"], forward=_least(best["forward"], fwd),
@@ -135,17 +154,19 @@ def time_units(
     assert best is not None
     # the step's own forward and backward, timed without hooks (their cost is not the model's): once, the
     # least with the hooked steps' (each real step here is one more call of the user's training step)
-    marks = {"start": clock.mark()}
-    with fresh_grads(targets):
-        run_step(model, args, kwargs, loss_fn, on=lambda event: marks.__setitem__(event, clock.mark()))
-    best["step_forward"] = min(best["step_forward"], clock.seconds(marks["start"], marks["loss"]))
-    best["step_backward"] = min(best["step_backward"], clock.seconds(marks["loss"], marks["backward"]))
+    if not long:
+        marks = {"start": clock.mark()}
+        with fresh_grads(targets):
+            run_step(model, args, kwargs, loss_fn, on=lambda event: marks.__setitem__(event, clock.mark()))
+        best["step_forward"] = min(best["step_forward"], clock.seconds(marks["start"], marks["loss"]))
+        best["step_backward"] = min(best["step_backward"], clock.seconds(marks["loss"], marks["backward"]))
     # each operator's time again, warm (step 0's were the first calls): keep the lesser of the two
     # (not for a model wrapped by FSDP2 or DDP: a forward without backward leaves FSDP2's parameters
     # unsharded and DDP waiting for a reduction; its operator times only rank selective options, which the
-    # hooks path such models take does not offer)
+    # hooks path such models take does not offer); a long step's are the plain forward's, given by the caller
     new_step()
-    warm = () if distributed else log_forward(lambda: loss_fn(model(*args, **kwargs)), device, pre)
+    warm = warm_ops if long and warm_ops is not None else () if distributed else \
+        log_forward(lambda: loss_fn(model(*args, **kwargs)), device, pre)
     new_step()
     if [o.name for o in warm] == [o.name for o in forward_ops]:
         forward_ops = tuple(LoggedOp(a.name, a.sizes, min(a.seconds, b.seconds)) for a, b in zip(forward_ops, warm))
