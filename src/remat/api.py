@@ -94,10 +94,10 @@ def make_profile(
 def _make_profile(
     model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
     device: torch.device, output_alive: bool = True, wrapping: Wrapping | None = None,
-    graph: ModelGraph | None = None,
+    graph: ModelGraph | None = None, memory_known: Callable[[Profile], None] | None = None,
 ) -> Profile:
     """``graph``: the model's capture, when already made (on another batch of the same model: its units do not
-    depend on the batch)."""
+    depend on the batch). ``memory_known``: see :func:`remat.profile.profile_model`."""
     wrapping = wrapping or Wrapping()
     wrapped = None if wrapping.kind == "none" else f"the model is wrapped by {wrapping}"
     with preserved(model), found_storages_are_fresh(wrapping.kind == "fsdp2"):
@@ -107,7 +107,7 @@ def _make_profile(
             return profile_model(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, graph=graph,
                                  device=device, output_alive=output_alive, record_real=wrapped,
                                  world_size=wrapping.world_size, wrapping=str(wrapping) if wrapping.world_size > 1 else "",
-                                 sharded=tuple(name for name, _ in wrapping.fsdp))
+                                 sharded=tuple(name for name, _ in wrapping.fsdp), memory_known=memory_known)
 
 
 def loop_grads(profile: Profile, grad_accumulation: bool, zero_grad_after_forward: bool) -> Profile:
@@ -252,10 +252,44 @@ def optimize_checkpointing(
         compiled=str(loop)))
     notes, undo = prepare_hf_for_training(model)
     started = time.perf_counter()
+    checked: dict[tuple[str, ...], int] = {}  # checked peaks by plan (Note [Memory before time])
+    by_memory: list[Planner] = []
+
+    def memory_least() -> list[Plan]:
+        """The least-memory plan as memory alone chooses it (its units, timed by the full profile's planner)."""
+        return [planner.make_plan(by_memory[0].least_memory().checkpointed, "least-memory")] if by_memory else []
+
+    def memory_known(memory: Profile) -> None:
+        """Note [Memory before time]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        Whether a budget is below the least peak is a question of memory, which the recording answers before
+        any timed step runs; a refusal after timing cost 16 training steps' time at GPT-2-small size (issue
+        #23). So profiling hands the profile as memory alone gives it (every recompute 0 s) to this hook
+        first: a budget under its least predicted peak is refused there, with the checked least (the
+        least-memory plan of that profile, or every block where lower: :func:`least_checked`), in the time
+        of the recording, one plain forward and one or two checked steps. Without times, the least-memory
+        plan is one of the plans of least predicted peak, not necessarily the one the timed profile picks, and
+        two such plans can measure a few hundred bytes apart: so the full check, before it refuses a budget,
+        also checks this plan (``more_fallbacks`` of :func:`plan_checked`), and a budget equal to a figure
+        either path reported gets a plan. Peaks checked here are not measured again."""
+        memory = loop_grads(memory, grad_accumulation, zero_grad_after_forward)
+        planner = Planner(memory, time_limit_s=time_limit_s, granularity=granularity,
+                          ranks=ranks.gather(memory) if ranks is not None else None)
+        by_memory.append(planner)
+        if budget_bytes >= planner.min_peak_bytes:
+            return
+        if not check:
+            raise planner.infeasible(budget_bytes)
+        with stage("check", model, args, kwargs, loss_fn):
+            promise = least_checked(model, args, kwargs, loss_fn, device, planner, ranks=ranks, checked=checked)
+        if budget_bytes < promise:
+            raise planner.infeasible(budget_bytes, least_bytes=promise)
+
     try:
         with preserved(model, on_success=False), eager_submodules(model):
             profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
-                                    output_alive=output_alive, wrapping=wrapping)
+                                    output_alive=output_alive, wrapping=wrapping,
+                                    memory_known=memory_known if loop is None else None)
             profile = loop_grads(profile, grad_accumulation, zero_grad_after_forward)
             profiled = time.perf_counter()
             notes += (default.note,) if default is not None and default.note else ()
@@ -269,7 +303,8 @@ def optimize_checkpointing(
                         agree=ranks.broadcast if ranks is not None else (lambda p: p), loop=str(loop))
             elif check:
                 with stage("check", model, args, kwargs, loss_fn):
-                    plan = plan_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks)
+                    plan = plan_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks,
+                                        checked=checked, more_fallbacks=memory_least)
             else:
                 plan = planner.plan_for_budget(budget_bytes)
                 plan = ranks.broadcast(plan) if ranks is not None else plan
@@ -391,7 +426,8 @@ def checked_plan(model: nn.Module, example_inputs: Any, planner: Planner, budget
 
 def plan_checked(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
-    budget_bytes: int, *, ranks: Ranks | None = None,
+    budget_bytes: int, *, ranks: Ranks | None = None, checked: dict[tuple[str, ...], int] | None = None,
+    more_fallbacks: Callable[[], list[Plan]] | None = None,
 ) -> Plan:
     """Note [Checked plans]: the simulator's prediction is close (tests hold it to 5%) but models are
     many; remat's promise is the measured peak. So a plan runs one real step
@@ -400,39 +436,40 @@ def plan_checked(
     times).
 
     Note [Least peak is a promise]: the least peak remat reports (``plan.min_peak_bytes``, and the
-    figure in the infeasible-budget error) is a *checked* peak, not a prediction: the lower of the
-    least-memory plan's and the hand rule "every block"'s, each measured on one real step. A budget
-    equal to it always gets a plan (one of those two, if nothing cheaper measures within the budget),
-    and no budget that "every block" meets is refused. That costs up to two more real steps per call.
+    figure in the infeasible-budget error) is a *checked* peak, not a prediction: the least-memory plan's,
+    measured on one real step, or the hand rule "every block"'s where that is lower (:func:`least_checked`).
+    A budget equal to it always gets a plan (one of those two, if nothing cheaper measures within the
+    budget), and no budget that "every block" meets is refused. That costs one or two more real steps per
+    call.
 
     With ``ranks`` (distributed training), every plan is rank 0's and every checked peak the largest over
-    ranks (Note [One plan for every rank] in remat.distributed).
+    ranks (Note [One plan for every rank] in remat.distributed). ``checked``: peaks already measured, by the
+    plan's units (shared with :func:`least_checked`; filled in). ``more_fallbacks``: other plans to check
+    before refusing a budget below the promise (the least-memory plan chosen on memory alone, whose checked
+    peak an early refusal reports: Note [Memory before time]).
 
     Leaves ``model`` without checkpointing; raises InfeasibleBudgetError when no plan fits."""
     agree = ranks.broadcast if ranks is not None else (lambda plan: plan)
-    fsdp2 = wrapping_of(model).kind == "fsdp2"  # Note [Memory found] in remat.measure
-    checked: dict[tuple[str, ...], int] = {}
-
-    def check(plan: Plan) -> int:
-        if plan.checkpointed not in checked:
-            with found_storages_are_fresh(fsdp2):
-                peak = peak_with_plan(model, plan, args, kwargs, loss_fn, device, planner.profile)
-            checked[plan.checkpointed] = ranks.max(peak) if ranks is not None else peak
-        return checked[plan.checkpointed]
+    checked = {} if checked is None else checked
+    check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked)
 
     def done(plan: Plan, measured: int, why: str) -> Plan:
         note = f"checked on one real step: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}"
         if len(checked) > 1:
-            note += (f"; {len(checked)} plans measured, one real step each (the least-memory plan and every block, "
-                     "whose measured least is the least peak promised, and this one)")
+            names = [what for p, what in ((fallbacks[0], "the least-memory plan"), (fallbacks[1], "every block"))
+                     if p.checkpointed in checked and p.checkpointed != plan.checkpointed]
+            note += (f"; {len(checked)} plans measured, one real step each ({' and '.join(names)}, whose measured "
+                     "least is the least peak promised, and this one)")
         return dataclasses.replace(plan, budget_bytes=budget_bytes, checked_peak_bytes=measured,
                                    min_peak_bytes=promise, notes=plan.notes + (note,))
 
-    # the least-memory plan and the simplest hand rule, each checked: the least peak remat promises is the
-    # lower of the two (checkpointing the last block frees a few bytes no prediction sees, so "every
-    # block" can measure 64-128 bytes under the least-memory plan)
     fallbacks = [agree(planner.least_memory()), agree(planner.every_nth_block(1))]
-    promise = min(check(p) for p in fallbacks)
+    promise = least_checked(model, args, kwargs, loss_fn, device, planner, ranks=ranks, checked=checked,
+                            fallbacks=fallbacks)
+    if budget_bytes < promise and more_fallbacks is not None:
+        extra = [agree(p) for p in more_fallbacks() if p.checkpointed not in {f.checkpointed for f in fallbacks}]
+        fallbacks += extra
+        promise = min([promise, *(check(p) for p in extra)])
     if budget_bytes < promise:
         raise planner.infeasible(budget_bytes, least_bytes=promise)
     target = budget_bytes
@@ -447,11 +484,46 @@ def plan_checked(
         log.info("plan measured %d bytes over the budget; solving again with a target %d bytes lower",
                  excess, excess)
         target -= excess
-    fits = [p for p in fallbacks if check(p) <= budget_bytes]
+    fits = [p for p in fallbacks if p.checkpointed in checked and check(p) <= budget_bytes]
     best = min(fits, key=lambda p: p.predicted_recompute_s)
     return done(dataclasses.replace(best, budget_bytes=budget_bytes), check(best),
                 f"the {'least-memory plan' if best is fallbacks[0] else 'hand rule every block'}: the plans predicted "
                 "cheaper measured over the budget (Note [Least peak is a promise])")
+
+
+def _checker(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
+             ranks: Ranks | None, checked: dict[tuple[str, ...], int]) -> Callable[[Plan], int]:
+    """A plan's checked peak (one real step, the largest over ranks), measured once per set of units."""
+    fsdp2 = wrapping_of(model).kind == "fsdp2"  # Note [Memory found] in remat.measure
+
+    def check(plan: Plan) -> int:
+        if plan.checkpointed not in checked:
+            with found_storages_are_fresh(fsdp2):
+                peak = peak_with_plan(model, plan, args, kwargs, loss_fn, device, planner.profile)
+            checked[plan.checkpointed] = ranks.max(peak) if ranks is not None else peak
+        return checked[plan.checkpointed]
+
+    return check
+
+
+def least_checked(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
+                  planner: Planner, *, ranks: Ranks | None = None, checked: dict[tuple[str, ...], int] | None = None,
+                  fallbacks: list[Plan] | None = None) -> int:
+    """The least peak remat promises (Note [Least peak is a promise]): the least-memory plan's checked peak,
+    or "every block"'s where that is lower. Checkpointing the last block frees a few bytes no prediction
+    sees, so "every block" can measure 64-128 bytes under the least-memory plan: it is checked too unless
+    its prediction is above the least-memory plan's checked peak by more than the checks' tolerance
+    (Note [Checked plans]: 5%), so that no budget it meets is refused. ``fallbacks``: the two plans, when the
+    caller has them (agreed across ranks)."""
+    checked = {} if checked is None else checked
+    agree = ranks.broadcast if ranks is not None else (lambda plan: plan)
+    least, every = fallbacks if fallbacks is not None else \
+        (agree(planner.least_memory()), agree(planner.every_nth_block(1)))
+    check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked)
+    promise = check(least)
+    if every.checkpointed and every.predicted_peak_bytes <= 1.05 * promise:
+        promise = min(promise, check(every))
+    return promise
 
 
 def prepare_hf_for_training(model: nn.Module) -> tuple[tuple[str, ...], Callable[[], None]]:

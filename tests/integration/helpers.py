@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.api import make_profile, split_inputs
+from remat.api import _make_profile, make_profile, split_inputs
 from remat.costs import Profile, parse_region
 from remat.rewrite import parse_unit
 from remat.solve import Planner
@@ -27,6 +27,8 @@ class Case:
     factory: Callable[[], tuple[nn.Module, Any, Any]]
     profile: Profile
     planner: Planner
+    #: the profile as memory alone gave it, before any timed step (Note [Memory before time] in remat.api)
+    memory: Profile | None
 
     def fresh(self):
         model, inputs, loss_fn = self.factory()
@@ -42,9 +44,11 @@ def case(name: str) -> Case:
     factory = ZOO[name]
     model, inputs, loss_fn = factory()
     args, kwargs = split_inputs(inputs)
-    profile = make_profile(model, inputs, loss_fn=loss_fn or remat.default_loss,
-                           optimizer=adam(model.parameters()))
-    return Case(name, factory, profile, Planner(profile))
+    memory: list[Profile] = []
+    profile = _make_profile(model, args, kwargs, loss_fn=loss_fn or remat.default_loss,
+                            optimizer=adam(model.parameters()), device=torch.device("cpu"),
+                            memory_known=memory.append)
+    return Case(name, factory, profile, Planner(profile), memory[0] if memory else None)
 
 
 def descendant_calls(model: nn.Module, units, run) -> dict[str, int]:

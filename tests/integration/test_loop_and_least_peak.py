@@ -195,3 +195,28 @@ def test_the_breakdown_names_what_holds_the_least_peak():
     assert any(h.freeable and "saved inside h." in h.why for h in plain), plain
     with pytest.raises(remat.InfeasibleBudgetError, match=r"what holds it, as predicted .*no plan frees .* of the largest.*float32 \[128, 4096\].*no plan frees it"):
         planner.plan_for_budget(planner.min_peak_bytes // 2)
+
+
+def test_a_budget_below_the_least_peak_is_refused_before_any_timed_step(monkeypatch):
+    """Issue #23: refusing a budget below the least peak cost 16 training steps' time at GPT-2-small size,
+    most of it timing steps whose times a refusal never uses. Memory decides it: the refusal comes before any
+    timed step (time_units would fail the test here), with the same checked least peak as a full plan
+    reports, and the call runs the model no more than the capture, the recording, the plain forward and the
+    checks of the least-memory plan and every block need."""
+    import remat.profile as profile_stage
+
+    model, inputs, loss_fn = ZOO["gpt"]()
+    opt = adam(model.parameters())
+    least = remat.optimize_checkpointing(model, 1e3, inputs, loss_fn=loss_fn, optimizer=opt).min_peak_bytes
+    remat.remove_checkpointing(model)
+    calls = []
+    model.register_forward_pre_hook(lambda m, a: calls.append(1))
+
+    def timed(*a, **k):
+        raise AssertionError("a timed step ran")
+
+    monkeypatch.setattr(profile_stage, "time_units", timed)
+    with pytest.raises(remat.InfeasibleBudgetError) as err:
+        remat.optimize_checkpointing(model, least * 0.8 / 2**30, inputs, loss_fn=loss_fn, optimizer=opt)
+    assert err.value.min_feasible_bytes == least and "measured on one real step" in str(err.value)
+    assert len(calls) <= 6, len(calls)  # 2 capture traces, 1 fake recording, 1 plain forward, 2 checked steps

@@ -32,6 +32,7 @@ restored (see ``remat.state``).
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ from remat.profile.optimizer import optimizer_costs
 from remat.profile.recorder import record_step
 from remat.profile.timing import checkpoint_overhead, time_units
 from remat.profile.units import module_and_segment_specs, region_specs, selective_specs
-from remat.recording import shared_by_twins
+from remat.recording import UnitTimes, shared_by_twins
 from remat.state import preserved
 
 log = logging.getLogger(__name__)
@@ -68,13 +69,16 @@ def profile_model(
     world_size: int = 1,
     wrapping: str = "",
     sharded: tuple[str, ...] = (),
+    memory_known: Callable[[Profile], None] | None = None,
 ) -> Profile:
     """Measure ``model``'s training step on the example inputs. Leaves the model, its gradients and
     buffers, the optimizer and the RNG state as they were. ``record_real``: why memory must be recorded
     on a real step, not on fake tensors (a model wrapped for distributed training). ``sharded``: the modules
     FSDP2 manages; a unit that contains one (other than itself) is not a candidate: recomputing it in
     backward would run that module's FSDP hooks again, gathering its parameters a second time (checkpoint
-    inside each sharded module instead, as torchtitan does)."""
+    inside each sharded module instead, as torchtitan does). ``memory_known``: called with the profile as
+    memory alone gives it (no times), before any timed step runs (Note [Memory before time]); what it raises
+    ends profiling."""
     notes: list[str] = []
     mods = dict(model.named_modules())
     sequentials = {
@@ -122,17 +126,10 @@ def profile_model(
             rec, ran, specs = record(fake=False)
         recorded = "real"
     memory = {c.name: c for c in unit_costs(rec, specs[:len(ran)])}
-
-    # time, measured for real with the top-level candidate modules checkpointed
-    # (a module called more than once is not checkpointed while timing: its recomputation is its forwards)
-    cand = [u for u in ran if memory[u].excluded is None and memory[u].drops and memory[u].calls == 1]
-    top = [u for u in cand if unit_parent(u, cand) is None]
-    timed = list(dict.fromkeys([*ran, *(c for c in extra if c in rec.spans)]))
-    with preserved(model):
-        times, forward_ops = time_units(model, args, kwargs, loss_fn, device, timed, top,
-                                        {u: memory[u].mutated_buffers for u in top}, timing_steps,
-                                        {u: len(rec.spans[u]) for u in timed}, distributed=record_real is not None)
-    plain = plain_forward_ops(model, args, kwargs, loss_fn, device) if recorded == "fake" else ()
+    # the plain forward's operators and sizes, to check the fake recording against (Note [Fake paths]) and
+    # correct its sizes (Note [Fake sizes]): before timing, so that what memory alone decides (a budget below
+    # the least peak, ``memory_known``) is known before any timed step runs
+    plain, changed = plain_forward_ops(model, args, kwargs, loss_fn, device) if recorded == "fake" else ((), None)
     paths = diverged(rec, plain) if recorded == "fake" else []
     if paths and not plain_step_fits(rec, device):
         notes.append(f"the step took another path on fake tensors than on real ones ({ops_summary(paths)}), but "
@@ -143,16 +140,14 @@ def profile_model(
         rec, ran, specs = record(fake=False)
         recorded = "real"
         memory = {c.name: c for c in unit_costs(rec, specs[:len(ran)])}
-    rec = rec.with_op_seconds({i: forward_ops[j].seconds for i, j in align_forward(rec, forward_ops).items()})
     if recorded == "fake":
         # sizes from the plain forward (the same operators as the recording, one for one, when it took the
-        # same path), not from the timed one, whose checkpoint and buffer-snapshot clones can shift the
+        # same path), not from a timed one, whose checkpoint and buffer-snapshot clones can shift the
         # alignment: a ResNet-D stem's BatchNorm output once took another BatchNorm's size (+256 KiB)
         rec, fixed = calibrate_sizes(rec, plain)
         if fixed:
             notes.append(f"{fixed} storage size(s) on fake tensors differed from the real kernels' and were "
                          "corrected from the real forward")
-    rec, times = shared_by_twins(rec, times, timed)  # Note [Twins share their times] in remat.recording
     if graph.capture_path == "hooks":
         # a policy names operators by their position in the unit's forward, which must not depend on
         # the data (Note [Selective checkpointing]); without a captured graph that is not known
@@ -161,46 +156,75 @@ def profile_model(
                      "operator sequence may depend on the data), so policies naming operators by position "
                      "are not offered (" + "; ".join(graph.failures) + ")")
     else:
-        # the module units' spans, exclusions and drops do not depend on the sizes calibrated above
+        # the module units' spans, exclusions and drops do not depend on the sizes calibrated above, and
+        # the menus are ranked by FLOPs and bytes, not times (Note [Policy menus])
         selective = selective_specs(rec, list(memory.values()))
     specs = specs[:len(ran)] + selective + specs[len(ran):]
     opt = optimizer_costs(optimizer, device)
     if optimizer is None:
         notes.append("no optimizer given: optimizer state and step are not counted")
-    overhead = checkpoint_overhead(device)
-    units = unit_costs(rec, specs, times=times, overhead=overhead,
-                       buffer_bytes={name: tensor_bytes([b], device) for name, b in model.named_buffers()})
+    buffer_bytes = {name: tensor_bytes([b], device) for name, b in model.named_buffers()}
+
+    def assembled(rec, units, forward_s: float, backward_s: float) -> Profile:
+        return Profile(
+            units=units,
+            live_bytes=rec.timeline(),
+            before_bytes=rec.before_bytes(),
+            after_backward_bytes=rec.after_backward_bytes,
+            output_alive=output_alive,
+            grad_bytes=rec.grad_timeline(),
+            saved_bytes=rec.saved_timeline(),
+            backward_start=rec.backward_start,
+            params_bytes=tensor_bytes(model.parameters()),
+            grads_bytes=tensor_bytes(trainable_parameters(model)),
+            buffers_bytes=tensor_bytes(model.buffers()),
+            inputs_bytes=tensor_bytes(input_tensors(args, kwargs), device),
+            world_size=world_size,
+            wrapping=wrapping,
+            optimizer_state_bytes=opt.state_bytes,
+            optimizer_step_bytes=opt.step_bytes,
+            forward_s=forward_s,
+            backward_s=backward_s,
+            optimizer_s=opt.step_s,
+            device=str(device),
+            capture_path=graph.capture_path,
+            memory_recorded_with=recorded,
+            optimizer=opt.label,
+            notes=tuple(notes),
+            tensors=largest_tensors(rec),
+        )
+
+    cand = [u for u in ran if memory[u].excluded is None and memory[u].drops and memory[u].calls == 1]
+    top = [u for u in cand if unit_parent(u, cand) is None]
+    timed = list(dict.fromkeys([*ran, *(c for c in extra if c in rec.spans)]))
+    overhead = checkpoint_overhead(device)  # (also memory: the RNG state each checkpoint holds on CPU)
+    if memory_known is not None and changed is not None:
+        # Note [Memory before time] in remat.api: the profile as memory alone gives it (every time 0 s), with
+        # the buffers each module's forward changes (which a checkpoint of it snapshots) from the plain forward
+        # (a real recording has none: the hook is not called, profiling times as before)
+        mods = dict(model.named_modules())
+        mutated = {u: tuple(n for n, _ in mods[u].named_buffers() if (f"{u}.{n}" if u else n) in changed)
+                   for u in timed if u in mods}
+        none = UnitTimes(forward_s={}, recompute_s={}, backward_s={}, mutated_buffers=mutated, step_forward_s=0.0,
+                         step_backward_s=0.0)
+        memory_known(assembled(rec, unit_costs(rec, specs, times=none, overhead=overhead, buffer_bytes=buffer_bytes),
+                               0.0, 0.0))
+
+    # time, measured for real with the top-level candidate modules checkpointed
+    # (a module called more than once is not checkpointed while timing: its recomputation is its forwards)
+    with preserved(model):
+        times, forward_ops = time_units(model, args, kwargs, loss_fn, device, timed, top,
+                                        {u: memory[u].mutated_buffers for u in top}, timing_steps,
+                                        {u: len(rec.spans[u]) for u in timed}, distributed=record_real is not None,
+                                        warm_ops=plain or None)
+    rec = rec.with_op_seconds({i: forward_ops[j].seconds for i, j in align_forward(rec, forward_ops).items()})
+    rec, times = shared_by_twins(rec, times, timed)  # Note [Twins share their times] in remat.recording
+    units = unit_costs(rec, specs, times=times, overhead=overhead, buffer_bytes=buffer_bytes)
     # the timed steps checkpointed the top-level units: take their recomputation and bookkeeping out
     by_name = {u.name: u for u in units}
     backward_s = max(times.step_backward_s - sum(times.recompute_s.get(u, 0.0) + by_name[u].overhead_s
                                                  for u in top), 0.0)
-    return Profile(
-        units=units,
-        live_bytes=rec.timeline(),
-        before_bytes=rec.before_bytes(),
-        after_backward_bytes=rec.after_backward_bytes,
-        output_alive=output_alive,
-        grad_bytes=rec.grad_timeline(),
-        saved_bytes=rec.saved_timeline(),
-        backward_start=rec.backward_start,
-        params_bytes=tensor_bytes(model.parameters()),
-        grads_bytes=tensor_bytes(trainable_parameters(model)),
-        buffers_bytes=tensor_bytes(model.buffers()),
-        inputs_bytes=tensor_bytes(input_tensors(args, kwargs), device),
-        world_size=world_size,
-        wrapping=wrapping,
-        optimizer_state_bytes=opt.state_bytes,
-        optimizer_step_bytes=opt.step_bytes,
-        forward_s=times.step_forward_s,
-        backward_s=backward_s,
-        optimizer_s=opt.step_s,
-        device=str(device),
-        capture_path=graph.capture_path,
-        memory_recorded_with=recorded,
-        optimizer=opt.label,
-        notes=tuple(notes),
-        tensors=largest_tensors(rec),
-    )
+    return assembled(rec, units, times.step_forward_s, backward_s)
 
 
 def _contains(name: str, members: tuple[str, ...], sharded: tuple[str, ...]) -> bool:

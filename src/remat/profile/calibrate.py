@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from remat._compat import outside_dispatch_modes
 from remat.measure import Clock, LossFn, StorageTracker, input_tensors, new_step
 from remat.profile.recorder import new_records
 from remat.recording import Recording
@@ -69,13 +70,21 @@ def log_forward(run: Callable[[], Any], device: torch.device, ignore: Sequence[t
 
 
 def plain_forward_ops(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn,
-                      device: torch.device) -> tuple[LoggedOp, ...]:
+                      device: torch.device) -> tuple[tuple[LoggedOp, ...], frozenset[str]]:
     """The operators of one real plain forward and loss (no hooks, no checkpointing: checkpointed forwards
-    run plainly without grad); model, buffers and RNG restored."""
+    run plainly without grad), and the buffers (qualified names) it changed, in place or by kernels that do
+    not say so in their schema (``native_batch_norm``'s running statistics); model, buffers and RNG
+    restored."""
     pre = [*model.parameters(), *model.buffers(), *input_tensors(args, kwargs)]
     with preserved(model), torch.no_grad():
+        with outside_dispatch_modes():
+            before = [(n, b.detach().clone()) for n, b in model.named_buffers() if b is not None]
         new_step()
-        return log_forward(lambda: loss_fn(model(*args, **kwargs)), device, pre)
+        ops = log_forward(lambda: loss_fn(model(*args, **kwargs)), device, pre)
+        now = dict(model.named_buffers())
+        with outside_dispatch_modes():
+            changed = frozenset(n for n, old in before if not torch.equal(old, now[n]))
+    return ops, changed
 
 
 def align_forward(rec: Recording, real: Sequence[LoggedOp]) -> dict[int, int]:
