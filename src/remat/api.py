@@ -281,7 +281,8 @@ def optimize_checkpointing(
         if not check:
             raise planner.infeasible(budget_bytes)
         with stage("check", model, args, kwargs, loss_fn):
-            promise = least_checked(model, args, kwargs, loss_fn, device, planner, ranks=ranks, checked=checked)
+            promise = least_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks,
+                                    checked=checked)
         if budget_bytes < promise:
             raise planner.infeasible(budget_bytes, least_bytes=promise)
 
@@ -464,8 +465,8 @@ def plan_checked(
                                    min_peak_bytes=promise, notes=plan.notes + (note,))
 
     fallbacks = [agree(planner.least_memory()), agree(planner.every_nth_block(1))]
-    promise = least_checked(model, args, kwargs, loss_fn, device, planner, ranks=ranks, checked=checked,
-                            fallbacks=fallbacks)
+    promise = least_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks,
+                            checked=checked, fallbacks=fallbacks)
     if budget_bytes < promise and more_fallbacks is not None:
         extra = [agree(p) for p in more_fallbacks() if p.checkpointed not in {f.checkpointed for f in fallbacks}]
         fallbacks += extra
@@ -507,21 +508,23 @@ def _checker(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, devic
 
 
 def least_checked(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
-                  planner: Planner, *, ranks: Ranks | None = None, checked: dict[tuple[str, ...], int] | None = None,
-                  fallbacks: list[Plan] | None = None) -> int:
+                  planner: Planner, budget_bytes: int | None = None, *, ranks: Ranks | None = None,
+                  checked: dict[tuple[str, ...], int] | None = None, fallbacks: list[Plan] | None = None) -> int:
     """The least peak remat promises (Note [Least peak is a promise]): the least-memory plan's checked peak,
     or "every block"'s where that is lower. Checkpointing the last block frees a few bytes no prediction
     sees, so "every block" can measure 64-128 bytes under the least-memory plan: it is checked too unless
-    its prediction is above the least-memory plan's checked peak by more than the checks' tolerance
-    (Note [Checked plans]: 5%), so that no budget it meets is refused. ``fallbacks``: the two plans, when the
-    caller has them (agreed across ranks)."""
+    its prediction is above the least-memory plan's checked peak, or ``budget_bytes`` below its prediction,
+    by more than the checks' tolerance (Note [Checked plans]: 5%): no budget it meets is refused, and a
+    budget far below it (a refusal) is not kept waiting one more real step for a figure a few bytes lower.
+    ``fallbacks``: the two plans, when the caller has them (agreed across ranks)."""
     checked = {} if checked is None else checked
     agree = ranks.broadcast if ranks is not None else (lambda plan: plan)
     least, every = fallbacks if fallbacks is not None else \
         (agree(planner.least_memory()), agree(planner.every_nth_block(1)))
     check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked)
     promise = check(least)
-    if every.checkpointed and every.predicted_peak_bytes <= 1.05 * promise:
+    if every.checkpointed and every.predicted_peak_bytes <= 1.05 * promise and \
+            (budget_bytes is None or budget_bytes >= 0.95 * every.predicted_peak_bytes):
         promise = min(promise, check(every))
     return promise
 

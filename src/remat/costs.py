@@ -312,6 +312,9 @@ class Profile:
     grads_held_in_forward: bool = False
     #: the step's largest storages (Note [What holds the peak] in remat.simulate); empty when not recorded
     tensors: tuple[TensorInfo, ...] = ()
+    #: every trainable parameter's name and shape, to name a gradient made in backward that is shaped like one
+    #: (a contribution to a weight used twice, e.g. a tied embedding, before it is summed into ``.grad``)
+    parameter_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def fixed_bytes(self) -> int:
@@ -384,6 +387,7 @@ class Profile:
         for k in ("live_bytes", "grad_bytes", "saved_bytes", "notes"):
             d[k] = tuple(d[k])
         d["tensors"] = tuple(TensorInfo(**{**t, "shape": tuple(t["shape"])}) for t in d.get("tensors", ()))
+        d["parameter_shapes"] = tuple((n, tuple(shape)) for n, shape in d.get("parameter_shapes", ()))
         if d.get("before_bytes") is not None:
             d["before_bytes"] = tuple(d["before_bytes"])
         return cls(**d)

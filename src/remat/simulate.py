@@ -431,9 +431,12 @@ class MemoryModel:
     def held_at(self, i: int, chosen: frozenset[str], grads: int) -> tuple[HeldTensor, ...]:
         """Note [What holds the peak]
         ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-        A least peak says only "temporaries 491 MiB" until it names what they are: at GPT-2 small size the
-        logits (4 x 256 x 50,304 fp32, 196 MiB), their log-softmax and its gradient, made by the head and
-        the loss outside every block, hold the peak of every plan, and no checkpointing can remove them.
+        A least peak says only "temporaries 491 MiB" until it names what they are. Issue #23 guessed the
+        logits (4 x 256 x 50,304 fp32, 196 MiB) at GPT-2 small size; the breakdown shows that with the
+        weight-tied head the least peak (every block's) comes in backward, where the head's and the
+        embedding's gradient contributions to the tied weight (two 50,304 x 768 fp32 tensors, 147 MiB each)
+        are alive with the parameters, gradients and AdamW state: no checkpointing plan removes any of them
+        (benchmarks/results/gpt2-small-cpu.md).
         At the peak's operator ``i`` the breakdown lists the fixed categories (parameters, optimizer state,
         gradients then alive) and the HELD_TENSORS largest of the profile's tensors (``Profile.tensors``)
         alive there with the plan's drops taken out, each with the operator and module that made it and
@@ -454,12 +457,18 @@ class MemoryModel:
                     dropped.add(d.storage)
         alive = [t for t in p.tensors if t.alloc_index <= i and (t.free_index is None or i < t.free_index)
                  and t.storage not in dropped and not t.is_grad]
+        shaped_like: dict[tuple[int, ...], str] = {}
+        for name, shape in p.parameter_shapes:
+            shaped_like.setdefault(shape, name)
         held = [HeldTensor("parameters", p.params_bytes), HeldTensor("optimizer state", p.optimizer_state_bytes),
                 HeldTensor("gradients", grads)]
         for t in alive[:HELD_TENSORS]:
             units = droppers.get(t.storage, [])
             if units:
                 why = "saved inside " + ", ".join(sorted(units, key=len)[:3])
+            elif t.alloc_index >= p.backward_start and (like := shaped_like.get(t.shape)):
+                why = (f"a gradient made in backward shaped like parameter {like} (a contribution to a weight "
+                       "used more than once, e.g. a tied embedding and head, before autograd sums it into .grad)")
             elif t.alloc_index >= p.backward_start:
                 why = "an activation's gradient, made in backward"
             elif not t.module:

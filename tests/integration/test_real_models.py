@@ -38,7 +38,7 @@ def applied_and_checked(name: str, plan):
     model, inputs, loss_fn = REAL[name]()
     loss_fn = loss_fn or remat.default_loss
     remat.apply_plan(model, plan)
-    measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=1)
+    measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=0)
     assert abs(plan.predicted_peak_bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes, \
         (plan.checkpointed, plan.predicted_peak_bytes, measured.peak_bytes)
     report = remat.check_equivalence(model, inputs, loss_fn=loss_fn)
@@ -67,7 +67,7 @@ def test_real_model(name):
         checked = plan_checked(model, args, kwargs, loss_fn, torch.device("cpu"), planner, budget)
         remat.apply_plan(model, checked)
         assert remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam,
-                                  repeats=1).peak_bytes <= budget
+                                  repeats=0).peak_bytes <= budget
 
 
 def test_use_cache_and_own_gradient_checkpointing_are_taken_over():
@@ -105,7 +105,7 @@ def test_autocast_bf16_profiled_and_checkpointed_under_the_same_state():
         budget = planner.min_peak_bytes + (planner.baseline_peak_bytes - planner.min_peak_bytes) // 3
         plan = remat.optimize_checkpointing(model, budget / 2**30, inputs, optimizer=adam(model.parameters()))
         assert plan.checkpointed
-        measured = remat.measure_step(model, inputs, optimizer_factory=adam, repeats=1)
+        measured = remat.measure_step(model, inputs, optimizer_factory=adam, repeats=0)
         assert measured.peak_bytes <= budget
         assert abs(plan.predicted_peak_bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes
         report = remat.check_equivalence(model, inputs)
@@ -132,7 +132,7 @@ def test_frozen_parameters_lora_style():
     plan = remat.optimize_checkpointing(model, budget / 2**30, inputs, optimizer=adam(trainable))
     assert plan.checkpointed and plan.breakdown.grads_bytes <= trainable_bytes
     measured = remat.measure_step(model, inputs, optimizer_factory=lambda ps: adam(p for p in ps if p.requires_grad),
-                                  repeats=1)
+                                  repeats=0)
     assert measured.peak_bytes <= budget
     report = remat.check_equivalence(model, inputs)
     assert report.equal, str(report)

@@ -53,7 +53,7 @@ def test_selective_plans_predicted_equivalent_and_recomputed(k, tmp_path):
     model, inputs, loss_fn = c.fresh()
     remat.apply_plan(model, Plan.load(tmp_path / "plan.json"))
     assert sorted(remat.checkpointed_modules(model)) == sorted(picks)
-    measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=1)
+    measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=0)
     assert abs(plan.predicted_peak_bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes
     report = remat.check_equivalence(model, inputs, loss_fn=loss_fn)  # dropout is recomputed: RNG replays
     assert report.equal, str(report)
@@ -190,7 +190,7 @@ def test_optimize_checkpointing_with_op_granularity():
                                         optimizer=adam(model.parameters()), granularity="op")
     assert plan.strategy == "ilp-op" and plan.checkpointed
     assert remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam,
-                              repeats=1).peak_bytes <= budget
+                              repeats=0).peak_bytes <= budget
     with pytest.raises(remat.InvalidInputError, match="granularity must be"):
         remat.optimize_checkpointing(model, 1.0, inputs, granularity="ops")
 

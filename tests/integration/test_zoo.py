@@ -35,7 +35,7 @@ def test_optimize_checkpointing_end_to_end(name):
     assert all(a is b for a, b in zip(model.parameters(), params_before))
     report = remat.check_equivalence(model, inputs, loss_fn=loss_fn)
     assert report.equal, str(report)
-    measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam)
+    measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=0)
     assert measured.peak_bytes <= plan.budget_bytes
 
 
@@ -48,7 +48,7 @@ def test_budgets_met_predictions_close_gradients_equal(name):
         plan = c.planner.plan_for_budget(budget)
         model, inputs, loss_fn = c.fresh()
         remat.apply_plan(model, plan)
-        measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam)
+        measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=0)
         err = (plan.predicted_peak_bytes - measured.peak_bytes) / measured.peak_bytes
         assert measured.peak_bytes <= budget, (plan.checkpointed, measured.peak_bytes, budget)
         assert abs(err) <= 0.05, f"predicted {plan.predicted_peak_bytes} vs measured {measured.peak_bytes}"
@@ -72,7 +72,7 @@ def test_budgets_met_predictions_close_gradients_equal(name):
 def test_no_checkpointing_prediction_is_the_measured_baseline(name):
     c = case(name)
     model, inputs, loss_fn = c.fresh()
-    measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam)
+    measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=0)
     assert abs(c.planner.baseline_peak_bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes
 
 
@@ -185,7 +185,7 @@ def test_profiling_peak_stays_near_the_least_memory_plan():
     least = c.planner.least_memory()
     ckpt, _, _ = c.fresh()
     remat.apply_plan(ckpt, least)
-    least_measured = remat.measure_step(ckpt, inputs, loss_fn=loss_fn, optimizer_factory=adam).peak_bytes
+    least_measured = remat.measure_step(ckpt, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=0).peak_bytes
     args, kwargs = remat.api.split_inputs(inputs)
     state = list(model.parameters()) + list(model.buffers()) + list(args)
     with StorageTracker("cpu", ignore=state) as tracker:
@@ -256,6 +256,6 @@ def test_hand_rules_predicted_and_equivalent(name):
     for plan in plans[1:]:
         model, inputs, loss_fn = c.fresh()
         remat.apply_plan(model, plan)
-        measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam)
+        measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=0)
         assert abs(plan.predicted_peak_bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes, plan.strategy
         assert remat.check_equivalence(model, inputs, loss_fn=loss_fn).equal, plan.strategy

@@ -192,6 +192,7 @@ def profile_model(
             optimizer=opt.label,
             notes=tuple(notes),
             tensors=largest_tensors(rec),
+            parameter_shapes=tuple((n, tuple(q.shape)) for n, q in model.named_parameters() if q.requires_grad),
         )
 
     cand = [u for u in ran if memory[u].excluded is None and memory[u].drops and memory[u].calls == 1]
