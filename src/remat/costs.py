@@ -203,6 +203,10 @@ class UnitCost:
     #: what a recomputation holds on top of its forward's growth (bytes): checkpoint's copy of the RNG state
     #: (``fork_rng``) and the copies of the buffers it replays (Note [Recomputation transients] in remat.effects)
     recompute_extra_bytes: int = 0
+    #: the collectives its recomputation runs again, as (operator, bytes it makes), e.g. a tensor-parallel
+    #: block's all_reduce: communication that checkpointing adds (Note [Recomputed communication] in
+    #: remat.effects); their time is in ``recompute_s``, measured with them
+    recomputed_collectives: tuple[tuple[str, int], ...] = ()
 
     @property
     def calls(self) -> int:
@@ -382,7 +386,9 @@ class Profile:
                         "members": tuple(u.get("members", ())),
                         "keeps": tuple(Keep(**k) for k in u.get("keeps", ())),
                         "saved_ops": tuple(u.get("saved_ops", ())),
-                        "later_calls": tuple(CallSpan(**c) for c in u.get("later_calls", ()))}) for u in d["units"]
+                        "later_calls": tuple(CallSpan(**c) for c in u.get("later_calls", ())),
+                        "recomputed_collectives": tuple((n, b) for n, b in u.get("recomputed_collectives", ()))})
+            for u in d["units"]
         )
         for k in ("live_bytes", "grad_bytes", "saved_bytes", "notes"):
             d[k] = tuple(d[k])

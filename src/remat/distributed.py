@@ -55,18 +55,23 @@ class Wrapping:
 
     #: processes in the default group (1 without torch.distributed)
     world_size: int = 1
-    #: "none", "ddp" or "fsdp2"
+    #: "none", "ddp", "fsdp2" or "tp" (parameters are DTensors: tensor parallel, ``parallelize_module``)
     kind: str = "none"
     #: for FSDP2: every module ``fully_shard`` manages (qualified name) and whether it reshards after forward
     fsdp: tuple[tuple[str, bool], ...] = ()
+    #: the device mesh of the parameters' DTensors, as "tp=2" or "dp=2 x tp=2" ("" when none are DTensors)
+    mesh: str = ""
 
     def __str__(self) -> str:
+        two_d = f", on a {self.mesh} mesh" if "x" in self.mesh else ""
         if self.kind == "fsdp2":
             reshard = sorted({r for _, r in self.fsdp})
             how = "/".join("reshard_after_forward=" + str(r) for r in reshard)
-            return f"FSDP2 over {self.world_size} ranks ({len(self.fsdp)} sharded modules, {how})"
+            return f"FSDP2 over {self.world_size} ranks ({len(self.fsdp)} sharded modules, {how}{two_d})"
         if self.kind == "ddp":
             return f"DDP over {self.world_size} ranks"
+        if self.kind == "tp":
+            return f"tensor parallel over {self.world_size} ranks (mesh {self.mesh})"
         return "one process" if self.world_size == 1 else f"not wrapped, {self.world_size} ranks"
 
 
@@ -76,10 +81,27 @@ def wrapping_of(model: nn.Module) -> Wrapping:
     world = dist.get_world_size() if dist is not None else 1
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return Wrapping(world, "ddp")
+    mesh = _mesh_of(model)
     fsdp = tuple(fsdp_modules(model))
     if fsdp:
-        return Wrapping(world, "fsdp2", fsdp)
+        return Wrapping(world, "fsdp2", fsdp, mesh)
+    if mesh:
+        return Wrapping(world, "tp", mesh=mesh)
     return Wrapping(world)
+
+
+def _mesh_of(model: nn.Module) -> str:
+    """The largest device mesh among the parameters' DTensors, as "tp=2" or "dp=2 x tp=2"."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return ""
+    meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    if not meshes:
+        return ""
+    mesh = max(meshes, key=lambda m: m.ndim)
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return " x ".join(f"{n}={k}" for n, k in zip(names, mesh.shape))
 
 
 class Ranks:
@@ -107,7 +129,7 @@ class Ranks:
                 missing = [r for r in range(self.world_size) if not store.check([f"{self.tag}/rank{r}"])]
                 raise InvalidInputError(
                     f"remat was called on rank {self.rank} but rank(s) {missing} of {self.world_size} did not call "
-                    f"it within {self.timeout_s:.0f} s (call {self.tag}): call optimize_checkpointing (or apply_plan) "
+                    f"it within {self.timeout_s:g} s (call {self.tag}): call optimize_checkpointing (or apply_plan) "
                     "on every rank, with the same arguments, in the same order (or raise timeout_s)"
                 )
             time.sleep(0.01)

@@ -184,6 +184,11 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
         if spec.selective:
             overhead_s += overhead.per_selective_op_s * (end - start + 1)
     saved = frozenset(s for e in effects for s in e.saved)
+    ends = [head.recompute_end if head.recompute_end is not None else end, *(b for _, b in spans[1:])]
+    comm = tuple((rec.forward_ops[i].name, sum(rec.storages[c].nbytes for c in rec.forward_ops[i].created
+                                                if c is not None))
+                 for (a, _), b in zip(spans, ends) for i in range(a, min(b, len(rec.forward_ops) - 1) + 1)
+                 if is_collective(rec.forward_ops[i].name) and (spec.keep is None or i not in spec.keep))
     return UnitCost(
         name=spec.name, parent=spec.parent, forward_s=forward_s, recompute_s=recompute_s, backward_s=backward_s,
         flops=sum(rec.flops.get(m, 0) for m in members), forward_start=start, forward_end=end,
@@ -191,7 +196,7 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
         recompute_peak_bytes=head.recompute_peak_bytes, saved_bytes=sum(rec.storages[s].nbytes for s in saved),
         excluded=excluded, mutated_buffers=tuple(sorted(mutated)), members=members if spec.segment else (),
         keeps=keeps, overhead_s=overhead_s, saved_ops=spec.saved_ops, recompute_end=head.recompute_end,
-        recompute_extra_bytes=extra,
+        recompute_extra_bytes=extra, recomputed_collectives=comm,
         later_calls=tuple(CallSpan(sp[0], sp[1], e.recompute_at, e.recompute_peak_bytes)
                           for sp, e in zip(spans[1:], effects[1:])),
     )
@@ -269,6 +274,24 @@ def _call_effects(rec: Recording, spec: UnitSpec, in_call, start: int, end: int,
     else:
         peak_inc = max(live[start:end_rec + 1], default=base) - base
     return _CallEffects(r_at, tuple(drops), keeps, release, end_rec, max(peak_inc, 0), saved, len(mine))
+
+
+# Note [Recomputed communication]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under tensor parallelism a block's forward communicates (RowwiseParallel's all_reduce; under sequence
+# parallelism all_gather and reduce_scatter), and recomputing the block in backward runs those collectives
+# again: extra communication, not only extra FLOPs. The recording sees them (functional collectives,
+# ``_c10d_functional.*``, with the bytes they make); each unit lists those its recomputation would run again
+# (not a selective policy's kept operators), the plan says which units recompute communication and how many
+# bytes, and the time is already in the unit's recompute cost: profiling times each recomputation for real,
+# collectives and their waits included, so the ILP weighs communication as it weighs FLOPs, and a selective
+# option that keeps a collective's output (as torchtitan's policy keeps reduce_scatter's) is costed without it.
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+def is_collective(op_name: str) -> bool:
+    """Whether an operator (``_c10d_functional.all_reduce.default``) is a collective that communicates."""
+    return op_name.startswith(("_c10d_functional.", "c10d.")) and any(c in op_name for c in _COLLECTIVES)
 
 
 def _recompute_share(rec: Recording, start: int, end: int, keep: frozenset[int]) -> float:

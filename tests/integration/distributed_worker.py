@@ -130,6 +130,7 @@ def run(rank: int, world: int, port: int, out: str) -> None:
     for name in CASES:
         kind, how = name.split("/")
         result[name] = case(kind, how, rank, Path(out))
+    result["tp"], result["tp-sp"] = tp_case(sp=False), tp_case(sp=True)
     result["cli"] = cli(rank)
     result["mismatch"] = mismatch(rank)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -191,6 +192,142 @@ def case(kind: str, how: str, rank: int, out: Path) -> dict:
                 candidates=[u.name for u in profile.candidates()])
 
 
+class _RMSNorm(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = d // heads
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape  # (heads: -1, as torchtitan's Llama: a tensor-parallel rank holds some of them)
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
+
+
+class _FeedForward(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w1, self.w3 = torch.nn.Linear(d, 4 * d, bias=False), torch.nn.Linear(d, 4 * d, bias=False)
+        self.w2 = torch.nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.attention_norm, self.attention = _RMSNorm(d), _Attention(d, heads)
+        self.ffn_norm, self.feed_forward = _RMSNorm(d), _FeedForward(d)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(torch.nn.Module):
+    """A Llama-style decoder in torchtitan's names (separate q/k/v, SwiGLU), for tensor parallelism."""
+
+    def __init__(self, vocab: int = 256, d: int = 64, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(_Layer(d, heads) for _ in range(layers))
+        self.norm, self.output = _RMSNorm(d), torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def tensor_parallel(sp: bool):
+    """The Llama on a 1-D "tp" mesh with torchtitan's plan: q/k/v and w1/w3 Colwise, wo and w2 Rowwise; with
+    ``sp`` (sequence parallel) the norms SequenceParallel, the embedding and head as torchtitan shards them,
+    attention and feed-forward inputs gathered by PrepareModuleInput. The same batch on every rank."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, \
+        SequenceParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = Llama()
+    if sp:
+        parallelize_module(model, mesh, {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(), "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    out = dict(output_layouts=Shard(1)) if sp else {}
+    for layer in model.layers:
+        plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(**out),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(**out)}
+        if sp:
+            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                         "attention": gather, "feed_forward": gather})
+        parallelize_module(layer, mesh, plan)
+    g = torch.Generator().manual_seed(5)
+    idx, targets = (torch.randint(0, 256, (4, 32), generator=g) for _ in range(2))
+    return model, idx, (lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten()))
+
+
+def tp_case(sp: bool) -> dict:
+    """optimize_checkpointing on every rank of a tensor-parallel model, halfway between its least and no
+    checkpointing; its per-rank peak by torch's MemTracker on a fresh model with the plan applied; one step's
+    loss and full gradients against the plain tensor-parallel model's."""
+    model, idx, loss_fn = tensor_parallel(sp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    roomy = remat.optimize_checkpointing(model, 1.0, idx, loss_fn=loss_fn, optimizer=opt)
+    remat.remove_checkpointing(model)
+    budget = (roomy.min_peak_bytes + roomy.baseline_peak_bytes) // 2
+    plan = remat.optimize_checkpointing(model, budget / 2**30, idx, loss_fn=loss_fn, optimizer=opt)
+    profile = remat.make_profile(*tensor_parallel(sp)[:2], loss_fn=loss_fn)
+    comm = {u.name: [name for name, _ in u.recomputed_collectives] for u in profile.units}
+    layer = remat.Planner(profile).make_plan(("layers.0", "layers.1.feed_forward"), "by hand")
+    fresh, _, _ = tensor_parallel(sp)
+    remat.apply_plan(fresh, plan)
+    measured = independent_peak(fresh, (idx,), loss_fn, torch.optim.AdamW(fresh.parameters(), lr=1e-3), "ddp")
+    again, _, _ = tensor_parallel(sp)
+    remat.apply_plan(again, plan)
+    allocated = allocator_peak(again, (idx,), loss_fn, torch.optim.AdamW(again.parameters(), lr=1e-3))
+    plain, _, _ = tensor_parallel(sp)
+    diff = bitwise_equal(one_step(plain, (idx,), loss_fn, seed=7), one_step(model, (idx,), loss_fn, seed=7))
+    return dict(plan=list(plan.checkpointed), wrapping=plan.wrapping, budget=budget, least=roomy.min_peak_bytes,
+                baseline=roomy.baseline_peak_bytes, predicted=plan.predicted_peak_bytes,
+                checked=plan.checked_peak_bytes, measured=measured, allocated=allocated, grad_mismatches=diff,
+                notes=list(plan.notes), collectives=comm, layer_notes=list(layer.notes))
+
+
+def allocator_peak(model, inputs, loss_fn, opt) -> int:
+    """One training step's peak by the profiler's allocator-level memory events (every allocation, in or
+    outside the dispatcher), plus the parameters, batch and optimizer state alive before it: the second of two
+    steps (the first creates the optimizer state), output dropped after the loss."""
+    from remat._compat import profiler_memory_peak
+    from remat.measure import tensor_bytes
+
+    def step():
+        loss = loss_fn(model(*inputs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    state = [local(p) for p in model.parameters()] + [x for x in inputs if torch.is_tensor(x)]
+    state += [local(t) for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+    return tensor_bytes(state) + profiler_memory_peak(step, torch.device("cpu"))
+
+
 def cli_target():
     """A command-line target: the GPT wrapped by FSDP2 on this rank (``remat plan FILE:cli_target``)."""
     model, inputs, loss_fn, _ = build("gpt", "fsdp2", dist.get_rank())
@@ -234,7 +371,7 @@ def mismatch(rank: int) -> dict:
         model, inputs, loss_fn, _ = model_and_batch("gpt", rank)  # not wrapped: no collective to build it
         opt = torch.optim.AdamW(model.parameters())
         try:
-            remat.optimize_checkpointing(model, 1.0, inputs, loss_fn=loss_fn, optimizer=opt, timeout_s=3)
+            remat.optimize_checkpointing(model, 1.0, inputs, loss_fn=loss_fn, optimizer=opt, timeout_s=0.5)
         except remat.InvalidInputError as e:
             out["alone"] = str(e)
     out["alone_s"] = time.monotonic() - t0

@@ -98,5 +98,47 @@ def test_mismatched_ranks_are_errors_not_hangs(ranks):
         assert "wrapped differently on different ranks" in rank["mismatch"]["wrapped_differently"]
         assert "budget_gb differs between ranks (rank 0: 1.0, rank 1: 2.0)" in rank["mismatch"]["budgets_differ"]
     alone = ranks[0]["mismatch"]
-    assert "rank(s) [1] of 2 did not call it within 3 s" in alone["alone"]
+    assert "rank(s) [1] of 2 did not call it within 0.5 s" in alone["alone"]
     assert alone["alone_s"] < 30
+
+
+@pytest.mark.parametrize("case", ["tp", "tp-sp"])
+def test_tensor_parallel_gets_one_plan_within_budget_and_exact(ranks, case):
+    """Issue #26: a Llama-style decoder under torchtitan's tensor-parallel plan (2 ranks, gloo), with and without
+    sequence parallelism: one plan on every rank, checkpointing something; each rank's peak by torch's
+    MemTracker within the per-rank budget and the prediction; loss and full gradients bitwise those of the plain
+    tensor-parallel model; the plan says which units recompute collectives and how many bytes."""
+    r0, r1 = ranks[0][case], ranks[1][case]
+    assert r0["plan"] == r1["plan"] and r0["plan"], (r0["plan"], r1["plan"])
+    assert r0["wrapping"] == "tensor parallel over 2 ranks (mesh tp=2)"
+    for r in (r0, r1):
+        assert r["least"] < r["budget"] < r["baseline"]
+        assert r["checked"] <= r["budget"] and r["measured"] <= r["budget"], r
+        # the per-rank budget holds by remat's check and by two independent meters, torch's MemTracker and the
+        # profiler's allocator-level events (these two disagree by 10% under sequence parallelism; remat's
+        # prediction is 5-6% above both under plain tensor parallelism, and gloo's asynchronous frees move a
+        # checked peak by one 32 KiB all_reduce buffer from run to run: docs/limits.md)
+        assert max(r["checked"], r["measured"], r["allocated"]) <= r["budget"], r
+        assert r["grad_mismatches"] == []
+    # which units' recomputation runs collectives again (Note [Recomputed communication]): checkpoint stops a
+    # recomputation once backward has what it needs, so a unit's closing all_reduce / reduce_scatter (Rowwise
+    # wo, w2) is not run again, and PrepareModuleInput's all_gather runs in a pre-hook, outside a checkpointed
+    # attention or feed-forward; a whole layer recomputes its attention's all_reduce (with sequence parallelism:
+    # both all_gathers and the attention's reduce_scatter)
+    comm = r0["collectives"]
+    ops = [f"_c10d_functional.{c}.default" for c in
+           (("all_reduce",) if case == "tp" else ("all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_into_tensor"))]
+    assert comm["layers.0"] == comm["layers.1"] == ops, comm
+    assert comm["layers.0.attention"] == comm["layers.0.feed_forward"] == [], comm
+    by_hand = [n for n in r0["layer_notes"] if n.startswith("recomputes communication in backward")]
+    # the activations are 4 x 32 tokens x 64 fp32 = 32,768 bytes; a reduce_scatter makes half of that per rank
+    size = "32,768 bytes" if case == "tp" else "81,920 bytes"
+    assert by_hand == [f"recomputes communication in backward: 1 unit(s) run {len(ops)} collective(s) again, "
+                       f"{size} in all (layers.0: " + (
+                           "all_reduce x1" if case == "tp" else "all_gather_into_tensor x2, reduce_scatter_tensor x1")
+                       + f", {size}); their time is in the predicted step time (each recomputation was timed for "
+                         "real, collectives included: Note [Recomputed communication] in remat.effects)"], by_hand
+    recomputing = [u for u in r0["plan"] if comm.get(u)]
+    notes = [n for n in r0["notes"] if n.startswith("recomputes communication in backward")]
+    assert len(notes) == (1 if recomputing else 0), (r0["plan"], notes)
+    assert all(f"{u}: " in notes[0] for u in recomputing)

@@ -138,7 +138,7 @@ class Planner:
             grads_held_in_forward=p.grads_held_in_forward,
             world_size=p.world_size,
             wrapping=p.wrapping,
-            notes=notes + p.notes + ((UNDER_COMPILE,) if chosen else ()),
+            notes=notes + p.notes + ((UNDER_COMPILE,) if chosen else ()) + _communication(p, chosen),
             # every unit: one that mutates no buffer replays none (Note [Buffers replay] in remat.rewrite)
             mutated_buffers={u: p.unit(u).mutated_buffers for u in chosen},
             saved_ops={u: p.unit(u).saved_ops for u in chosen if p.unit(u).saved_ops},
@@ -312,3 +312,22 @@ class Planner:
 def _ordinal(n: int) -> str:
     return {1: "st", 2: "nd", 3: "rd"}.get(n if n < 20 else n % 10, "th")
 
+
+def _communication(profile: Profile, chosen: Sequence[str]) -> tuple[str, ...]:
+    """Note [Recomputed communication] in remat.effects: which units recompute collectives, and how much."""
+    per_unit = [(u, profile.unit(u).recomputed_collectives) for u in chosen if profile.unit(u).recomputed_collectives]
+    if not per_unit:
+        return ()
+
+    def summary(ops: tuple[tuple[str, int], ...]) -> str:
+        counts: dict[str, int] = {}
+        for name, _ in ops:
+            short = name.split(".")[1] if "." in name else name
+            counts[short] = counts.get(short, 0) + 1
+        return ", ".join(f"{k} x{n}" for k, n in counts.items()) + f", {sum(b for _, b in ops):,} bytes"
+
+    total = sum(b for _, ops in per_unit for _, b in ops)
+    return (f"recomputes communication in backward: {len(per_unit)} unit(s) run {sum(len(o) for _, o in per_unit)} "
+            f"collective(s) again, {total:,} bytes in all (" + "; ".join(f"{u}: {summary(o)}" for u, o in per_unit)
+            + "); their time is in the predicted step time (each recomputation was timed for real, collectives "
+              "included: Note [Recomputed communication] in remat.effects)",)
