@@ -512,10 +512,12 @@ def least_checked(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, 
                   checked: dict[tuple[str, ...], int] | None = None, fallbacks: list[Plan] | None = None) -> int:
     """The least peak remat promises (Note [Least peak is a promise]): the least-memory plan's checked peak,
     or "every block"'s where that is lower. Checkpointing the last block frees a few bytes no prediction
-    sees, so "every block" can measure 64-128 bytes under the least-memory plan: it is checked too unless
-    its prediction is above the least-memory plan's checked peak, or ``budget_bytes`` below its prediction,
-    by more than the checks' tolerance (Note [Checked plans]: 5%): no budget it meets is refused, and a
-    budget far below it (a refusal) is not kept waiting one more real step for a figure a few bytes lower.
+    sees, so "every block" can measure 64-128 bytes under the least-memory plan: it is checked too where
+    those bytes can change the answer, that is unless its prediction is above the least-memory plan's
+    checked peak, or ``budget_bytes`` is away from its prediction, by more than the checks' tolerance (Note
+    [Checked plans]: 5%). No budget it meets is refused; a budget far below it (a refusal) or far above it
+    (a roomy plan, issue #23: one real step of 2-3 in such a call) does not wait one more real step for a
+    least-peak figure a few bytes lower.
     ``fallbacks``: the two plans, when the caller has them (agreed across ranks)."""
     checked = {} if checked is None else checked
     agree = ranks.broadcast if ranks is not None else (lambda plan: plan)
@@ -523,8 +525,9 @@ def least_checked(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, 
         (agree(planner.least_memory()), agree(planner.every_nth_block(1)))
     check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked)
     promise = check(least)
-    if every.checkpointed and every.predicted_peak_bytes <= 1.05 * promise and \
-            (budget_bytes is None or budget_bytes >= 0.95 * every.predicted_peak_bytes):
+    near = budget_bytes is None or 0.95 * every.predicted_peak_bytes <= budget_bytes <= 1.05 * max(
+        every.predicted_peak_bytes, promise)
+    if every.checkpointed and every.predicted_peak_bytes <= 1.05 * promise and near:
         promise = min(promise, check(every))
     return promise
 
