@@ -287,11 +287,10 @@ def tp_case(sp: bool) -> dict:
     loss and full gradients against the plain tensor-parallel model's."""
     model, idx, loss_fn = tensor_parallel(sp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    roomy = remat.optimize_checkpointing(model, 1.0, idx, loss_fn=loss_fn, optimizer=opt)
-    remat.remove_checkpointing(model)
-    budget = (roomy.min_peak_bytes + roomy.baseline_peak_bytes) // 2
+    profile = remat.make_profile(model, idx, loss_fn=loss_fn, optimizer=opt)
+    planner = remat.Planner(profile, ranks=ranks_for(model)[1].gather(profile))  # (the same on every rank)
+    budget = (planner.min_peak_bytes + planner.baseline_peak_bytes) // 2
     plan = remat.optimize_checkpointing(model, budget / 2**30, idx, loss_fn=loss_fn, optimizer=opt)
-    profile = remat.make_profile(*tensor_parallel(sp)[:2], loss_fn=loss_fn)
     comm = {u.name: [name for name, _ in u.recomputed_collectives] for u in profile.units}
     layer = remat.Planner(profile).make_plan(("layers.0", "layers.1.feed_forward"), "by hand")
     fresh, _, _ = tensor_parallel(sp)
@@ -302,8 +301,8 @@ def tp_case(sp: bool) -> dict:
     allocated = allocator_peak(again, (idx,), loss_fn, torch.optim.AdamW(again.parameters(), lr=1e-3))
     plain, _, _ = tensor_parallel(sp)
     diff = bitwise_equal(one_step(plain, (idx,), loss_fn, seed=7), one_step(model, (idx,), loss_fn, seed=7))
-    return dict(plan=list(plan.checkpointed), wrapping=plan.wrapping, budget=budget, least=roomy.min_peak_bytes,
-                baseline=roomy.baseline_peak_bytes, predicted=plan.predicted_peak_bytes,
+    return dict(plan=list(plan.checkpointed), wrapping=plan.wrapping, budget=budget, least=planner.min_peak_bytes,
+                baseline=planner.baseline_peak_bytes, predicted=plan.predicted_peak_bytes,
                 checked=plan.checked_peak_bytes, measured=measured, allocated=allocated, grad_mismatches=diff,
                 notes=list(plan.notes), collectives=comm, layer_notes=list(layer.notes))
 
