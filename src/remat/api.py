@@ -287,7 +287,7 @@ def optimize_checkpointing(
             raise planner.infeasible(budget_bytes, least_bytes=promise)
 
     try:
-        with preserved(model, on_success=False), eager_submodules(model):
+        with preserved(model, on_success=False), eager_submodules(model), forwards_counted(model) as runs:
             profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
                                     output_alive=output_alive, wrapping=wrapping,
                                     memory_known=memory_known if loop is None else None)
@@ -316,7 +316,9 @@ def optimize_checkpointing(
                           "compiled loop: their forward runs a traced graph node by node, untested under compile",)
             notes += (f"planning took {time.perf_counter() - started:.1f} s: profile {profiled - started:.1f} s, "
                       f"solve{' and check' if check else ''} {time.perf_counter() - profiled:.1f} s (one plain step "
-                      f"measured {profile.step_time_s:.3f} s)",)
+                      f"measured {profile.step_time_s:.3f} s); the model's forward ran {runs['real']} times for real "
+                      f"(training steps, and forward-only passes that check the recording) and {runs['fake']} on "
+                      "fake tensors (no kernels)",)
             plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)
             with stage("rewrite", model, args, kwargs, loss_fn):
                 remove_checkpointing(model)
@@ -327,6 +329,27 @@ def optimize_checkpointing(
     log.info("remat: checkpointed %d units; predicted peak %d bytes", len(plan.checkpointed),
              plan.predicted_peak_bytes)
     return plan
+
+
+@contextlib.contextmanager
+def forwards_counted(model: nn.Module) -> Iterator[dict[str, int]]:
+    """How many times ``model``'s forward runs while the block runs, for real and on fake tensors (a global
+    forward pre-hook, removed after: nothing is registered on the user's model)."""
+    from remat._compat import FakeTensor, active_fake_mode, tree_flatten
+
+    counts = {"real": 0, "fake": 0}
+
+    def hook(module: nn.Module, args: Any) -> None:
+        if module is model:
+            fake = active_fake_mode() is not None or any(
+                isinstance(t, FakeTensor) for t in tree_flatten(args)[0])
+            counts["fake" if fake else "real"] += 1
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        yield counts
+    finally:
+        handle.remove()
 
 
 def _ranks_max(ranks: Ranks | None, peak: int) -> int:

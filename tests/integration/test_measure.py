@@ -219,3 +219,20 @@ def test_a_long_step_is_timed_once(monkeypatch):
         assert profile.forward_s > 0 and profile.backward_s > 0 and all(u.recompute_s > 0 for u in blocks)
         assert any(u.saved_ops for u in profile.units)  # selective options, ranked by FLOPs, not times
     assert counts == {False: 8, True: 4}, counts
+
+
+def test_the_plan_says_how_often_planning_ran_the_model():
+    """Issue #23: "say in the plan how long planning took and how many real steps it ran". The count in the
+    plan's notes is the count a hook on the model sees: real forwards (training steps and the forward-only
+    pass that checks the recording) and those on fake tensors (the recording, the capture)."""
+    model, inputs, _ = make_gpt(layers=2, batch_size=2, seq_len=16, d_model=32, vocab=64)
+    calls = {"real": 0, "fake": 0}
+
+    def count(module, args):
+        calls["fake" if isinstance(args[0], remat._compat.FakeTensor) else "real"] += 1
+
+    model.register_forward_pre_hook(count)
+    plan = remat.optimize_checkpointing(model, 1e3, inputs, optimizer=torch.optim.AdamW(model.parameters()))
+    assert calls["fake"] >= 1 and calls["real"] >= 4
+    assert f"the model's forward ran {calls['real']} times for real" in plan.notes[-1]
+    assert f"and {calls['fake']} on fake tensors" in plan.notes[-1]
