@@ -287,7 +287,9 @@ def optimize_checkpointing(
             raise planner.infeasible(budget_bytes, least_bytes=promise)
 
     try:
-        with preserved(model, on_success=False), eager_submodules(model), forwards_counted(model) as runs:
+        # (not for a compiled loop: Dynamo warns about global module hooks and would trace them)
+        with preserved(model, on_success=False), eager_submodules(model), \
+                forwards_counted(model) if loop is None else contextlib.nullcontext({}) as runs:
             profile = _make_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
                                     output_alive=output_alive, wrapping=wrapping,
                                     memory_known=memory_known if loop is None else None)
@@ -316,9 +318,10 @@ def optimize_checkpointing(
                           "compiled loop: their forward runs a traced graph node by node, untested under compile",)
             notes += (f"planning took {time.perf_counter() - started:.1f} s: profile {profiled - started:.1f} s, "
                       f"solve{' and check' if check else ''} {time.perf_counter() - profiled:.1f} s (one plain step "
-                      f"measured {profile.step_time_s:.3f} s); the model's forward ran {runs['real']} times for real "
-                      f"(training steps, and forward-only passes that check the recording) and {runs['fake']} on "
-                      "fake tensors (no kernels)",)
+                      f"measured {profile.step_time_s:.3f} s)" + (
+                          f"; the model's forward ran {runs['real']} times for real (training steps, and forward-only "
+                          f"passes that check the recording) and {runs['fake']} on fake tensors (no kernels)"
+                          if runs else ""),)
             plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)
             with stage("rewrite", model, args, kwargs, loss_fn):
                 remove_checkpointing(model)
