@@ -296,6 +296,22 @@ def outside_autocast():
         yield
 
 
+def parallel_loss(loss: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Note [Loss parallel]: with tensor parallelism's ``loss_parallel()`` the loss is a DTensor, computed from
+    logits sharded on the class dimension, and its backward must run inside the same context, as the user's
+    loop runs it (``with loss_parallel(): loss = ...; loss.backward()``). remat runs the backward itself, so
+    for a DTensor loss it enters ``loss_parallel()`` around it; the context changes only how DTensor loss
+    operators dispatch, so a DTensor loss computed without it (from gathered logits) backpropagates as
+    before. Without this, remat's step failed and blamed the user's inputs."""
+    from remat._compat import is_dtensor_class
+
+    if not is_dtensor_class(type(loss)):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
 def new_step() -> None:
     """Start a training step as the AMP loop does: its ``with torch.autocast(...)`` block is entered
     afresh each step, so the autocast cache starts empty. remat runs several steps (and forward-only
@@ -489,7 +505,7 @@ def run_step(
             out = None
         if on is not None:
             on("loss")
-        with outside_autocast():
+        with outside_autocast(), parallel_loss(loss):
             if grad_of is None:
                 loss.backward()
             else:

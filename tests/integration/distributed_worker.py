@@ -131,6 +131,7 @@ def run(rank: int, world: int, port: int, out: str) -> None:
         kind, how = name.split("/")
         result[name] = case(kind, how, rank, Path(out))
     result["tp"], result["tp-sp"] = tp_case(sp=False), tp_case(sp=True)
+    result["tp-loss"] = loss_parallel_case()
     result["cli"] = cli(rank)
     result["mismatch"] = mismatch(rank)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -250,7 +251,7 @@ class Llama(torch.nn.Module):
         return self.output(self.norm(x))
 
 
-def tensor_parallel(sp: bool):
+def tensor_parallel(sp: bool, parallel_loss: bool = False):
     """The Llama on a 1-D "tp" mesh with torchtitan's plan: q/k/v and w1/w3 Colwise, wo and w2 Rowwise; with
     ``sp`` (sequence parallel) the norms SequenceParallel, the embedding and head as torchtitan shards them,
     attention and feed-forward inputs gathered by PrepareModuleInput. The same batch on every rank."""
@@ -278,7 +279,43 @@ def tensor_parallel(sp: bool):
         parallelize_module(layer, mesh, plan)
     g = torch.Generator().manual_seed(5)
     idx, targets = (torch.randint(0, 256, (4, 32), generator=g) for _ in range(2))
+    if parallel_loss:  # torchtitan's loss parallel: logits stay sharded on the vocabulary
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        parallelize_module(model, mesh, {"output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+
+        def loss(out):
+            with loss_parallel():
+                return F.cross_entropy(out.flatten(0, 1), targets.flatten())
+
+        return model, idx, loss
     return model, idx, (lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten()))
+
+
+def loss_parallel_case() -> dict:
+    """``loss_parallel()``: the loss is a DTensor whose backward must run inside the context (Note [Loss
+    parallel] in remat.measure). remat plans it, and one step with the plan, the backward inside the context,
+    gives the plain model's loss and full gradients bitwise."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    model, idx, loss_fn = tensor_parallel(False, parallel_loss=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    profile = remat.make_profile(model, idx, loss_fn=loss_fn, optimizer=opt)
+    planner = remat.Planner(profile, ranks=ranks_for(model)[1].gather(profile))
+    budget = (planner.min_peak_bytes + planner.baseline_peak_bytes) // 2
+    plan = remat.optimize_checkpointing(model, budget / 2**30, idx, loss_fn=loss_fn, optimizer=opt)
+    plain, _, _ = tensor_parallel(False, parallel_loss=True)
+
+    def step(m):  # (loss_parallel() does not nest: loss_fn enters it for the loss, the step for the backward)
+        torch.manual_seed(7)
+        loss = loss_fn(m(idx))
+        with loss_parallel():
+            loss.backward()
+        full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+        return full(loss).detach(), {n: full(p.grad) for n, p in m.named_parameters()}, {}
+
+    return dict(plan=list(plan.checkpointed), budget=budget, checked=plan.checked_peak_bytes,
+                grad_mismatches=bitwise_equal(step(plain), step(model)))
 
 
 def tp_case(sp: bool) -> dict:

@@ -142,3 +142,14 @@ def test_tensor_parallel_gets_one_plan_within_budget_and_exact(ranks, case):
     notes = [n for n in r0["notes"] if n.startswith("recomputes communication in backward")]
     assert len(notes) == (1 if recomputing else 0), (r0["plan"], notes)
     assert all(f"{u}: " in notes[0] for u in recomputing)
+
+
+def test_loss_parallel_is_planned_and_exact(ranks):
+    """``loss_parallel()`` (logits sharded on the vocabulary, the loss a DTensor whose backward must run inside
+    the context): remat's own backward failed and blamed the user's inputs ("the training step fails without
+    remat too"); it now runs it inside the context (Note [Loss parallel]): one plan on every rank, within
+    budget, and one step gives the plain model's loss and gradients bitwise."""
+    r0, r1 = ranks[0]["tp-loss"], ranks[1]["tp-loss"]
+    assert r0["plan"] == r1["plan"] and r0["plan"]
+    for r in (r0, r1):
+        assert r["checked"] <= r["budget"] and r["grad_mismatches"] == [], r
