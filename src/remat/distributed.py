@@ -20,6 +20,9 @@ Note [Collectives with a deadline]
 Before its first collective, remat meets every rank on the process group's store with a deadline
 (``timeout_s``) and compares how each rank's model is wrapped: a rank that does not call remat, or
 calls it on a model wrapped differently, is a clear error on every rank that can see it, not a hang.
+Each meeting ends in one verdict on the store ("met" or "failed", set once with ``compare_set``), so a
+rank whose calls have fallen out of step with another's (it skipped a call the other gave up on) stops
+with an error at its next call instead of meeting the abandoned one and waiting in a collective.
 """
 
 from __future__ import annotations
@@ -124,16 +127,37 @@ class Ranks:
         store.set(f"{self.tag}/rank{self.rank}", "1")
         count = store.add(f"{self.tag}/arrived", 1)
         deadline = time.monotonic() + self.timeout_s
-        while count < self.world_size:
+        state_key, waited_out = f"{self.tag}/state", False
+        # one verdict per call, set once for every rank (compare_set): "met" when all arrived, "failed" when a
+        # rank's deadline passed first. A rank arriving after another gave up finds "failed" and stops too: the
+        # per-process call counter of a rank that gave up is one ahead, and without the verdict a later call of
+        # the other rank would have met that stale arrival and waited in a collective for ever
+        while True:
+            if count >= self.world_size:
+                state = store.compare_set(state_key, "", "met")
+                break
+            if store.check([state_key]):
+                state = store.get(state_key)
+                break
             if time.monotonic() > deadline:
-                missing = [r for r in range(self.world_size) if not store.check([f"{self.tag}/rank{r}"])]
-                raise InvalidInputError(
-                    f"remat was called on rank {self.rank} but rank(s) {missing} of {self.world_size} did not call "
-                    f"it within {self.timeout_s:g} s (call {self.tag}): call optimize_checkpointing (or apply_plan) "
-                    "on every rank, with the same arguments, in the same order (or raise timeout_s)"
-                )
+                state = store.compare_set(state_key, "", "failed")
+                waited_out = True
+                break
             time.sleep(0.01)
             count = store.add(f"{self.tag}/arrived", 0)
+        if state == b"failed" and waited_out:
+            missing = [r for r in range(self.world_size) if not store.check([f"{self.tag}/rank{r}"])]
+            raise InvalidInputError(
+                f"remat was called on rank {self.rank} but rank(s) {missing} of {self.world_size} did not call "
+                f"it within {self.timeout_s:g} s (call {self.tag}): call optimize_checkpointing (or apply_plan) "
+                "on every rank, with the same arguments, in the same order (or raise timeout_s)"
+            )
+        if state == b"failed":
+            raise InvalidInputError(
+                f"another rank gave up waiting for this rank at remat's call {self.tag} (its timeout_s passed): "
+                "the ranks' calls of remat are out of step; call optimize_checkpointing (or apply_plan) on every "
+                "rank, with the same arguments, in the same order"
+            )
         seen = self.gather((wrapping, same))
         if any(w != seen[0][0] for w, _ in seen):
             lines = "; ".join(f"rank {r}: {w}" for r, (w, _) in enumerate(seen))

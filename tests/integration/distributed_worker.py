@@ -412,4 +412,13 @@ def mismatch(rank: int) -> dict:
             out["alone"] = str(e)
     out["alone_s"] = time.monotonic() - t0
     dist.barrier()
+    # a tensor-parallel model (built on every rank: sharding it communicates), remat called on rank 1 only
+    model, idx, loss_fn = tensor_parallel(False)
+    dist.barrier()
+    if rank == 1:
+        try:
+            remat.optimize_checkpointing(model, 1.0, idx, loss_fn=loss_fn, timeout_s=0.5)
+        except remat.InvalidInputError as e:
+            out["tp_alone"] = str(e)
+    dist.barrier()
     return out

@@ -100,6 +100,10 @@ def test_mismatched_ranks_are_errors_not_hangs(ranks):
     alone = ranks[0]["mismatch"]
     assert "rank(s) [1] of 2 did not call it within 0.5 s" in alone["alone"]
     assert alone["alone_s"] < 30
+    # then rank 1 alone calls remat (on a tensor-parallel model): its call counter is one behind rank 0's, whose
+    # abandoned call it would have met and then waited in a collective for ever (it hung before); it finds
+    # that call's verdict and stops at once
+    assert "another rank gave up waiting for this rank" in ranks[1]["mismatch"]["tp_alone"]
 
 
 @pytest.mark.parametrize("case", ["tp", "tp-sp"])
