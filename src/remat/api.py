@@ -483,8 +483,9 @@ def plan_checked(
     def done(plan: Plan, measured: int, why: str) -> Plan:
         note = f"checked on one real step: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}"
         if len(checked) > 1:
-            names = [what for p, what in ((fallbacks[0], "the least-memory plan"), (fallbacks[1], "every block"))
-                     if p.checkpointed in checked and p.checkpointed != plan.checkpointed]
+            label = {fallbacks[1].checkpointed: "every block", fallbacks[0].checkpointed: "the least-memory plan"}
+            names = [label.get(units, "the least-memory plan chosen on memory alone") for units in checked
+                     if units != plan.checkpointed]
             note += (f"; {len(checked)} plans measured, one real step each ({' and '.join(names)}, whose measured "
                      "least is the least peak promised, and this one)")
         return dataclasses.replace(plan, budget_bytes=budget_bytes, checked_peak_bytes=measured,
@@ -534,7 +535,7 @@ def _checker(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, devic
 
 
 def least_checked(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
-                  planner: Planner, budget_bytes: int | None = None, *, ranks: Ranks | None = None,
+                  planner: Planner, budget_bytes: int, *, ranks: Ranks | None = None,
                   checked: dict[tuple[str, ...], int] | None = None, fallbacks: list[Plan] | None = None) -> int:
     """The least peak remat promises (Note [Least peak is a promise]): the least-memory plan's checked peak,
     or "every block"'s where that is lower. Checkpointing the last block frees a few bytes no prediction
@@ -551,8 +552,7 @@ def least_checked(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, 
         (agree(planner.least_memory()), agree(planner.every_nth_block(1)))
     check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked)
     promise = check(least)
-    near = budget_bytes is None or 0.95 * every.predicted_peak_bytes <= budget_bytes <= 1.05 * max(
-        every.predicted_peak_bytes, promise)
+    near = 0.95 * every.predicted_peak_bytes <= budget_bytes <= 1.05 * max(every.predicted_peak_bytes, promise)
     if every.checkpointed and every.predicted_peak_bytes <= 1.05 * promise and near:
         promise = min(promise, check(every))
     return promise

@@ -1,6 +1,6 @@
 """Real training steps of a model, measured: peak memory and step time of whole steps (forward, backward,
-optimizer step), on a deep copy of the model (``measure_step``, ``warm_up``; ``measure_plans`` and
-``time_interleaved`` apply each plan in turn to one copy) or, for
+optimizer step), on a deep copy of the model (``measure_step``, ``warm_up``; ``measure_plans`` applies
+each plan in turn to one copy) or, for
 models that cannot be copied (sharded by FSDP2, replicated by DDP), in place (``measure_step_in_place``).
 Built on the one measurement layer in ``remat.measure``."""
 
@@ -82,11 +82,12 @@ class _Trainee:
     held 3.3x a plain training process's memory at GPT-2-small size). Without, the copy is checkpointed as
     ``model`` is."""
 
-    def __init__(self, model: nn.Module, optimizer_factory: Any, *, plans: bool = False) -> None:
+    def __init__(self, model: nn.Module, optimizer_factory: Any, *, plans: bool = False, in_place: bool = False) -> None:
+        """``in_place``: train ``model`` itself (sharded or replicated models, which cannot be copied)."""
         from remat.rewrite import remove_checkpointing
 
         factory = as_factory(optimizer_factory, model)
-        self.model = copy.deepcopy(model)
+        self.model = model if in_place else copy.deepcopy(model)
         if plans:
             remove_checkpointing(self.model)
         self.model.zero_grad(set_to_none=True)
@@ -147,10 +148,7 @@ def measure_step_in_place(
     """:func:`measure_step` on ``model`` itself, for models that cannot be deep-copied (sharded by FSDP2,
     replicated by DDP): it **trains** ``model`` (its parameters change) with a new optimizer; for throwaway
     models such as the command line's targets under torchrun. Every rank must call it alike."""
-    model.zero_grad(set_to_none=True)
-    trainee = _Trainee.__new__(_Trainee)  # the model itself, not a copy
-    factory = as_factory(optimizer_factory, model)
-    trainee.model, trainee.optimizer = model, factory(model.parameters()) if factory else None
+    trainee = _Trainee(model, optimizer_factory, in_place=True)
     return _measured_steps(trainee, example_inputs, loss_fn or default_loss, warmup=warmup, repeats=repeats,
                            measure_memory=measure_memory, output_alive=output_alive)
 
@@ -251,37 +249,3 @@ def measure_plans(
     method = _method(trainee.model)
     return [StepMeasurement(peak, statistics.median(ts) if ts else 0.0, tuple(ts), method)
             for peak, ts in zip(peaks, times)]
-
-
-@keeps_rng
-def time_interleaved(
-    model: nn.Module, example_inputs: Any, plans: list, *, loss_fn: LossFn | None = None,
-    optimizer_factory: OptimizerFactory | None = None, warmup: int = 2, rounds: int = 10, seed: int = 0,
-    output_alive: bool = True,
-) -> list[list[float]]:
-    """Step times (seconds) of ``model`` under each plan, timed round-robin: every round runs one
-    training step of every plan, in a shuffled order, on one deep copy of ``model`` with each plan applied in
-    turn (:class:`_Trainee`). ``model`` itself is not modified. Returns one list of ``rounds`` times per plan."""
-    loss_fn = loss_fn or default_loss
-    args, kwargs = split_inputs(example_inputs)
-    clock = Clock(model_device(model))
-    trainee = _Trainee(model, optimizer_factory, plans=True)
-
-    def step(plan) -> float:
-        with trainee.under(plan):
-            return clock.time(lambda: trainee.step(args, kwargs, loss_fn, output_alive))
-
-    for _ in range(warmup):
-        for plan in plans:
-            step(plan)
-    times: list[list[float]] = [[] for _ in plans]
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        order = list(range(len(plans)))
-        rng.shuffle(order)
-        for i in order:
-            times[i].append(step(plans[i]))
-    return times
-
-
-
