@@ -143,12 +143,14 @@ def graph_cuts(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node
     forward is not an ``nn.Sequential`` (a conv block's halves, with the functional ReLUs between its
     layers). A forward can be cut before a submodule call when exactly one
     value computed so far is used from there on and that call takes it: the region's only input. remat
-    offers regions for a module that takes one argument, runs each submodule at most once, calls only
-    submodules without children of their own, and traces with ``torch.fx`` (its submodule calls as
-    leaves). A module that calls composite submodules (a transformer block's attention and MLP) has units
-    inside it already; regions of such blocks were measured up to 0.6% above the memory model's prediction
-    when combined with units of the blocks after them (the test zoo's GPT), so they are not offered until
-    that interaction is understood. Nor are regions of a unit inside another unit (a block's MLP): plans
+    offers regions for a module that takes one argument, runs each submodule at most once, and traces with
+    ``torch.fx`` (its submodule calls as leaves). A pre-norm transformer block cuts before each layer norm,
+    where the residual stream is the one value alive: ``h.2[ln_1:ln_2]`` is the layer norm, the attention
+    and the residual add, checkpointed as one (its attention, a unit of its own, can nest inside it). Those
+    regions were measured up to 0.6% above their prediction until a recomputation's growth stopped counting
+    a free the plain forward makes as the region starts (Note [Growth of a recomputation] in remat.effects).
+    Blocks that take more than one argument (Hugging Face's, with masks and caches) offer none. Regions
+    are not offered inside another unit (a block's MLP): plans
     nest two levels deep, and on the 24-block GPT the MLPs' regions added 288 variables and took op-level
     solves from 0.71-1.53 s to 1.61-2.53 s without lowering any peak (``benchmarks/solve_scaling.py
     --gpt 24``). The rewrite (``remat.rewrite.RegionForward``) runs the traced graph, each chosen region
@@ -177,7 +179,7 @@ def graph_cuts(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node
 
 def all_cuts(model: nn.Module, units: tuple[str, ...] | list[str]) -> dict[str, dict[str, tuple[str, ...]]]:
     """``ModelGraph.cuts`` and ``.region_calls``: per unit among ``units`` inside no other (not the root, not an
-    ``nn.Sequential``, whose runs of children are segments) that calls only leaf modules and has at least two
+    ``nn.Sequential``, whose runs of children are segments) that has at least two
     cut points, the qualified names of the submodules called at them, and of all the submodules it calls."""
     out, calls = {}, {}
     for name, m in model.named_modules():
@@ -186,9 +188,8 @@ def all_cuts(model: nn.Module, units: tuple[str, ...] | list[str]) -> dict[str, 
                 "forward" in m.__dict__:  # tracing sees the class's forward, not one set on the instance
             continue
         graph = trace_forward(m)
-        if graph is None or any(any(True for _ in m.get_submodule(n.target).children())
-                                for n in graph.nodes if n.op == "call_module"):
-            continue  # a module that calls a composite submodule has smaller units already
+        if graph is None:
+            continue  # not traceable: no regions
         cuts = graph_cuts(graph)
         if len(cuts) >= 2 and not all(str(c.target).isdigit() for c, _ in cuts):
             out[name] = tuple(f"{name}.{c.target}" for c, _ in cuts)

@@ -207,6 +207,10 @@ class UnitCost:
     #: block's all_reduce: communication that checkpointing adds (Note [Recomputed communication] in
     #: remat.effects); their time is in ``recompute_s``, measured with them
     recomputed_collectives: tuple[tuple[str, int], ...] = ()
+    #: (timeline index, bytes) of storages made before the unit's forward that the plain forward freed during
+    #: it, up to ``recompute_end``: a recomputation does not free them (Note [Growth of a recomputation] in
+    #: remat.effects)
+    freed_outside: tuple[tuple[int, int], ...] = ()
 
     @property
     def calls(self) -> int:
@@ -387,7 +391,8 @@ class Profile:
                         "keeps": tuple(Keep(**k) for k in u.get("keeps", ())),
                         "saved_ops": tuple(u.get("saved_ops", ())),
                         "later_calls": tuple(CallSpan(**c) for c in u.get("later_calls", ())),
-                        "recomputed_collectives": tuple((n, b) for n, b in u.get("recomputed_collectives", ()))})
+                        "recomputed_collectives": tuple((n, b) for n, b in u.get("recomputed_collectives", ())),
+                        "freed_outside": tuple((i, b) for i, b in u.get("freed_outside", ()))})
             for u in d["units"]
         )
         for k in ("live_bytes", "grad_bytes", "saved_bytes", "notes"):

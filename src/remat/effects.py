@@ -8,6 +8,7 @@ The profiler only records; the simulator only adds up.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -62,6 +63,8 @@ class _CallEffects:
     recompute_peak_bytes: int
     saved: frozenset[int]
     saved_count: int
+    #: (index, bytes) of storages made before the call and freed during its recomputed stretch
+    freed_outside: tuple[tuple[int, int], ...] = ()
 
 
 def unit_costs(
@@ -83,13 +86,15 @@ def unit_costs(
         if t.storage is not None:
             saved_as[t.storage].append(t)
     created_by = rec.created_by()
-    return tuple(_unit_cost(rec, spec, live, saved_as, created_by, times, overhead, buffer_bytes or {})
+    frees = sorted((s.free_index, s.alloc_index, k, s.nbytes) for k, s in enumerate(rec.storages)
+                   if s.free_index is not None)
+    return tuple(_unit_cost(rec, spec, live, saved_as, created_by, times, overhead, buffer_bytes or {}, frees)
                  for spec in specs)
 
 
 def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: dict[int, list[SavedTensor]],
                created_by: dict[int, int], times: UnitTimes | None, overhead: CheckpointOverhead | None,
-               buffer_bytes: Mapping[str, int]) -> UnitCost:
+               buffer_bytes: Mapping[str, int], frees: list[tuple[int, int, int, int]]) -> UnitCost:
     members = spec.members
     first = members[0]
     member_set = frozenset(members)
@@ -120,7 +125,7 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
     inputs = rec.inputs.get(first, ())
     effects = [_call_effects(rec, spec, lambda t, c=c: in_call(t, c), start, end,
                              inputs[c] if c < len(inputs) else (),
-                             live, saved_as, created_by, until=len(spans) > 1)
+                             live, saved_as, created_by, frees, until=len(spans) > 1)
                for c, (start, end) in enumerate(spans)]
     head = effects[0]
     start, end = spans[0]
@@ -196,7 +201,7 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
         recompute_peak_bytes=head.recompute_peak_bytes, saved_bytes=sum(rec.storages[s].nbytes for s in saved),
         excluded=excluded, mutated_buffers=tuple(sorted(mutated)), members=members if spec.segment else (),
         keeps=keeps, overhead_s=overhead_s, saved_ops=spec.saved_ops, recompute_end=head.recompute_end,
-        recompute_extra_bytes=extra, recomputed_collectives=comm,
+        recompute_extra_bytes=extra, recomputed_collectives=comm, freed_outside=head.freed_outside,
         later_calls=tuple(CallSpan(sp[0], sp[1], e.recompute_at, e.recompute_peak_bytes)
                           for sp, e in zip(spans[1:], effects[1:])),
     )
@@ -204,7 +209,7 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
 
 def _call_effects(rec: Recording, spec: UnitSpec, in_call, start: int, end: int, inputs: tuple[int, ...],
                   live: tuple[int, ...], saved_as: dict[int, list[SavedTensor]], created_by: dict[int, int],
-                  until: bool) -> _CallEffects:
+                  frees: list[tuple[int, int, int, int]], until: bool) -> _CallEffects:
     """What checkpointing one forward call ``start..end`` of a unit does to memory (Note [Memory model]
     in remat.simulate); ``in_call(t)`` says whether saved tensor ``t`` was saved by that call. ``until``:
     the unit runs more than once, so each drop says when its own call is recomputed (Note [Reused
@@ -233,12 +238,6 @@ def _call_effects(rec: Recording, spec: UnitSpec, in_call, start: int, end: int,
         free_from = max(end + 1, rec.last_use.get(s, -1) + 1, max(outside, default=-1) + 1)
         if free_from >= r_at or st.free_index <= r_at:
             continue
-        if outside and st.alloc_index == end:
-            # the unit's output, saved by its own last operator (a ReLU saves its result) and by a later one
-            # (the next block's convolution): measured alive after that operator's backward until the unit's
-            # recomputation (ResNet zoo model, a segment of two blocks: 32768 bytes under the prediction);
-            # such a drop frees nothing in the forward anyway, so it is not counted
-            continue
         if spec.keep is not None and created_by.get(s) in spec.keep:
             continue  # a selective checkpoint keeps it
         drops.append(Drop(st.nbytes, free_from, r_at if until else None, storage=s))
@@ -265,15 +264,46 @@ def _call_effects(rec: Recording, spec: UnitSpec, in_call, start: int, end: int,
     # Note [Early stop]: non-reentrant checkpoint stops recomputing once the last tensor saved
     # inside the unit exists again, so what the unit allocates after that is not recomputed.
     end_rec = min(end, max((t.at - 1 for t in mine if t.at - 1 >= start), default=end))
+    outside = freed_outside(frees, start, end_rec, exclude=frozenset(inputs))
+    back = [0] * (end_rec - start + 1)  # bytes freed outside the call by each replayed operator, summed
+    for f, b in outside:
+        back[f - start] += b
+    for i in range(1, len(back)):
+        back[i] += back[i - 1]
     if spec.keep is not None:
         # a selective recomputation reuses the cached outputs of kept operators: they add nothing
         cached = [rec.storages[s] for s in kept_storages]
-        peak_inc = max((live[i] - sum(c.nbytes for c in cached if c.alloc_index <= i and
-                                      (c.free_index is None or i < c.free_index))
+        peak_inc = max((live[i] + back[i - start] - sum(c.nbytes for c in cached if c.alloc_index <= i and
+                                                        (c.free_index is None or i < c.free_index))
                         for i in range(start, end_rec + 1)), default=base) - base
     else:
-        peak_inc = max(live[start:end_rec + 1], default=base) - base
-    return _CallEffects(r_at, tuple(drops), keeps, release, end_rec, max(peak_inc, 0), saved, len(mine))
+        peak_inc = max((live[i] + back[i - start] for i in range(start, end_rec + 1)), default=base) - base
+    return _CallEffects(r_at, tuple(drops), keeps, release, end_rec, max(peak_inc, 0), saved, len(mine), outside)
+
+
+def freed_outside(frees: list[tuple[int, int, int, int]], start: int, end: int,
+                  exclude: frozenset[int] = frozenset()) -> tuple[tuple[int, int], ...]:
+    """Note [Growth of a recomputation]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    A recomputation grows memory by what the replayed operators make and still hold, read off the plain
+    forward as ``live[i] - live[start - 1]``. But the plain forward also frees, during the unit's forward,
+    storages made before it: the previous residual's addends die as the next layer norm runs (``x = x +
+    mlp(...)`` drops the old ``x`` when the next operator starts). A recomputation in backward frees none of
+    them (they are long gone, or held by the checkpoint as its inputs), so those frees must not lower its
+    growth. A module unit usually starts one operator after such a free; a region of a transformer block,
+    ``h.2[ln_1:ln_2]``, starts at it: its recomputation was predicted 8,192 bytes low, one activation of the
+    test zoo's GPT (issue #24.3; tests/integration/test_regions.py). The unit's own inputs are not among
+    them: the checkpoint holds those, counted already (Note [Checkpoint holds its inputs]). ``frees``: (free
+    index, alloc index, storage, bytes) of every freed storage, sorted; ``exclude``: the inputs' storages; the
+    result: (free index, bytes) of the others made before ``start`` and freed from ``start`` to ``end``."""
+    lo = bisect.bisect_left(frees, (start, -1, -1, -1))
+    out = []
+    for f, a, s, b in frees[lo:]:
+        if f > end:
+            break
+        if a < start and s not in exclude:
+            out.append((f, b))
+    return tuple(out)
 
 
 # Note [Recomputed communication]

@@ -115,6 +115,7 @@ class ProfileFit:
                         for k, kp in enumerate(u.keeps)),
             later_calls=tuple(dataclasses.replace(c, recompute_peak_bytes=ints(
                 lambda x, k=k: x.later_calls[k].recompute_peak_bytes)) for k, c in enumerate(u.later_calls)),
+            freed_outside=tuple((f, ints(lambda x, k=k: x.freed_outside[k][1])) for k, (f, _) in enumerate(u.freed_outside)),
         )
 
 
@@ -123,5 +124,6 @@ def _shape(u: UnitCost) -> tuple:
     return (u.forward_start, u.forward_end, u.recompute_at, u.recompute_end, u.excluded, u.saved_ops,
             tuple((d.free_from, d.until_index) for d in u.drops),
             tuple((k.from_index, k.until_index) for k in u.keeps),
-            tuple((c.forward_start, c.forward_end, c.recompute_at) for c in u.later_calls))
+            tuple((c.forward_start, c.forward_end, c.recompute_at) for c in u.later_calls),
+            tuple(f for f, _ in u.freed_outside))
 

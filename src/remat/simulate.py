@@ -367,11 +367,14 @@ class MemoryModel:
             cuts.update(d.free_from for d in self.units[v].drops)
             cuts.update(b for k in self.units[v].keeps for b in (k.from_index, k.until_index))
         bounds = sorted(c for c in cuts if start <= c <= end + 1)
+        # Note [Growth of a recomputation] in remat.effects: what the plain forward freed of older storages
+        # during u's forward stays alive in its recomputation
+        grown = [live[t] - base + sum(b for f, b in u.freed_outside if f <= t) for t in range(start, end + 1)]
         rows = []
         for lo, hi in zip(bounds, bounds[1:]):
-            t = max(range(lo, hi), key=live.__getitem__)
+            t = max(range(lo, hi), key=lambda t: grown[t - start])
             row = dict(coefs)
-            row[u.name] = row.get(u.name, 0) + max(live[t] - base, 0) + u.recompute_extra_bytes
+            row[u.name] = row.get(u.name, 0) + max(grown[t - start], 0) + u.recompute_extra_bytes
             for v in inner:
                 key = nest_key(u.name, v)
                 row[key] = row.get(key, 0) + self.effect_bytes(v, t)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,14 +24,18 @@ def gpt():
 
 
 def test_nesting_lowers_the_least_peak_and_is_predicted(gpt):
-    """Nested plans reach below both the flat least peak and "every block", and the nested plan's peak,
-    measured on a real step, is within 5% of its prediction (the simulator's, through every level)."""
+    """Nested plans of module units reach below both the flat least peak and "every block", and the nested
+    plan's peak, measured on a real step, is within 5% of its prediction (the simulator's, through every
+    level). (With the blocks' regions, Note [Regions] in remat.capture, a flat plan reaches as low: the
+    attention region's checkpoint drops what the block's would, its layer norm's output too.)"""
     model, inputs, profile = gpt
-    nested, flat = Planner(profile), Planner(profile, nesting=False)
+    modules = dataclasses.replace(profile, units=tuple(u for u in profile.units if not u.is_region))
+    nested, flat = Planner(modules), Planner(modules, nesting=False)
     least = nested.least_memory()
     assert least.nested_in, "the least-memory plan nests nothing"
     assert all(outer in least.checkpointed for outer in least.nested_in.values())
     assert least.predicted_peak_bytes < flat.min_peak_bytes
+    assert Planner(profile).min_peak_bytes <= min(least.predicted_peak_bytes, Planner(profile, nesting=False).min_peak_bytes)
     every = nested.every_nth_block(1)
     measured = {}
     for plan in (least, every):

@@ -9,7 +9,7 @@ import pytest
 
 from remat.costs import CallSpan, Drop, Keep
 from remat.effects import UnitSpec, unit_costs
-from remat.recording import CheckpointOverhead, SavedTensor, Storage, UnitTimes, Write
+from remat.recording import CheckpointOverhead, ForwardOp, SavedTensor, Storage, UnitTimes, Write
 
 from recordings import A, chain
 
@@ -46,15 +46,43 @@ def test_a_storage_also_saved_outside_lives_until_the_outside_reader_is_done():
     assert u.drops == ()  # the outside saver keeps it all step
 
 
-def test_the_units_output_saved_inside_and_outside_is_not_dropped():
+def test_the_units_output_saved_inside_and_outside_is_dropped_once_the_outside_reader_is_done():
     """s1, made by the unit's last operator (a ReLU saving its result), is also saved by the loss outside it:
-    measured alive until the unit's recomputation (ResNet zoo model), so checkpointing does not drop it.
-    s0, made earlier in the unit, still is."""
+    dropped from just after the loss's backward reads it (6) until the unit's recomputation (8), like any
+    storage saved inside and outside (Note [Shared saved storages]). (It was once kept: that made the ResNet
+    zoo model's segments exact only because the recomputation's growth missed the free at their start, Note
+    [Growth of a recomputation]; with both fixed, every ResNet unit's prediction is its measured peak.)"""
     rec = chain(storages=(Storage(100, 0, 9), Storage(50, 1, 9), Storage(10, 2, 9)),
                 saved=(SavedTensor(0, ("a",), (1,), at=2, unpacked_at=8), SavedTensor(1, (), (), at=3, unpacked_at=6),
                        SavedTensor(1, ("a",), (1,), at=2, unpacked_at=8)))
     (u,) = unit_costs(rec, [A])
-    assert u.recompute_at == 8 and u.drops == (Drop(100, free_from=2),)  # not Drop(50, free_from=7) too
+    assert u.recompute_at == 8 and u.drops == (Drop(100, free_from=2), Drop(50, free_from=7))
+
+
+def _freed_at_the_start(inputs):
+    """op 0 (outside) makes s0 (40 B), which dies as unit ``b`` starts (op 1: the previous residual's addend);
+    b's ops 1-2 make s1 (100 B, saved by op 2) and s2 (50 B, saved by the loss, op 3, which makes s3)."""
+    return chain(
+        storages=(Storage(40, 0, 1), Storage(100, 1, 8), Storage(50, 2, 7), Storage(10, 3, 9)),
+        saved=(SavedTensor(1, ("b",), (1,), at=3, unpacked_at=7), SavedTensor(2, (), (), at=4, unpacked_at=6)),
+        forward_ops=(ForwardOp("aten.add.default", (0,)), ForwardOp("aten.mm.default", (1,)),
+                     ForwardOp("aten.relu.default", (2,)), ForwardOp("aten.sum.default", (3,))),
+        spans={"b": ((1, 2),)}, calls={"b": 1}, inputs={"b": (inputs,)}, last_use={0: 1, 1: 2, 2: 3},
+        flops={"b": 0})
+
+
+def test_a_free_outside_the_unit_as_it_starts_is_not_part_of_its_recomputation():
+    """Note [Growth of a recomputation]: the plain forward grows by 150 - 40 over ops 1-2 because s0 dies as
+    the unit starts; its recomputation in backward frees nothing of the sort and grows by the 150 bytes its
+    operators make. When s0 is the unit's input, the checkpoint holds it instead (a Keep) and it is not
+    added again."""
+    B = UnitSpec("b", ("b",), None, "b.")
+    rec = _freed_at_the_start(inputs=())
+    assert rec.timeline()[:3] == (40, 100, 150)
+    (u,) = unit_costs(rec, [B])
+    assert u.freed_outside == ((1, 40),) and u.recompute_peak_bytes == 150
+    (u,) = unit_costs(_freed_at_the_start(inputs=(0,)), [B])
+    assert u.freed_outside == () and u.recompute_peak_bytes == 110 and u.keeps == (Keep(40, 1, 8),)
 
 
 def test_checkpoint_holds_its_inputs_until_the_units_backward_is_done():
