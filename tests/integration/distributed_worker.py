@@ -251,17 +251,21 @@ class Llama(torch.nn.Module):
         return self.output(self.norm(x))
 
 
-def tensor_parallel(sp: bool, parallel_loss: bool = False):
+def tensor_parallel(sp: bool, parallel_loss: bool = False, mesh=None, batch_seed: int = 5,
+                    shape: tuple[int, int] = (4, 32), **llama):
     """The Llama on a 1-D "tp" mesh with torchtitan's plan: q/k/v and w1/w3 Colwise, wo and w2 Rowwise; with
     ``sp`` (sequence parallel) the norms SequenceParallel, the embedding and head as torchtitan shards them,
-    attention and feed-forward inputs gathered by PrepareModuleInput. The same batch on every rank."""
+    attention and feed-forward inputs gathered by PrepareModuleInput. The same batch on every rank (of one
+    ``batch_seed``, of ``shape`` tokens). ``mesh``: the tensor-parallel mesh (a 2-D mesh's "tp" dimension); every
+    rank's by default. ``llama``: the model's sizes (:class:`Llama`)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, \
         SequenceParallel, parallelize_module
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     torch.manual_seed(0)
-    model = Llama()
+    model = Llama(**llama)
     if sp:
         parallelize_module(model, mesh, {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -277,8 +281,8 @@ def tensor_parallel(sp: bool, parallel_loss: bool = False):
             plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
                          "attention": gather, "feed_forward": gather})
         parallelize_module(layer, mesh, plan)
-    g = torch.Generator().manual_seed(5)
-    idx, targets = (torch.randint(0, 256, (4, 32), generator=g) for _ in range(2))
+    g = torch.Generator().manual_seed(batch_seed)
+    idx, targets = (torch.randint(0, model.output.out_features, shape, generator=g) for _ in range(2))
     if parallel_loss:  # torchtitan's loss parallel: logits stay sharded on the vocabulary
         from torch.distributed.tensor.parallel import loss_parallel
 
@@ -324,10 +328,12 @@ def tp_case(sp: bool) -> dict:
     loss and full gradients against the plain tensor-parallel model's."""
     model, idx, loss_fn = tensor_parallel(sp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    profile = remat.make_profile(model, idx, loss_fn=loss_fn, optimizer=opt)
+    # the loop the meters below run drops the output (the logits) once the loss exists: planned for that loop
+    profile = remat.make_profile(model, idx, loss_fn=loss_fn, optimizer=opt, output_alive=False)
     planner = remat.Planner(profile, ranks=ranks_for(model)[1].gather(profile))  # (the same on every rank)
     budget = (planner.min_peak_bytes + planner.baseline_peak_bytes) // 2
-    plan = remat.optimize_checkpointing(model, budget / 2**30, idx, loss_fn=loss_fn, optimizer=opt)
+    plan = remat.optimize_checkpointing(model, budget / 2**30, idx, loss_fn=loss_fn, optimizer=opt,
+                                        output_alive=False)
     comm = {u.name: [name for name, _ in u.recomputed_collectives] for u in profile.units}
     layer = remat.Planner(profile).make_plan(("layers.0", "layers.1.feed_forward"), "by hand")
     fresh, _, _ = tensor_parallel(sp)

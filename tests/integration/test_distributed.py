@@ -119,12 +119,13 @@ def test_tensor_parallel_gets_one_plan_within_budget_and_exact(ranks, case):
         assert r["least"] < r["budget"] < r["baseline"]
         assert r["checked"] <= r["budget"] and r["measured"] <= r["budget"], r
         # the per-rank budget holds by remat's check and by two independent meters, torch's MemTracker and the
-        # profiler's allocator-level events, the least of three steps (these two disagree by 10% under sequence
-        # parallelism; remat's prediction is 5-6% above both under plain tensor parallelism; under gloo one step's
-        # reading is not reproducible, a collective's buffers being freed on gloo's threads or the caller's: once
-        # in CI a single allocator reading was 8 KiB over the budget, and a profile read 192 KiB more than usual;
-        # docs/limits.md)
+        # profiler's allocator-level events, the least of three steps (under gloo one step's reading is not
+        # reproducible, a collective's buffers being freed on gloo's threads or the caller's: once in CI a single
+        # allocator reading was 8 KiB over the budget, and a profile read 192 KiB more than usual; docs/limits.md)
         assert max(r["checked"], r["measured"], r["allocated"]) <= r["budget"], r
+        # and the prediction is the allocator's reading within 5% (it was 5-6% above while remat planned for a
+        # loop that keeps the output, the logits, and the meters ran one that drops it)
+        assert abs(r["predicted"] - r["allocated"]) <= 0.05 * r["allocated"], r
         assert r["grad_mismatches"] == []
     # which units' recomputation runs collectives again (Note [Recomputed communication]): checkpoint stops a
     # recomputation once backward has what it needs, so a unit's closing all_reduce / reduce_scatter (Rowwise
