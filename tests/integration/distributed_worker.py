@@ -350,6 +350,38 @@ def tp_case(sp: bool) -> dict:
                 notes=list(plan.notes), collectives=comm, layer_notes=list(layer.notes))
 
 
+def compiled_fsdp2_case(rank: int) -> dict:
+    """FSDP2 under ``torch.compile`` (issue #22; aot_eager): the budget 10% under the compiled plain step's peak
+    by the profiler's allocator-level events; remat's compiled plan (Note [Compiled steps] in
+    remat.solve.calibrated) on every rank; the plan applied to a fresh wrapped model, compiled, measured by
+    the same events; one compiled step's loss and full gradients against the compiled plain model's (each
+    compiled model compared first, then measured: one compile each)."""
+    compiled = {"backend": "aot_eager"}
+    plain, inputs, loss_fn, opt = build("gpt", "fsdp2", rank)
+    plain = torch.compile(plain, **compiled)
+    reference = one_step(plain, inputs, loss_fn, seed=7)
+    opt.zero_grad(set_to_none=True)
+    plain_peak = max(_all(allocator_peak(plain, inputs, loss_fn, opt)))
+    budget = int(0.9 * plain_peak)
+    model, inputs, loss_fn, opt = build("gpt", "fsdp2", rank)
+    plan = remat.optimize_checkpointing(model, budget / 2**30, inputs, loss_fn=loss_fn, optimizer=opt,
+                                        output_alive=False, compile=compiled)
+    fresh, inputs, loss_fn, opt = build("gpt", "fsdp2", rank)
+    remat.apply_plan(fresh, plan)
+    fresh = torch.compile(fresh, **compiled)
+    diff = bitwise_equal(reference, one_step(fresh, inputs, loss_fn, seed=7))
+    opt.zero_grad(set_to_none=True)
+    measured = allocator_peak(fresh, inputs, loss_fn, opt)
+    return dict(plan=list(plan.checkpointed), compiled=plan.compiled, budget=budget, plain=plain_peak,
+                checked=plan.checked_peak_bytes, measured=measured, grad_mismatches=diff)
+
+
+def _all(x):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
 def allocator_peak(model, inputs, loss_fn, opt) -> int:
     """One training step's peak by the profiler's allocator-level memory events (every allocation, in or
     outside the dispatcher), plus the parameters, batch and optimizer state alive before it, output dropped
