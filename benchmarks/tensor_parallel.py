@@ -11,8 +11,10 @@ tensor-parallel plan) on CPU with gloo, three meshes, each in its own spawned gr
   mesh and tensor parallel over "tp", each dp rank its own batch.
 
 Per mesh: the per-rank peak (torch's MemTracker, FSDPMemTracker under FSDP2) and median step time (the
-slowest rank's) of the plain model and of "every layer" (torchtitan's full AC); then remat's plan at every
-layer's peak and halfway between remat's least peak and no checkpointing, each measured the same way and
+slowest rank's) of the plain model, of "every layer" (torchtitan's full AC) and of torchtitan's selective op
+AC (each layer checkpointed keeping every other matrix product, attention and reduce_scatter outputs); then
+remat's plan at each rule's peak and halfway between remat's least peak and no checkpointing, each measured
+the same way and
 checked bitwise against the plain model (loss and full gradients). On 2 cores, 4 ranks share 2 cores:
 compare the ratios, not the seconds.
 """
@@ -37,7 +39,44 @@ import distributed_worker as w  # noqa: E402
 import remat  # noqa: E402
 from remat.rewrite import checkpoint_modules  # noqa: E402
 
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+#: torchtitan's op-level selective AC (``_op_sac_save_list``): matrix products (every other one), attention,
+#: and the outputs of reduce_scatter, so that a recomputation does not communicate them again
+_KEEP = _MATMULS | {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def _torchtitan_policy():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    count = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func in _MATMULS:
+            count[mode] += 1
+        keep = func in _KEEP and not (func in _MATMULS and count[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _selective(layer: torch.nn.Module) -> None:
+    """torchtitan's selective op AC on one layer (its ``ptd_checkpoint_wrapper`` with the policy above)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    forward = type(layer).forward.__get__(layer)
+    layer.forward = functools.partial(checkpoint, forward, use_reentrant=False, preserve_rng_state=True,
+                                      context_fn=_torchtitan_policy)
+
 MiB = 2**20
+RULES = ("every layer", "torchtitan selective op")
 MESHES = {"tp=2": (2, False, False), "tp=2+sp": (2, True, False), "dp=2 x tp=2": (4, False, True)}
 
 
@@ -54,6 +93,9 @@ def build(args, sp: bool, two_d: bool, rule: str = "none"):
         model, idx, loss_fn = w.tensor_parallel(sp, shape=(args.batch, args.seq), **sizes)
     if rule == "every layer":
         checkpoint_modules(model, [f"layers.{i}" for i in range(args.layers)])
+    elif rule == "torchtitan selective op":
+        for layer in model.layers:
+            _selective(layer)
     if two_d:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh["dp"])
@@ -88,16 +130,19 @@ def run(rank: int, world: int, port: int, name: str, args, out: str) -> None:
     _, sp, two_d = MESHES[name]
     rows = []
     plain_peak, plain_step = measure(*build(args, sp, two_d), two_d, args.steps)
-    every_peak, every_step = measure(*build(args, sp, two_d, "every layer"), two_d, args.steps)
     rows.append(f"| {name} | none (plain) | | {plain_peak / MiB:.2f} | | {plain_step * 1e3:.0f} ms | 1.00 | |")
-    rows.append(f"| {name} | every layer | {args.layers} | {every_peak / MiB:.2f} | | {every_step * 1e3:.0f} ms | "
-                f"{every_step / plain_step:.2f} | |")
+    budgets = []
+    for rule in RULES:
+        peak, step = measure(*build(args, sp, two_d, rule), two_d, args.steps)
+        rows.append(f"| {name} | {rule} | {args.layers} | {peak / MiB:.2f} | | {step * 1e3:.0f} ms | "
+                    f"{step / plain_step:.2f} | |")
+        budgets.append((f"at {rule}'s peak", peak))
     model, idx, loss_fn, opt = build(args, sp, two_d)
     # the loop measured here drops the output (the logits) once the loss exists: planned for that loop
     profile = remat.make_profile(model, idx, loss_fn=loss_fn, optimizer=opt, output_alive=False)
     planner = remat.Planner(profile, ranks=w.ranks_for(model)[1].gather(profile))
     halfway = (planner.min_peak_bytes + planner.baseline_peak_bytes) // 2
-    for label, budget in (("at every layer's peak", every_peak), ("halfway: least to none", halfway)):
+    for label, budget in (*budgets, ("halfway: least to none", halfway)):
         model, idx, loss_fn, opt = build(args, sp, two_d)
         try:
             plan = remat.optimize_checkpointing(model, budget / 2**30, idx, loss_fn=loss_fn, optimizer=opt,
