@@ -388,8 +388,9 @@ def allocator_peak(model, inputs, loss_fn, opt) -> int:
     after the loss: the least of three steps after a first that creates the optimizer state. Under gloo one
     step's reading is not reproducible: a collective's buffers are freed by whichever thread drops the last
     reference, the caller's or gloo's own, so a step's peak can include buffers another step has already freed
-    (identical steps of the sequence-parallel decoder read 2,367,580-2,449,500 bytes); the least of three is the
-    step's own peak, read the same from run to run (docs/limits.md)."""
+    (identical steps of the sequence-parallel decoder read 2,367,580-2,449,500 bytes); the least of three comes
+    closer to the step's own peak: on the test decoder it read the same in every run but one (+32 KiB); on
+    benchmarks/tensor_parallel.py's larger one, 99.08 and 100.08 MiB in two runs (docs/limits.md)."""
     from remat._compat import profiler_memory_peak
     from remat.measure import tensor_bytes
 
