@@ -34,15 +34,20 @@ from remat.rewrite import checkpoint_modules
 
 MiB = 2**20
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+#: torchtitan's op-level selective AC (``_op_sac_save_list``): matrix products (every other one), attention,
+#: and reduce_scatter's outputs (under sequence parallelism: a recomputation does not communicate them again;
+#: FSDP2's own reduce_scatter runs in backward, outside any checkpoint)
 _KEEP = _MATMULS | {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
 
 
 def _torchtitan_policy():
-    """torchtitan's op-level selective AC: keep attention and every other matmul of a block, recompute the rest."""
+    """torchtitan's op-level selective AC: keep attention, reduce_scatter's outputs and every other matmul of a
+    block, recompute the rest."""
     count = {"forward": 0, "recompute": 0}
 
     def policy(ctx, func, *args, **kwargs):
@@ -55,7 +60,8 @@ def _torchtitan_policy():
     return create_selective_checkpoint_contexts(policy)
 
 
-def _selective(block: torch.nn.Module) -> None:
+def selective(block: torch.nn.Module) -> None:
+    """torchtitan's selective op AC on one block (its ``ptd_checkpoint_wrapper`` with the policy above)."""
     forward = type(block).forward.__get__(block)
     block.forward = functools.partial(checkpoint, forward, use_reentrant=False, preserve_rng_state=True,
                                       context_fn=_torchtitan_policy)
@@ -72,7 +78,7 @@ def build(args, device: torch.device, rule: str):
         checkpoint_modules(model, blocks[::2])
     elif rule == "torchtitan selective op":
         for block in model.h:
-            _selective(block)
+            selective(block)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.h:
         fully_shard(block, mesh=mesh)

@@ -27,28 +27,18 @@ from remat.examples import make_gpt
 FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", default="4,12")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
-    lines: list[str] = []
-
-    def say(line: str = "") -> None:
-        print(line, flush=True)
-        lines.append(line)
-
-    say(f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.machine()}, "
-        f"{torch.get_num_threads()} threads; torch {torch.__version__}, remat {remat.__version__}; "
-        "`python benchmarks/regions.py`")
-    say()
-    say("Predicted recompute per step (ms), with the blocks' regions / without, at budgets a fraction of the way "
-        "from the least peak without regions to no checkpointing; solve seconds in brackets.")
-    say()
-    say("| model | granularity | least peak with / without (bytes) | "
-        + " | ".join(f"budget {f}" for f in FRACTIONS) + " |")
-    say("|---|---|---:|" + "---:|" * len(FRACTIONS))
-    for layers in (int(x) for x in args.layers.split(",")):
+def table(layer_counts: list[int]):
+    """The lines of the table, one by one (each size profiled as it comes)."""
+    yield (f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.machine()}, "
+           f"{torch.get_num_threads()} threads; torch {torch.__version__}, remat {remat.__version__}; "
+           "`python benchmarks/regions.py`")
+    yield ""
+    yield ("Predicted recompute per step (ms), with the blocks' regions / without, at budgets a fraction of the way "
+           "from the least peak without regions to no checkpointing; solve seconds in brackets.")
+    yield ""
+    yield "| model | granularity | least peak with / without (bytes) | " + " | ".join(f"budget {f}" for f in FRACTIONS) + " |"
+    yield "|---|---|---:|" + "---:|" * len(FRACTIONS)
+    for layers in layer_counts:
         model, inputs, _ = make_gpt(layers=layers)
         profile = make_profile(model, inputs, optimizer=torch.optim.AdamW(model.parameters()))
         without = dataclasses.replace(profile, units=tuple(
@@ -62,8 +52,19 @@ def main() -> None:
                 pa, pb = a.plan_for_budget(budget), b.plan_for_budget(budget)
                 cells.append(f"{pa.predicted_recompute_s * 1e3:.2f} / {pb.predicted_recompute_s * 1e3:.2f} "
                              f"({pa.solve_time_s:.2f} / {pb.solve_time_s:.2f} s)")
-            say(f"| built-in GPT, {layers} blocks | {granularity} | {a.min_peak_bytes:,} / {b.min_peak_bytes:,} | "
-                + " | ".join(cells) + " |")
+            yield (f"| built-in GPT, {layers} blocks | {granularity} | {a.min_peak_bytes:,} / {b.min_peak_bytes:,} | "
+                   + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", default="4,12")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    lines = []
+    for line in table([int(x) for x in args.layers.split(",")]):
+        print(line, flush=True)
+        lines.append(line)
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
 

@@ -33,47 +33,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import distributed_worker as w  # noqa: E402
+from distributed import _gather, selective  # noqa: E402  (benchmarks/distributed.py: torchtitan's selective op AC)
 
 import remat  # noqa: E402
 from remat.rewrite import checkpoint_modules  # noqa: E402
-
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-#: torchtitan's op-level selective AC (``_op_sac_save_list``): matrix products (every other one), attention,
-#: and the outputs of reduce_scatter, so that a recomputation does not communicate them again
-_KEEP = _MATMULS | {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-}
-
-
-def _torchtitan_policy():
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    count = {"forward": 0, "recompute": 0}
-
-    def policy(ctx, func, *args, **kwargs):
-        mode = "recompute" if ctx.is_recompute else "forward"
-        if func in _MATMULS:
-            count[mode] += 1
-        keep = func in _KEEP and not (func in _MATMULS and count[mode] % 2 == 0)
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
-def _selective(layer: torch.nn.Module) -> None:
-    """torchtitan's selective op AC on one layer (its ``ptd_checkpoint_wrapper`` with the policy above)."""
-    import functools
-
-    from torch.utils.checkpoint import checkpoint
-
-    forward = type(layer).forward.__get__(layer)
-    layer.forward = functools.partial(checkpoint, forward, use_reentrant=False, preserve_rng_state=True,
-                                      context_fn=_torchtitan_policy)
 
 MiB = 2**20
 RULES = ("every layer", "torchtitan selective op")
@@ -95,7 +61,7 @@ def build(args, sp: bool, two_d: bool, rule: str = "none"):
         checkpoint_modules(model, [f"layers.{i}" for i in range(args.layers)])
     elif rule == "torchtitan selective op":
         for layer in model.layers:
-            _selective(layer)
+            selective(layer)
     if two_d:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh["dp"])
@@ -119,12 +85,6 @@ def measure(model, idx, loss_fn, opt, two_d: bool, steps: int) -> tuple[int, flo
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
     return max(_gather(peak)), max(_gather(statistics.median(times)))
-
-
-def _gather(x):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, x)
-    return out
 
 
 def run(rank: int, world: int, port: int, name: str, args, out: str) -> None:
@@ -173,13 +133,9 @@ def run(rank: int, world: int, port: int, name: str, args, out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=5)
+    sizes = dict(layers=4, dim=256, heads=4, vocab=1024, batch=8, seq=128, steps=5)
+    for name, default in sizes.items():
+        ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--meshes", default=",".join(MESHES), help="comma-separated: " + ", ".join(MESHES))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
