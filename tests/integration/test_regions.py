@@ -189,14 +189,15 @@ def test_transformer_block_regions_are_never_predicted_low(zoo_gpt):
     recomputation's growth was read off the plain forward from the operator before the unit, and there the
     previous residual's addend dies as the layer norm starts, a free no recomputation makes (Note [Growth of
     a recomputation] in remat.effects): ``h.2[ln_1:ln_2]`` alone measured 6,208 bytes over. Every plan of
-    one region, alone or with a module unit or another region, measures at most its prediction, within 1%."""
+    one region alone, the last block's regions with a module unit of another block, each attention region with
+    its attention nested, and two regions of one block measure at most their prediction, within 1%."""
     model, inputs, profile = zoo_gpt
     planner = Planner(profile, granularity="op")
     names = [u.name for u in profile.units if not remat.costs.is_selective(u.name)]
     regions = [n for n in names if "[" in n]
     assert regions == ["h.0[ln_1:ln_2]", "h.0[ln_2:]", "h.1[ln_1:ln_2]", "h.1[ln_2:]", "h.2[ln_1:ln_2]", "h.2[ln_2:]"]
-    others = [n for n in names if "[" not in n]
-    plans = [(r,) for r in regions] + [(r, o) for r in regions for o in others if not o.startswith(r[:3])] + \
+    others = [n for n in names if "[" not in n and not n.startswith("h.2")]
+    plans = [(r,) for r in regions] + [(r, o) for r in regions[4:] for o in others] + \
         [(r, f"{r[:3]}.attn") for r in regions if r.endswith("[ln_1:ln_2]")] + [regions[4:]]
     off = []
     for units in plans:
