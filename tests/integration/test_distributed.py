@@ -119,9 +119,10 @@ def test_tensor_parallel_gets_one_plan_within_budget_and_exact(ranks, case):
         assert r["least"] < r["budget"] < r["baseline"]
         assert r["checked"] <= r["budget"] and r["measured"] <= r["budget"], r
         # the per-rank budget holds by remat's check and by two independent meters, torch's MemTracker and the
-        # profiler's allocator-level events, the least of three steps (under gloo one step's reading is not
-        # reproducible, a collective's buffers being freed on gloo's threads or the caller's: once in CI a single
-        # allocator reading was 8 KiB over the budget, and a profile read 192 KiB more than usual; docs/limits.md)
+        # profiler's allocator-level events, each the least of five steps (under gloo one step's reading is not
+        # reproducible, a collective's buffers being freed on gloo's threads or the caller's: in CI single readings
+        # were 8 KiB over the budget by the allocator and 23% above the usual by MemTracker, and a profile read
+        # 192 KiB more than usual; docs/limits.md)
         assert max(r["checked"], r["measured"], r["allocated"]) <= r["budget"], r
         # and the prediction is not below the allocator's reading by more than 5%. (It is within 3% of it
         # usually; it was 5-6% above while remat planned for a loop that keeps the output, the logits, and the
