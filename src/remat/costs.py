@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,23 @@ def parse_region(name: str) -> tuple[str, str, str | None] | None:
         return None
     m = _REGION.match(name)
     return None if m is None else (m["module"], m["start"], m["stop"] or None)
+
+
+def recompute_growth(live: Sequence[int], start: int, end: int,
+                     freed_outside: Sequence[tuple[int, int]]) -> list[int]:
+    """Bytes a recomputation of forward operators ``start..end`` holds after each of them, over what was alive
+    before it: the plain forward's growth ``live[t] - live[start - 1]``, with the older storages that forward
+    freed meanwhile (``freed_outside``: (index, bytes)) added back, since a recomputation frees none of them
+    (Note [Growth of a recomputation] in remat.effects)."""
+    base = live[start - 1] if start > 0 else 0
+    back = [0] * (end - start + 1)
+    for f, b in freed_outside:
+        back[f - start] += b
+    out, acc = [], 0
+    for t in range(start, end + 1):
+        acc += back[t - start]
+        out.append(live[t] - base + acc)
+    return out
 
 
 def is_selective(name: str) -> bool:

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from remat.costs import CallSpan, Drop, Keep, TensorInfo, UnitCost
+from remat.costs import CallSpan, Drop, Keep, TensorInfo, UnitCost, recompute_growth
 from remat.recording import CheckpointOverhead, Recording, SavedTensor, UnitTimes
 
 log = logging.getLogger(__name__)
@@ -260,24 +260,17 @@ def _call_effects(rec: Recording, spec: UnitSpec, in_call, start: int, end: int,
             Keep(rec.storages[s].nbytes, rec.storages[s].free_index, r_at) for s in kept_storages
             if rec.storages[s].free_index is not None and rec.storages[s].free_index < r_at
         )
-    base = live[start - 1] if start > 0 else 0
     # Note [Early stop]: non-reentrant checkpoint stops recomputing once the last tensor saved
     # inside the unit exists again, so what the unit allocates after that is not recomputed.
     end_rec = min(end, max((t.at - 1 for t in mine if t.at - 1 >= start), default=end))
     outside = freed_outside(frees, start, end_rec, exclude=frozenset(inputs))
-    back = [0] * (end_rec - start + 1)  # bytes freed outside the call by each replayed operator, summed
-    for f, b in outside:
-        back[f - start] += b
-    for i in range(1, len(back)):
-        back[i] += back[i - 1]
+    grown = recompute_growth(live, start, end_rec, outside)
     if spec.keep is not None:
         # a selective recomputation reuses the cached outputs of kept operators: they add nothing
         cached = [rec.storages[s] for s in kept_storages]
-        peak_inc = max((live[i] + back[i - start] - sum(c.nbytes for c in cached if c.alloc_index <= i and
-                                                        (c.free_index is None or i < c.free_index))
-                        for i in range(start, end_rec + 1)), default=base) - base
-    else:
-        peak_inc = max((live[i] + back[i - start] for i in range(start, end_rec + 1)), default=base) - base
+        grown = [g - sum(c.nbytes for c in cached if c.alloc_index <= i and (c.free_index is None or i < c.free_index))
+                 for i, g in zip(range(start, end_rec + 1), grown)]
+    peak_inc = max(grown, default=0)
     return _CallEffects(r_at, tuple(drops), keeps, release, end_rec, max(peak_inc, 0), saved, len(mine), outside)
 
 

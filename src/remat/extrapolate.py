@@ -115,7 +115,8 @@ class ProfileFit:
                         for k, kp in enumerate(u.keeps)),
             later_calls=tuple(dataclasses.replace(c, recompute_peak_bytes=ints(
                 lambda x, k=k: x.later_calls[k].recompute_peak_bytes)) for k, c in enumerate(u.later_calls)),
-            freed_outside=tuple((f, ints(lambda x, k=k: x.freed_outside[k][1])) for k, (f, _) in enumerate(u.freed_outside)),
+            freed_outside=tuple((f, ints(lambda x, k=k: x.freed_outside[k][1]))
+                                for k, (f, _) in enumerate(u.freed_outside)),
         )
 
 

@@ -40,7 +40,7 @@ import functools
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from remat.costs import Profile, UnitCost, inner_unit, is_selective, nest_key
+from remat.costs import Profile, UnitCost, inner_unit, is_selective, nest_key, recompute_growth
 from remat.errors import InvalidInputError
 
 # Note [Nested checkpoints]
@@ -360,16 +360,13 @@ class MemoryModel:
         stretch's largest growth over the memory before ``u`` (Note [Nested checkpoints])."""
         live = self.profile.live_bytes
         start, end = u.forward_start, u.recompute_end if u.recompute_end is not None else u.forward_end
-        base = live[start - 1] if start > 0 else 0
         inner = self.inner[u.name]
         cuts = {start, end + 1}
         for v in inner:
             cuts.update(d.free_from for d in self.units[v].drops)
             cuts.update(b for k in self.units[v].keeps for b in (k.from_index, k.until_index))
         bounds = sorted(c for c in cuts if start <= c <= end + 1)
-        # Note [Growth of a recomputation] in remat.effects: what the plain forward freed of older storages
-        # during u's forward stays alive in its recomputation
-        grown = [live[t] - base + sum(b for f, b in u.freed_outside if f <= t) for t in range(start, end + 1)]
+        grown = recompute_growth(live, start, end, u.freed_outside)  # Note [Growth of a recomputation]
         rows = []
         for lo, hi in zip(bounds, bounds[1:]):
             t = max(range(lo, hi), key=lambda t: grown[t - start])
