@@ -7,7 +7,8 @@ The stage in five parts, one module each:
 * ``calibrate``: the recording checked against a real forward (Note [Fake sizes], Note [Fake paths]);
 * ``units``: the candidate units (modules, Note [Segments], Note [Regions], Note [Policy menus]);
 * ``timing``: real timed steps per unit and checkpoint's own bookkeeping (Note [Checkpoint overhead]);
-* ``optimizer``: the optimizer's state and step, on shadow copies (Note [Never call the user's optimizer]).
+* ``optimizer``: the optimizer's state and step, on shadow copies (Note [Never call the user's optimizer]);
+* ``cache``: the times of a step already measured on this machine, kept on disk (Note [Timing cache]).
 
 ``profile_model`` puts them together; ``remat.effects.unit_costs`` turns the recording and the times
 into a :class:`remat.costs.UnitCost` per unit.
@@ -42,6 +43,7 @@ from remat.costs import Profile
 from remat.effects import largest_tensors, unit_costs
 from remat.errors import InvalidInputError
 from remat.measure import LossFn, input_tensors, tensor_bytes, trainable_parameters
+from remat.profile import cache
 from remat.profile.calibrate import align_forward, calibrate_sizes, diverged, ops_summary, plain_forward_ops, \
     plain_step_fits
 from remat.profile.optimizer import optimizer_costs
@@ -198,7 +200,8 @@ def profile_model(
     cand = [u for u in ran if memory[u].excluded is None and memory[u].drops and memory[u].calls == 1]
     top = [u for u in cand if unit_parent(u, cand) is None]
     timed = list(dict.fromkeys([*ran, *(c for c in extra if c in rec.spans)]))
-    overhead = checkpoint_overhead(device)  # (also memory: the RNG state each checkpoint holds on CPU)
+    # (also memory: the RNG state each checkpoint holds on CPU)
+    overhead = cache.overhead(device, lambda: checkpoint_overhead(device))
     if memory_known is not None and changed is not None:
         # Note [Memory before time] in remat.api: the profile as memory alone gives it (every time 0 s), with
         # the buffers each module's forward changes (which a checkpoint of it snapshots) from the plain forward
@@ -213,12 +216,22 @@ def profile_model(
 
     # time, measured for real with the top-level candidate modules checkpointed
     # (a module called more than once is not checkpointed while timing: its recomputation is its forwards)
-    with preserved(model):
-        times, forward_ops = time_units(model, args, kwargs, loss_fn, device, timed, top,
-                                        {u: memory[u].mutated_buffers for u in top}, timing_steps,
-                                        {u: len(rec.spans[u]) for u in timed}, distributed=record_real is not None,
-                                        warm_ops=plain or None)
-    rec = rec.with_op_seconds({i: forward_ops[j].seconds for i, j in align_forward(rec, forward_ops).items()})
+    # (Note [Timing cache]: the same step measured before on this machine is not timed again)
+    key = cache.step_key(rec, timed, top, device, input_tensors(args, kwargs), timing_steps=timing_steps,
+                         distributed=record_real is not None)
+    hit = cache.load_times(key)
+    if hit is None:
+        with preserved(model):
+            times, forward_ops = time_units(model, args, kwargs, loss_fn, device, timed, top,
+                                            {u: memory[u].mutated_buffers for u in top}, timing_steps,
+                                            {u: len(rec.spans[u]) for u in timed}, distributed=record_real is not None,
+                                            warm_ops=plain or None)
+        op_seconds = {i: forward_ops[j].seconds for i, j in align_forward(rec, forward_ops).items()}
+        cache.store_times(key, times, op_seconds)
+    else:
+        times, op_seconds, note = hit
+        notes.append(note)
+    rec = rec.with_op_seconds(op_seconds)
     rec, times = shared_by_twins(rec, times, timed)  # Note [Twins share their times] in remat.recording
     units = unit_costs(rec, specs, times=times, overhead=overhead, buffer_bytes=buffer_bytes)
     # the timed steps checkpointed the top-level units: take their recomputation and bookkeeping out

@@ -1,0 +1,170 @@
+"""The timing cache: measured times of a training step kept on disk, so that the same step gets the same plan.
+
+Note [Timing cache]
+~~~~~~~~~~~~~~~~~~~
+Memory is recorded exactly, but times are measured, and measured times move by a few percent from run to
+run. Where two plans cost nearly alike (a transformer's `h.2.attn` + `h.3[ln_1:ln_2]` against
+`h.2[ln_1:ln_2]` + `h.3.attn`; an MLP against the region that also holds its layer norm), that noise
+decided which one the solver took: three profiles of the built-in GPT gave one plan at 2 of 10 budgets
+(issue #24). Stable menus (Note [Policy menus]) and twins' shared times (Note [Twins share their times] in
+remat.recording) remove the noise *within* one profile; this removes it *between* profiles, the way
+autotuners do (cuDNN's benchmark cache, Inductor's autotuning cache): the first profile of a step stores
+what its timed steps measured, and a later profile of the same step on the same machine reads them
+instead of timing again. So the same model, batch and loop on the same machine get the same costs, hence
+the same plan, and the later profiles skip the timed steps (the largest part of profiling: issue #23).
+
+*The same step* is decided from what the recording saw, never from the user's objects: every forward
+operator with the sizes, shapes and dtypes of what it created, the units and their spans, the units
+timed and those checkpointed while timing, the example inputs' shapes, the loop's timing settings, and
+the machine (host, device name, threads, torch and remat versions, the rank in a process group). Weights
+do not enter (times do not depend on values). A changed model, batch, dtype or device is another key;
+times measured on a machine busier than now are not detected: delete the cache to measure again.
+
+Where: ``$REMAT_CACHE_DIR`` or ``$XDG_CACHE_HOME/remat`` or ``~/.cache/remat`` (``timings/``, one JSON
+file per step). ``REMAT_CACHE=0`` turns it off (read nothing, write nothing). A file that cannot be read
+or written is ignored: the cache never fails a call. The plan's notes say when times came from it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from remat.recording import CheckpointOverhead, Recording, UnitTimes
+
+log = logging.getLogger(__name__)
+
+#: bumped when what a cached entry means changes
+FORMAT = 1
+
+
+def cache_dir() -> Path | None:
+    """The directory of the timing cache, or None when ``REMAT_CACHE=0`` turns it off."""
+    if os.environ.get("REMAT_CACHE", "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    root = os.environ.get("REMAT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "remat")
+    return Path(root) / "timings"
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """What decides the times on this machine besides the step itself."""
+    from remat import __version__
+
+    m: dict[str, Any] = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+                         "threads": torch.get_num_threads(), "torch": torch.__version__, "remat": __version__,
+                         "device": str(device)}
+    if device.type == "cuda":
+        m["device_name"] = torch.cuda.get_device_name(device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        m["rank"], m["world"] = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return m
+
+
+def _digest(fields: Any) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def step_key(rec: Recording, timed: Sequence[str], checkpointed: Sequence[str], device: torch.device,
+             inputs: Sequence[torch.Tensor], **settings: Any) -> str:
+    """The key of one step's times (Note [Timing cache]): ``timed``, the units timed; ``checkpointed``, those
+    checkpointed while timing; ``inputs``, the example inputs; ``settings``, the timing loop's settings."""
+    ops = [(op.name, op.random, [None if s is None else (rec.storages[s].nbytes, rec.storages[s].shape,
+                                                          rec.storages[s].dtype) for s in op.created])
+           for op in rec.forward_ops]
+    return _digest({
+        "format": FORMAT, "machine": machine(device), "ops": ops, "backward_start": rec.backward_start,
+        "n_ops": rec.n_ops, "spans": sorted(rec.spans.items()), "timed": list(timed),
+        "checkpointed": list(checkpointed), "settings": settings,
+        "inputs": [(tuple(t.shape), str(t.dtype), str(t.device)) for t in inputs],
+    })
+
+
+def _path(kind: str, key: str) -> Path | None:
+    root = cache_dir()
+    return None if root is None else root / f"{kind}-{key}.json"
+
+
+def _read(kind: str, key: str) -> dict[str, Any] | None:
+    path = _path(kind, key)
+    if path is None or not path.is_file():
+        return None
+    try:
+        entry = json.loads(path.read_text())
+        if entry.get("format") != FORMAT:
+            return None
+        entry["path"] = str(path)
+        return entry
+    except (OSError, ValueError) as e:
+        log.info("remat's timing cache: %s unreadable (%s); measuring again", path, e)
+        return None
+
+
+def _write(kind: str, key: str, entry: dict[str, Any]) -> None:
+    path = _path(kind, key)
+    if path is None:
+        return
+    entry = {"format": FORMAT, "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), **entry}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{kind}-", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entry, f)
+        os.replace(tmp, path)  # atomic: ranks of one host writing at once never leave half a file
+    except OSError as e:
+        log.info("remat's timing cache: cannot write %s (%s); times not kept", path, e)
+
+
+def load_times(key: str) -> tuple[UnitTimes, dict[int, float], str] | None:
+    """The cached times of a step: (per-unit times, per-forward-operator seconds, a note saying where from)."""
+    entry = _read("step", key)
+    if entry is None:
+        return None
+    try:
+        t = entry["times"]
+        times = UnitTimes(forward_s=t["forward_s"], recompute_s=t["recompute_s"], backward_s=t["backward_s"],
+                          mutated_buffers={k: tuple(v) for k, v in t["mutated_buffers"].items()},
+                          step_forward_s=float(t["step_forward_s"]), step_backward_s=float(t["step_backward_s"]))
+        seconds = {int(i): float(s) for i, s in entry["op_seconds"].items()}
+    except (KeyError, TypeError, ValueError) as e:
+        log.info("remat's timing cache: %s malformed (%s); measuring again", entry["path"], e)
+        return None
+    return times, seconds, (f"times read from remat's timing cache ({entry['path']}, measured "
+                            f"{entry.get('measured_at', '?')}; Note [Timing cache]): delete it, or set REMAT_CACHE=0, "
+                            "to measure them again")
+
+
+def store_times(key: str, times: UnitTimes, op_seconds: Mapping[int, float]) -> None:
+    _write("step", key, {"times": {
+        "forward_s": dict(times.forward_s), "recompute_s": dict(times.recompute_s),
+        "backward_s": dict(times.backward_s), "mutated_buffers": {k: list(v) for k, v in times.mutated_buffers.items()},
+        "step_forward_s": times.step_forward_s, "step_backward_s": times.step_backward_s,
+    }, "op_seconds": {str(i): s for i, s in op_seconds.items()}})
+
+
+def overhead(device: torch.device, measure: Any) -> CheckpointOverhead:
+    """Checkpoint's bookkeeping on this machine (Note [Checkpoint overhead] in remat.profile.timing): cached
+    like a step's times, since it costs every unit; ``measure()`` measures it."""
+    key = _digest({"format": FORMAT, "machine": machine(device)})
+    entry = _read("overhead", key)
+    if entry is not None:
+        try:
+            return CheckpointOverhead(**entry["overhead"])
+        except (KeyError, TypeError):
+            pass
+    found = measure()
+    _write("overhead", key, {"overhead": {"per_call_s": found.per_call_s, "per_saved_tensor_s": found.per_saved_tensor_s,
+                                          "per_selective_op_s": found.per_selective_op_s,
+                                          "held_bytes": found.held_bytes}})
+    return found
