@@ -6,10 +6,18 @@ from hypothesis import settings
 
 # Keep CPU timings stable and the suite fast on 2 cores.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-# Every test measures its own times (Note [Timing cache] in remat.profile.cache): no test reads another's, or a
-# developer's, cached times, and none writes to the home directory; subprocesses (the CLI, torchrun) inherit it.
-# The cache's own tests turn it on in a temporary directory.
+# The timing cache (Note [Timing cache] in remat.profile.cache): off outside tests (module-scoped fixtures), and
+# each test gets its own empty one (the autouse fixture below), so no test reads another's, or a developer's,
+# cached times, and the outcome of a test does not depend on which tests ran before it. Within one test, a
+# step profiled again reads its first profile's times, as a user's second call does. Subprocesses (the CLI,
+# torchrun) inherit the test's. Tests about the timed steps themselves turn it off.
 os.environ["REMAT_CACHE"] = "0"
+
+
+@pytest.fixture(autouse=True)
+def _timing_cache_of_this_test(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAT_CACHE", "1")
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "remat-cache"))
 
 
 def pytest_collection_modifyitems(config, items):

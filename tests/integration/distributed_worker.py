@@ -128,6 +128,9 @@ def bitwise_equal(a, b) -> list[str]:
 
 def run(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # each case profiles its step, then plans it with optimize_checkpointing, which profiles it again: the
+    # second reads the first's times from a cache of this run's own (Note [Timing cache]; a key per rank)
+    os.environ.update(REMAT_CACHE="1", REMAT_CACHE_DIR=str(Path(out, "remat-cache")))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     result: dict = {}

@@ -206,6 +206,7 @@ def test_a_long_step_is_timed_once(monkeypatch):
     operator log), and still has every time it needs."""
     import remat.profile.timing as timing
 
+    monkeypatch.setenv("REMAT_CACHE", "0")  # the same step twice: both timed
     counts = {}
     for long in (False, True):
         if long:
@@ -221,10 +222,11 @@ def test_a_long_step_is_timed_once(monkeypatch):
     assert counts == {False: 8, True: 4}, counts
 
 
-def test_the_plan_says_how_often_planning_ran_the_model():
+def test_the_plan_says_how_often_planning_ran_the_model(monkeypatch):
     """Issue #23: "say in the plan how long planning took and how many real steps it ran". The count in the
     plan's notes is the count a hook on the model sees: real forwards (training steps and the forward-only
     pass that checks the recording) and those on fake tensors (the recording, the capture)."""
+    monkeypatch.setenv("REMAT_CACHE", "0")  # with a cached step, fewer (tests/integration/test_timing_cache.py)
     model, inputs, _ = make_gpt(layers=2, batch_size=2, seq_len=16, d_model=32, vocab=64)
     calls = {"real": 0, "fake": 0}
 
