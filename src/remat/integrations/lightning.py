@@ -11,7 +11,8 @@ in remat.integrations.first_step): the training step remat profiles is your ``tr
 step's gradients are alive through the forward); a module passed to ``fit`` compiled (``torch.compile(module)``)
 is planned for its compiled training step (with torch.compile's defaults unless ``compile={...}`` says the
 settings). While remat profiles, ``self.log``/``self.log_dict`` of the module do nothing (a
-profiling step is not a training step), and what its ``training_step`` calls (12 on a 2-block GPT) did to the
+profiling step is not a training step), and what its ``training_step`` calls (11 on a 2-block GPT; 6 when the
+step's times are in remat's timing cache, Note [Timing cache] in remat.profile.cache) did to the
 module's attributes is undone afterwards (Note [Attributes kept] in remat.state: tensors, lists, dicts, sets,
 numbers, torchmetrics metrics); other side effects (prints, your own loggers, files) are not, and the plan's
 notes give the count of calls. The plan is logged (``remat/*`` metrics and an info line) and kept
