@@ -103,7 +103,18 @@ def _make_profile(
     with preserved(model), found_storages_are_fresh(wrapping.kind == "fsdp2"):
         remove_checkpointing(model)
         with stage("profile", model, args, kwargs, loss_fn):
-            graph = graph or capture(model, args, kwargs, untraceable=wrapped)
+            # Note [Tracing a tensor-parallel model]: torch.fx traces on proxies, running no kernel and no
+            # collective; the Linear layers that parallelize_module shards are leaves it does not enter (their
+            # Colwise/Rowwise hooks do not run), and what it sees is the Python of the forwards, which is what
+            # decides whether the operator sequence can depend on the data (Note [Selective checkpointing]). So a
+            # model wrapped only by tensor parallelism is traced with fx and gets selective options (ranks
+            # agree: Note [One plan for every rank]); where a hook runs on a proxy and refuses it
+            # (SequenceParallel's on a norm), tracing fails and the hooks path is taken. torch.export is not
+            # tried: it would run those hooks on fake tensors. FSDP2's and DDP's hooks hold state that tracing
+            # breaks: nothing is traced there
+            tp_only = wrapping.kind == "tp"
+            graph = graph or capture(model, args, kwargs, untraceable=None if tp_only else wrapped,
+                                     no_export=wrapped if tp_only else None)
             return profile_model(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, graph=graph,
                                  device=device, output_alive=output_alive, record_real=wrapped,
                                  world_size=wrapping.world_size, wrapping=str(wrapping) if wrapping.world_size > 1 else "",

@@ -84,10 +84,12 @@ def _units_from_graph(gm: torch.fx.GraphModule, possible: set[str]) -> list[str]
     return list(dict.fromkeys(n for node in _nodes(gm) for n in module_stack(node) if n in possible))
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, untraceable: str | None = None) -> ModelGraph:
+def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, untraceable: str | None = None,
+            no_export: str | None = None) -> ModelGraph:
     """Capture ``model``'s graph on the example inputs. Does not mutate the model. ``untraceable``: why
     tracing must not be tried (a model wrapped by FSDP2 or DDP: tracing runs its hooks on fake tensors,
-    which breaks their state); the module-hooks path is used."""
+    which breaks their state); the module-hooks path is used. ``no_export``: why torch.export must not be
+    tried (Note [Tracing a tensor-parallel model]); torch.fx is, and the module-hooks path if it fails."""
     possible = set(composite_modules(model))
     if untraceable is not None:
         return ModelGraph("hooks", tuple(sorted(possible, key=list(dict(model.named_modules())).index)),
@@ -100,6 +102,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, untraceabl
     except Exception as e:  # noqa: BLE001 - any tracing failure sends us to the next path
         failures.append(f"fx.symbolic_trace: {type(e).__name__}: {_first_line(e)}")
         log.info("torch.fx.symbolic_trace failed (%s); trying torch.export (non-strict)", _first_line(e))
+    if no_export is not None:
+        return ModelGraph("hooks", tuple(sorted(possible, key=list(dict(model.named_modules())).index)),
+                          (*failures, f"torch.export not tried: {no_export}"))
     try:
         # torch.export prints the partial graph of a failed export to stderr: keep it out of the user's log
         with quiet_loggers("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export"), \

@@ -355,7 +355,8 @@ def tp_case(sp: bool) -> dict:
     return dict(plan=list(plan.checkpointed), wrapping=plan.wrapping, budget=budget, least=planner.min_peak_bytes,
                 baseline=planner.baseline_peak_bytes, predicted=plan.predicted_peak_bytes,
                 checked=plan.checked_peak_bytes, measured=measured, allocated=allocated, grad_mismatches=diff,
-                notes=list(plan.notes), collectives=comm, layer_notes=list(layer.notes))
+                notes=list(plan.notes), collectives=comm, layer_notes=list(layer.notes), capture=profile.capture_path,
+                saved_ops={u.name: list(u.saved_ops) for u in profile.units if u.saved_ops})
 
 
 def compiled_fsdp2_case(rank: int) -> dict:

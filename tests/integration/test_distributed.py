@@ -148,6 +148,17 @@ def test_tensor_parallel_gets_one_plan_within_budget_and_exact(ranks, case):
                            "all_reduce x1" if case == "tp" else "all_gather_into_tensor x2, reduce_scatter_tensor x1")
                        + f", {size}); their time is in the predicted step time (each recomputation was timed for "
                          "real, collectives included: Note [Recomputed communication] in remat.effects)"], by_hand
+    # selective options under tensor parallelism (Note [Tracing a tensor-parallel model]): the decoder traces
+    # with fx, and its layers' menus hold the hand policy, which keeps the Rowwise all_reduce's output: that
+    # option recomputes no collective where the whole layer runs one again. With sequence parallelism fx fails on
+    # SequenceParallel's input hook: no graph, no selective options (docs/limits.md)
+    if case == "tp":
+        assert r0["capture"] == "fx"
+        keeping = [u for u, ops_kept in r0["saved_ops"].items() if u.startswith("layers.0@ops")
+                   and "_c10d_functional.all_reduce.default#0" in ops_kept]
+        assert keeping and all(comm[u] == [] for u in keeping), (keeping, comm)
+    else:
+        assert r0["capture"] == "hooks" and not r0["saved_ops"]
     recomputing = [u for u in r0["plan"] if comm.get(u)]
     notes = [n for n in r0["notes"] if n.startswith("recomputes communication in backward")]
     assert len(notes) == (1 if recomputing else 0), (r0["plan"], notes)

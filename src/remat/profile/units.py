@@ -82,13 +82,16 @@ def region_specs(rec: Recording, ran: Sequence[str], cuts: Mapping[str, Sequence
 
 
 #: operators whose outputs the hand policy keeps (by overload packet name): matrix products,
-#: attention kernels, convolutions (Megatron-LM's "selective recomputation"); one of the policies
-#: remat profiles per unit
+#: attention kernels, convolutions (Megatron-LM's "selective recomputation"), and the collectives that close a
+#: tensor-parallel block's attention or MLP (the Rowwise all_reduce; reduce_scatter under sequence parallelism,
+#: which torchtitan's op-level policy saves too), so that its recomputation communicates nothing (Note
+#: [Recomputed communication] in remat.effects); one of the policies remat profiles per unit
 SAVED_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "convolution", "_grouped_mm",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     "_flash_attention_forward", "_efficient_attention_forward",
+    "all_reduce", "reduce_scatter_tensor",
 })
 
 #: Note [Policy menus]: the shares of a unit's keepable bytes at which its greedy policies stop
@@ -105,7 +108,7 @@ def policy_menu(rec: Recording, start: int, end: int) -> list[frozenset[int]]:
     new storages until the recomputation and saves its time: a knapsack per unit. The menu is its
     greedy frontier: operators ranked by the work saved per byte kept, cut where the kept operators
     reach each share of the keepable bytes in POLICY_BYTE_SHARES; plus the hand policy of the field
-    (keep the matrix products, attention kernels and convolutions: SAVED_OPS). The ILP then costs each
+    (keep the matrix products, attention kernels, convolutions and tensor-parallel collectives: SAVED_OPS). The ILP then costs each
     option exactly, with measured times, against the whole-step memory model, and picks at most one
     option per unit.
 
