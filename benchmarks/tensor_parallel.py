@@ -94,11 +94,11 @@ def run(rank: int, world: int, port: int, name: str, args, out: str) -> None:
     _, sp, two_d = MESHES[name]
     rows = []
     plain_peak, plain_step = measure(*build(args, sp, two_d), two_d, args.steps)
-    rows.append(f"| {name} | none (plain) | | {plain_peak / MiB:.2f} | | {plain_step * 1e3:.0f} ms | 1.00 | |")
+    rows.append(f"| {name} | none (plain) | | | {plain_peak / MiB:.2f} | | {plain_step * 1e3:.0f} ms | 1.00 | |")
     budgets = []
     for rule in RULES:
         peak, step = measure(*build(args, sp, two_d, rule), two_d, args.steps)
-        rows.append(f"| {name} | {rule} | {args.layers} | {peak / MiB:.2f} | | {step * 1e3:.0f} ms | "
+        rows.append(f"| {name} | {rule} | {args.layers} | | {peak / MiB:.2f} | | {step * 1e3:.0f} ms | "
                     f"{step / plain_step:.2f} | |")
         budgets.append((f"at {rule}'s peak", peak))
     model, idx, loss_fn, opt = build(args, sp, two_d)
@@ -113,7 +113,7 @@ def run(rank: int, world: int, port: int, name: str, args, out: str) -> None:
                                                 output_alive=False)
         except remat.InfeasibleBudgetError as e:
             rows.append(f"| {name} | remat {label} ({budget / MiB:.2f}) | refused: least "
-                        f"{e.min_feasible_bytes / MiB:.2f} | | | | | |")
+                        f"{e.min_feasible_bytes / MiB:.2f} | | | | | | |")
             continue
         peak, step = measure(model, idx, loss_fn, opt, two_d, args.steps)
         fresh, _, _, _ = build(args, sp, two_d)
@@ -122,8 +122,10 @@ def run(rank: int, world: int, port: int, name: str, args, out: str) -> None:
         bad = w.bitwise_equal(w.one_step(plain, (idx,), loss_fn, seed=7), w.one_step(fresh, (idx,), loss_fn, seed=7))
         bad = [b for r in _gather(bad) for b in r]
         comm = sum(len(profile.unit(u).recomputed_collectives) for u in plan.checkpointed)
+        selective = sum("@ops" in u for u in plan.checkpointed)
         rows.append(f"| {name} | remat {label} ({budget / MiB:.2f}) | {len(plan.checkpointed)} "
-                    f"({comm} collectives again) | {peak / MiB:.2f} | {'yes' if peak <= budget else 'NO'} | "
+                    f"({selective} selective; {comm} collectives again) | {plan.predicted_peak_bytes / MiB:.2f} | "
+                    f"{peak / MiB:.2f} | {'yes' if peak <= budget else 'NO'} | "
                     f"{step * 1e3:.0f} ms | {step / plain_step:.2f} | {'yes' if not bad else 'NO: ' + ', '.join(bad[:3])} |")
     if rank == 0:
         Path(out).write_text("\n".join(rows) + "\n")
@@ -143,8 +145,8 @@ def main() -> None:
              f"{args.vocab}, batch {args.batch} x {args.seq} per data-parallel rank, AdamW; per-rank peaks in MiB "
              f"(the profiler's allocator-level events, least of 3 steps), step time the slowest rank's median of {args.steps}; "
              "`python benchmarks/tensor_parallel.py`", "",
-             "| mesh | plan | units | per-rank peak | budget met | step | step / plain | exact |",
-             "|---|---|---:|---:|---|---:|---:|---|"]
+             "| mesh | plan | units | predicted (remat's) | per-rank peak | budget met | step | step / plain | exact |",
+             "|---|---|---:|---:|---:|---|---:|---:|---|"]
     print("\n".join(lines), flush=True)
     for name in args.meshes.split(","):
         world = MESHES[name][0]
