@@ -104,14 +104,15 @@ def _make_profile(
         remove_checkpointing(model)
         with stage("profile", model, args, kwargs, loss_fn):
             # Note [Tracing a tensor-parallel model]: torch.fx traces on proxies, running no kernel and no
-            # collective; the Linear layers that parallelize_module shards are leaves it does not enter (their
-            # Colwise/Rowwise hooks do not run), and what it sees is the Python of the forwards, which is what
-            # decides whether the operator sequence can depend on the data (Note [Selective checkpointing]). So a
-            # model wrapped only by tensor parallelism is traced with fx and gets selective options (ranks
-            # agree: Note [One plan for every rank]); where a hook runs on a proxy and refuses it
-            # (SequenceParallel's on a norm), tracing fails and the hooks path is taken. torch.export is not
-            # tried: it would run those hooks on fake tensors. FSDP2's and DDP's hooks hold state that tracing
-            # breaks: nothing is traced there
+            # collective, and here without module hooks (capture's _WithoutModuleHooks): what it sees is the
+            # Python of the forwards, which is what decides whether the operator sequence can depend on the data
+            # (Note [Selective checkpointing]); the hooks parallelize_module installs redistribute DTensors by
+            # their placements, not their values (SequenceParallel's refuses a proxy: traced with hooks, a
+            # sequence-parallel model failed). So a model wrapped only by tensor parallelism, sequence parallel
+            # or not, is traced and gets selective options, named by position in the real step's operators,
+            # collectives included (ranks agree: Note [One plan for every rank]). torch.export is not tried: it
+            # would run the hooks on fake tensors. FSDP2's and DDP's hooks hold state that tracing breaks:
+            # nothing is traced there
             tp_only = wrapping.kind == "tp"
             graph = graph or capture(model, args, kwargs, untraceable=None if tp_only else wrapped,
                                      no_export=wrapped if tp_only else None)

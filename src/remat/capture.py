@@ -96,7 +96,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, untraceabl
                           (f"not traced: {untraceable}",))
     failures: list[str] = []
     try:
-        gm = torch.fx.symbolic_trace(model)
+        if no_export is None:
+            gm = torch.fx.symbolic_trace(model)
+        else:  # Note [Tracing a tensor-parallel model] in remat.api
+            tracer = _WithoutModuleHooks()
+            gm = torch.fx.GraphModule(tracer.root if hasattr(tracer, "root") else model, tracer.trace(model))
         units = tuple(_units_from_graph(gm, possible))
         return ModelGraph("fx", units, **all_cuts(model, units))
     except Exception as e:  # noqa: BLE001 - any tracing failure sends us to the next path
@@ -117,6 +121,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, untraceabl
         log.info("torch.export failed (%s); recording units with module hooks instead", _first_line(e))
     return ModelGraph("hooks", tuple(sorted(possible, key=list(dict(model.named_modules())).index)),
                       tuple(failures))
+
+
+class _WithoutModuleHooks(torch.fx.Tracer):
+    """Traces each module's own forward, not its hooks (a tensor-parallel plan's redistributions: Note [Tracing a
+    tensor-parallel model] in remat.api)."""
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        return super().call_module(m, m.forward, args, kwargs)
 
 
 # -- regions -----------------------------------------------------------------------------------
