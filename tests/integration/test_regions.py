@@ -227,3 +227,32 @@ def test_transformer_block_regions_lower_the_least_peak_and_are_exact(zoo_gpt):
     finally:
         remove_checkpointing(model)
     assert report.equal and max(report.max_abs_diff.values()) == 0.0, str(report)
+
+
+def test_a_tensor_parallel_capture_traces_the_forwards_without_their_hooks():
+    """Note [Tracing a tensor-parallel model]: a hook that refuses a proxy (SequenceParallel's input check)
+    made torch.fx fail, leaving a sequence-parallel model without a graph and without selective options; the
+    capture for a tensor-parallel model traces the forwards alone, and does not try torch.export."""
+    from remat.capture import capture
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.fc(self.norm(x))
+
+    def refuse_proxies(module, args):
+        if not isinstance(args[0], torch.Tensor):
+            raise ValueError(f"expecting input of {type(module).__name__} to be a torch.Tensor, got {type(args[0])}")
+
+    model = nn.Sequential(Block(), Block())
+    for b in model:
+        b.register_forward_pre_hook(refuse_proxies)
+    x = torch.randn(2, 8)
+    plain = capture(model, (x,), {})
+    assert plain.capture_path == "export" and "fx.symbolic_trace: ValueError" in plain.failures[0]
+    tp = capture(model, (x,), {}, no_export="the model is wrapped by tensor parallel over 2 ranks")
+    assert tp.capture_path == "fx" and set(tp.units) >= {"0", "1"}
+    assert all(len(b._forward_pre_hooks) == 1 for b in model)  # the hooks are the model's still
