@@ -3,11 +3,12 @@ segment plans compile without graph breaks, whole-model and per block (torchtita
 then compile each block), train with gradients equal to the compiled plain model's, dropout masks drawn
 again identically in the recomputation, and the compiled forward saves fewer tensors for backward.
 
-Inductor's code generation costs 10-50 s per model on the 2-core CPU here when its cache is cold, so two
-tests compile with inductor (remat's plans for the GPT compiled whole and for a conv net compiled per block:
-what users run, and where memory is inductor's) and the others with ``aot_eager``:
-Dynamo and AOTAutograd's partitioner, which are where checkpointing is traced, tagged and recomputed,
-without generating kernels."""
+Inductor's code generation costs 10-60 s per model on the 2-core CPU here when its cache is cold (every fresh
+virtual environment: its compile commands name the environment's include paths), so the tests here compile
+with ``aot_eager``: Dynamo and AOTAutograd's partitioner, which are where checkpointing is traced, tagged and
+recomputed, without generating kernels. The two that compile with inductor (remat's plans for the GPT compiled
+whole and for a conv net compiled per block: what users run, and where memory is inductor's) are in
+tests/slow/test_inductor.py, run by CI after the suite."""
 
 from __future__ import annotations
 
@@ -223,36 +224,6 @@ def compiled_step_peak(model, inputs, loss_fn, optimizer=None) -> int:
     return tensor_bytes(state) + profiler_memory_peak(step, torch.device("cpu"))
 
 
-def test_compiled_gpt_plan_meets_the_budget_predicted_within_5_percent():
-    """The 2-block GPT with dropout, compiled whole with inductor, AdamW: remat's plan for a budget between its
-    least compiled peak and the compiled no-checkpointing peak measures within the budget on an independent
-    compiled step, its compiled peak was predicted (before it ran) within 5%, the eager-only note is gone, and
-    it trains like the compiled plain model with zero graph breaks."""
-    model, inputs, loss_fn = two_block_gpt()
-    loss_fn = loss_fn or remat.default_loss
-    plain = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters())
-    planner = remat.Planner(remat.make_profile(model, inputs, loss_fn=loss_fn, optimizer=opt), granularity="op")
-    # halfway between the least and no checkpointing, eagerly: a plan that "every block" compiled misses
-    budget = (planner.min_peak_bytes + planner.baseline_peak_bytes) // 2
-    plan = remat.optimize_checkpointing(model, budget / 2**30, inputs, loss_fn=loss_fn, optimizer=opt, compile=True)
-    assert plan.checkpointed and plan.compiled.startswith("torch.compile of the whole model")
-    assert plan.checked_peak_bytes <= budget
-    assert abs(plan.predicted_peak_bytes - plan.checked_peak_bytes) <= 0.05 * plan.checked_peak_bytes, \
-        (plan.predicted_peak_bytes, plan.checked_peak_bytes)
-    assert remat.solve.UNDER_COMPILE not in plan.notes and not any("eager step" in n for n in plan.notes)
-    measured = copy.deepcopy(model)  # (its optimizer steps)
-    assert remat.checkpointed_modules(measured) == list(plan.checkpointed)
-    assert compiled_step_peak(torch.compile(measured), inputs, loss_fn,
-                              torch.optim.AdamW(measured.parameters())) <= budget
-    assert graph_breaks(model, inputs) == 0
-    torch._dynamo.reset()
-    ref_losses, ref_grads = train(torch.compile(plain), inputs, loss_fn, steps=2)
-    losses, grads = train(torch.compile(model), inputs, loss_fn, steps=2)
-    assert losses == pytest.approx(ref_losses, abs=ATOL)
-    assert max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads) <= ATOL
-
-
 def test_blocks_compiled_in_place_are_planned_compiled_and_keep_their_compile():
     """torchtitan's order: ``Module.compile()`` on each block, then remat (detected, no argument): profiled
     eagerly, planned on compiled steps of the blocks, and the blocks are still compiled afterwards (their own
@@ -358,32 +329,3 @@ def conv_net(batch: int = 8):
     return model, torch.randn(batch, 3, 16, 16), lambda out: out.square().mean()
 
 
-def test_conv_net_with_batchnorm_compiled_per_block_on_inductor():
-    """A small conv net with BatchNorm, each block compiled in place with inductor (torchtitan's order), then
-    remat (detected): the plan's compiled peak is within the budget, an independent compiled step measures
-    within the budget too, and training equals the compiled plain model's (BatchNorm statistics included).
-
-    The compiled prediction is not held to 5% here: a plan that checkpoints a segment *inside* a compiled
-    block (``0[0:5]``) measured 7-13% above the interpolation between the anchors (whole blocks), whose
-    compiled savings differ in kind (inductor fuses BatchNorm and ReLU, so the segment frees less compiled
-    than eager); which plan the ILP picks varies with the measured recompute times. The budget holds either
-    way: every returned plan is measured (Note [Compiled steps])."""
-    model, inputs, loss_fn = conv_net()
-    plain = copy.deepcopy(model)
-    for m in (model, plain):
-        for block in m[:2]:
-            block.compile()
-    budget = compiled_baseline(model, inputs, loss_fn, granularity="block") - 1  # plain compiled, less a byte
-    plan = remat.optimize_checkpointing(model, budget / 2**30, inputs, loss_fn=loss_fn, granularity="block")
-    assert plan.checkpointed and plan.checked_peak_bytes <= budget and "2 submodules in place" in plan.compiled
-    state = copy.deepcopy(model.state_dict())  # (a deep copy would share the blocks' compiled calls)
-    assert compiled_step_peak(model, inputs, loss_fn) <= budget
-    model.load_state_dict(state)  # the measured steps updated BatchNorm's statistics
-    ref_losses, ref_grads = train(plain, inputs, loss_fn, steps=2)
-    losses, grads = train(model, inputs, loss_fn, steps=2)
-    # inductor generates other kernels for the checkpointed blocks (the recomputed convolution and BatchNorm in
-    # the backward graph), whose float reductions run in another order: 5e-7 relative on the second loss (26.9)
-    assert losses == pytest.approx(ref_losses, rel=1e-6)
-    assert max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads) <= 1e-5
-    for (n, b), (_, ref) in zip(model.named_buffers(), plain.named_buffers()):
-        assert torch.allclose(b, ref, atol=1e-5), n
