@@ -12,6 +12,7 @@ tests/slow/test_inductor.py, run by CI after the suite."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 
@@ -32,14 +33,20 @@ TRACE_ONLY = "aot_eager"
 ATOL = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def eager_compatible_random():
+@contextlib.contextmanager
+def eager_random():
     # inductor's own random numbers differ from eager's; with fallback_random the compiled plain and
     # compiled remat graphs draw from torch's RNG as eager does, so their dropout masks are comparable
     torch._dynamo.reset()
     with torch._inductor.config.patch(fallback_random=True):
         yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def eager_compatible_random():
+    with eager_random():
+        yield
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,17 +12,14 @@ import pytest
 import torch
 
 import remat
-from test_compile import (ATOL, compiled_baseline, compiled_step_peak, conv_net, graph_breaks, train,
-                          two_block_gpt)
+from test_compile import (ATOL, compiled_baseline, compiled_step_peak, conv_net, eager_random, graph_breaks,
+                          train, two_block_gpt)
 
 
 @pytest.fixture(autouse=True)
 def eager_compatible_random():
-    # as in test_compile: inductor draws eager's random numbers, so dropout masks are comparable
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fallback_random=True):
+    with eager_random():  # as in test_compile: inductor draws eager's random numbers, masks comparable
         yield
-    torch._dynamo.reset()
 
 
 def test_compiled_gpt_plan_meets_the_budget_predicted_within_5_percent():
