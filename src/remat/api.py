@@ -106,16 +106,18 @@ def _make_profile(
             # Note [Tracing a tensor-parallel model]: torch.fx traces on proxies, running no kernel and no
             # collective, and here without module hooks (capture's _WithoutModuleHooks): what it sees is the
             # Python of the forwards, which is what decides whether the operator sequence can depend on the data
-            # (Note [Selective checkpointing]); the hooks parallelize_module installs redistribute DTensors by
+            # (Note [Selective checkpointing]). The hooks parallelize_module installs redistribute DTensors by
             # their placements, not their values (SequenceParallel's refuses a proxy: traced with hooks, a
-            # sequence-parallel model failed). So a model wrapped only by tensor parallelism, sequence parallel
-            # or not, is traced and gets selective options, named by position in the real step's operators,
+            # sequence-parallel model failed); FSDP2's gather and free parameters, and hold state that running
+            # them on proxies or fake tensors breaks: left out, they are not run at all. So a model wrapped by
+            # tensor parallelism (sequence parallel or not) or FSDP2, 2-D included, is traced when its own
+            # forwards trace, and gets selective options named by position in the real step's operators,
             # collectives included (ranks agree: Note [One plan for every rank]). torch.export is not tried: it
-            # would run the hooks on fake tensors. FSDP2's and DDP's hooks hold state that tracing breaks:
-            # nothing is traced there
-            tp_only = wrapping.kind == "tp"
-            graph = graph or capture(model, args, kwargs, untraceable=None if tp_only else wrapped,
-                                     no_export=wrapped if tp_only else None)
+            # would run the hooks on fake tensors. DDP's wrapper does its bookkeeping in its own forward, not in
+            # hooks: it is never traced
+            traced = wrapping.kind in ("tp", "fsdp2")
+            graph = graph or capture(model, args, kwargs, untraceable=None if traced else wrapped,
+                                     no_export=wrapped if traced else None)
             return profile_model(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, graph=graph,
                                  device=device, output_alive=output_alive, record_real=wrapped,
                                  world_size=wrapping.world_size, wrapping=str(wrapping) if wrapping.world_size > 1 else "",

@@ -197,7 +197,28 @@ def case(kind: str, how: str, rank: int, out: Path) -> dict:
     return dict(rows=rows, plan=list(plan.checkpointed), wrapping=plan.wrapping, world=plan.world_size,
                 grad_mismatches=diff, applied=remat.checkpointed_modules(again), refused=refused,
                 memory_recorded_with=profile.memory_recorded_with, capture=profile.capture_path,
-                candidates=[u.name for u in profile.candidates()])
+                candidates=[u.name for u in profile.candidates()], selective=_forced_selective(kind, how, rank, profile))
+
+
+def _forced_selective(kind: str, how: str, rank: int, profile) -> list[dict]:
+    """Under FSDP2 a model that torch.fx traces (without its hooks) gets selective options (Note [Tracing a
+    tensor-parallel model] in remat.api): the first option of the first two units, each forced alone on a fresh
+    wrapped model, against the plain one bitwise and measured by FSDPMemTracker."""
+    units = [u for u in profile.candidates() if "@ops" in u.name]
+    picked = [next(u for u in units if u.name.startswith(p + "@")) for p in dict.fromkeys(
+        u.name.split("@")[0] for u in units)][:2]
+    out = []
+    for u in picked:
+        plan = remat.Planner(profile, granularity="op").make_plan([u.name], "forced")
+        model, inputs, loss_fn, opt = build(kind, how, rank)
+        remat.apply_plan(model, plan)
+        plain, _, _, _ = build(kind, how, rank)
+        diff = bitwise_equal(one_step(plain, inputs, loss_fn, seed=7), one_step(model, inputs, loss_fn, seed=7))
+        fresh, inputs, loss_fn, opt = build(kind, how, rank)
+        remat.apply_plan(fresh, plan)
+        out.append(dict(unit=u.name, predicted=plan.predicted_peak_bytes, mismatches=diff,
+                        measured=independent_peak(fresh, inputs, loss_fn, opt, how)))
+    return out
 
 
 class _RMSNorm(torch.nn.Module):
