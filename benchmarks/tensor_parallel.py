@@ -122,9 +122,10 @@ def run(rank: int, world: int, port: int, name: str, args, out: str) -> None:
         bad = w.bitwise_equal(w.one_step(plain, (idx,), loss_fn, seed=7), w.one_step(fresh, (idx,), loss_fn, seed=7))
         bad = [b for r in _gather(bad) for b in r]
         comm = sum(len(profile.unit(u).recomputed_collectives) for u in plan.checkpointed)
+        comm_bytes = sum(b for u in plan.checkpointed for _, b in profile.unit(u).recomputed_collectives)
         selective = sum("@ops" in u for u in plan.checkpointed)
         rows.append(f"| {name} | remat {label} ({budget / MiB:.2f}) | {len(plan.checkpointed)} "
-                    f"({selective} selective; {comm} collectives again) | {plan.predicted_peak_bytes / MiB:.2f} | "
+                    f"({selective} selective; {comm} collectives again, {comm_bytes:,} bytes) | {plan.predicted_peak_bytes / MiB:.2f} | "
                     f"{peak / MiB:.2f} | {'yes' if peak <= budget else 'NO'} | "
                     f"{step * 1e3:.0f} ms | {step / plain_step:.2f} | {'yes' if not bad else 'NO: ' + ', '.join(bad[:3])} |")
     if rank == 0:
