@@ -87,28 +87,32 @@ def _units_from_graph(gm: torch.fx.GraphModule, possible: set[str]) -> list[str]
 def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, untraceable: str | None = None,
             no_export: str | None = None) -> ModelGraph:
     """Capture ``model``'s graph on the example inputs. Does not mutate the model. ``untraceable``: why
-    tracing must not be tried (a model wrapped by FSDP2 or DDP: tracing runs its hooks on fake tensors,
-    which breaks their state); the module-hooks path is used. ``no_export``: why torch.export must not be
-    tried (Note [Tracing a tensor-parallel model]); torch.fx is, and the module-hooks path if it fails."""
+    tracing must not be tried (a model wrapped by DDP, whose forward keeps its own state); the module-hooks
+    path is used. ``no_export``: why torch.export must not be tried (a model sharded by FSDP2 or tensor
+    parallelism, whose hooks export would run on fake tensors): torch.fx traces it without its module hooks
+    (Note [Tracing without module hooks] in remat.api), and the module-hooks path is used if that fails."""
     possible = set(composite_modules(model))
+
+    def hooks(failures: tuple[str, ...]) -> ModelGraph:
+        return ModelGraph("hooks", tuple(sorted(possible, key=list(dict(model.named_modules())).index)), failures)
+
     if untraceable is not None:
-        return ModelGraph("hooks", tuple(sorted(possible, key=list(dict(model.named_modules())).index)),
-                          (f"not traced: {untraceable}",))
+        return hooks((f"not traced: {untraceable}",))
     failures: list[str] = []
     try:
         if no_export is None:
             gm = torch.fx.symbolic_trace(model)
-        else:  # Note [Tracing a tensor-parallel model] in remat.api
-            tracer = _WithoutModuleHooks()
-            gm = torch.fx.GraphModule(tracer.root if hasattr(tracer, "root") else model, tracer.trace(model))
+        else:
+            gm = torch.fx.GraphModule(model, _WithoutModuleHooks().trace(model))
         units = tuple(_units_from_graph(gm, possible))
         return ModelGraph("fx", units, **all_cuts(model, units))
     except Exception as e:  # noqa: BLE001 - any tracing failure sends us to the next path
         failures.append(f"fx.symbolic_trace: {type(e).__name__}: {_first_line(e)}")
+        if no_export is not None:
+            log.info("torch.fx failed (%s); recording units with module hooks (torch.export not tried: %s)",
+                     _first_line(e), no_export)
+            return hooks((*failures, f"torch.export not tried: {no_export}"))
         log.info("torch.fx.symbolic_trace failed (%s); trying torch.export (non-strict)", _first_line(e))
-    if no_export is not None:
-        return ModelGraph("hooks", tuple(sorted(possible, key=list(dict(model.named_modules())).index)),
-                          (*failures, f"torch.export not tried: {no_export}"))
     try:
         # torch.export prints the partial graph of a failed export to stderr: keep it out of the user's log
         with quiet_loggers("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export"), \
@@ -119,13 +123,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, untraceabl
     except Exception as e:  # noqa: BLE001
         failures.append(f"torch.export(strict=False): {type(e).__name__}: {_first_line(e)}")
         log.info("torch.export failed (%s); recording units with module hooks instead", _first_line(e))
-    return ModelGraph("hooks", tuple(sorted(possible, key=list(dict(model.named_modules())).index)),
-                      tuple(failures))
+    return hooks(tuple(failures))
 
 
 class _WithoutModuleHooks(torch.fx.Tracer):
-    """Traces each module's own forward, not its hooks (a tensor-parallel plan's redistributions: Note [Tracing a
-    tensor-parallel model] in remat.api)."""
+    """Traces each module's own forward, not its hooks (FSDP2's parameter gathers, a tensor-parallel plan's
+    redistributions: Note [Tracing without module hooks] in remat.api)."""
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         return super().call_module(m, m.forward, args, kwargs)

@@ -201,22 +201,24 @@ def case(kind: str, how: str, rank: int, out: Path) -> dict:
 
 
 def _forced_selective(kind: str, how: str, rank: int, profile) -> list[dict]:
-    """Under FSDP2 a model that torch.fx traces (without its hooks) gets selective options (Note [Tracing a
-    tensor-parallel model] in remat.api): the first option of the first two units, each forced alone on a fresh
+    """Under FSDP2 a model that torch.fx traces (without its hooks) gets selective options (Note [Tracing without
+    module hooks] in remat.api): the first option of the first two units, each forced alone on a fresh
     wrapped model, against the plain one bitwise and measured by FSDPMemTracker."""
-    units = [u for u in profile.candidates() if "@ops" in u.name]
-    picked = [next(u for u in units if u.name.startswith(p + "@")) for p in dict.fromkeys(
-        u.name.split("@")[0] for u in units)][:2]
+    first: dict[str, str] = {}  # each unit's first selective option, in forward order
+    for u in profile.candidates():
+        if "@ops" in u.name:
+            first.setdefault(u.name.split("@")[0], u.name)
     out = []
-    for u in picked:
-        plan = remat.Planner(profile, granularity="op").make_plan([u.name], "forced")
+    planner = remat.Planner(profile, granularity="op")
+    for unit in list(first.values())[:2]:
+        plan = planner.make_plan([unit], "forced")
         model, inputs, loss_fn, opt = build(kind, how, rank)
         remat.apply_plan(model, plan)
         plain, _, _, _ = build(kind, how, rank)
         diff = bitwise_equal(one_step(plain, inputs, loss_fn, seed=7), one_step(model, inputs, loss_fn, seed=7))
         fresh, inputs, loss_fn, opt = build(kind, how, rank)
         remat.apply_plan(fresh, plan)
-        out.append(dict(unit=u.name, predicted=plan.predicted_peak_bytes, mismatches=diff,
+        out.append(dict(unit=unit, predicted=plan.predicted_peak_bytes, mismatches=diff,
                         measured=independent_peak(fresh, inputs, loss_fn, opt, how)))
     return out
 

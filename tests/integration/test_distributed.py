@@ -39,8 +39,8 @@ def test_every_rank_checkpoints_the_same_units(ranks, case):
     assert [row["units"] for row in r0["rows"]] == [row["units"] for row in r1["rows"]]
     assert r0["rows"][0]["units"], "the least-memory plan checkpoints something"
     assert r0["memory_recorded_with"] == "real"
-    # FSDP2 and tensor parallelism are traced with torch.fx without their module hooks (Note [Tracing a
-    # tensor-parallel model]): the ResNet traces, the GPT does not (fx cannot unpack a proxy's shape; torch.export,
+    # FSDP2 and tensor parallelism are traced with torch.fx without their module hooks (Note [Tracing without
+    # module hooks]): the ResNet traces, the GPT does not (fx cannot unpack a proxy's shape; torch.export,
     # which can, would run the hooks); DDP's wrapper is never traced
     assert r0["capture"] == ("fx" if case == "resnet/fsdp2" else "hooks"), r0["capture"]
     assert r0["world"] == 2 and r0["wrapping"].startswith("FSDP2" if "fsdp2" in case else "DDP")
@@ -164,7 +164,7 @@ def test_tensor_parallel_gets_one_plan_within_budget_and_exact(ranks, case):
                            "all_reduce x1" if case == "tp" else "all_gather_into_tensor x2, reduce_scatter_tensor x1")
                        + f", {size}); their time is in the predicted step time (each recomputation was timed for "
                          "real, collectives included: Note [Recomputed communication] in remat.effects)"], by_hand
-    # selective options under tensor parallelism (Note [Tracing a tensor-parallel model]): the decoder traces
+    # selective options under tensor parallelism (Note [Tracing without module hooks]): the decoder traces
     # with fx, its module hooks left out (with them, SequenceParallel's refused a proxy), and its layers' menus
     # hold the hand policy, which keeps the output of the collective closing the attention (the Rowwise all_reduce;
     # with sequence parallelism the reduce_scatter): that option does not run it again, where the whole layer does

@@ -124,9 +124,9 @@ def test_hf_trainer_callback_with_torch_compile(tmp_path):
     batch = token_rows(4)
     batch = {k: torch.stack([r[k] for r in batch]) for k in batch[0]}
     compiled = dict(torch_compile=True, torch_compile_backend="aot_eager")
-    roomy = remat.optimize_checkpointing(tiny_llama().train(), 1.0, batch, output_alive=False,
-                                         optimizer=torch.optim.AdamW(tiny_llama().parameters()),
-                                         compile={"backend": "aot_eager"})
+    probe = tiny_llama().train()
+    roomy = remat.optimize_checkpointing(probe, 1.0, batch, output_alive=False,
+                                         optimizer=torch.optim.AdamW(probe.parameters()), compile={"backend": "aot_eager"})
     budget = roomy.checked_peak_bytes - 1  # the compiled step without checkpointing, less a byte
     reference = hf_train(tmp_path / "ref", [], 1, False, **compiled)
     callback = RematCallback(budget_gb=budget / 2**30)

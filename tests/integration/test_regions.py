@@ -230,7 +230,7 @@ def test_transformer_block_regions_lower_the_least_peak_and_are_exact(zoo_gpt):
 
 
 def test_a_tensor_parallel_capture_traces_the_forwards_without_their_hooks():
-    """Note [Tracing a tensor-parallel model]: a hook that refuses a proxy (SequenceParallel's input check)
+    """Note [Tracing without module hooks]: a hook that refuses a proxy (SequenceParallel's input check)
     made torch.fx fail, leaving a sequence-parallel model without a graph and without selective options; the
     capture for a tensor-parallel model traces the forwards alone, and does not try torch.export."""
     from remat.capture import capture
@@ -256,3 +256,10 @@ def test_a_tensor_parallel_capture_traces_the_forwards_without_their_hooks():
     tp = capture(model, (x,), {}, no_export="the model is wrapped by tensor parallel over 2 ranks")
     assert tp.capture_path == "fx" and set(tp.units) >= {"0", "1"}
     assert all(len(b._forward_pre_hooks) == 1 for b in model)  # the hooks are the model's still
+
+    class Branchy(nn.Module):  # data-dependent Python: fx fails; export is not tried, module hooks instead
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x
+
+    hooked = capture(Branchy(), (x,), {}, no_export="the model is wrapped by tensor parallel over 2 ranks")
+    assert hooked.capture_path == "hooks" and hooked.failures[-1].startswith("torch.export not tried")

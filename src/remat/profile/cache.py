@@ -34,7 +34,7 @@ import logging
 import os
 import platform
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +153,7 @@ def store_times(key: str, times: UnitTimes, op_seconds: Mapping[int, float]) -> 
     }, "op_seconds": {str(i): s for i, s in op_seconds.items()}})
 
 
-def overhead(device: torch.device, measure: Any) -> CheckpointOverhead:
+def overhead(device: torch.device, measure: Callable[[], CheckpointOverhead]) -> CheckpointOverhead:
     """Checkpoint's bookkeeping on this machine (Note [Checkpoint overhead] in remat.profile.timing): cached
     like a step's times, since it costs every unit; ``measure()`` measures it."""
     key = _digest({"format": FORMAT, "machine": machine(device)})
