@@ -7,9 +7,11 @@ breaks here with a message that says which, instead of deep inside a stage.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
+from torch import _guards  # checked on 2.11, 2.13
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401 - checked on 2.11, 2.13
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 - checked on 2.11, 2.13
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401 - checked on 2.11, 2.13
@@ -125,13 +127,22 @@ def module_stack(node: torch.fx.Node) -> list[str]:
 
 
 # -- distributed ----------------------------------------------------------------------------------
+#: whether each class seen is DTensor or a subclass (these run on every operator a tracker sees: no import,
+#: no issubclass per call)
+_IS_DTENSOR: dict[type, bool] = {torch.Tensor: False, torch.nn.Parameter: False, FakeTensor: False}
+
+
 def is_dtensor_class(cls: type) -> bool:
     """Whether ``cls`` is ``torch.distributed.tensor.DTensor`` (or a subclass) (checked on 2.11, 2.13)."""
+    known = _IS_DTENSOR.get(cls)
+    if known is not None:
+        return known
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
         return False
-    return isinstance(cls, type) and issubclass(cls, DTensor)
+    known = _IS_DTENSOR[cls] = isinstance(cls, type) and issubclass(cls, DTensor)
+    return known
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -143,9 +154,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def active_fake_mode():
     """The FakeTensorMode in effect, or None. DTensor's sharding propagation runs operators on fake tensors
     of its own (they allocate nothing) (``torch._guards.active_fake_mode``, checked on 2.11, 2.13)."""
-    from torch._guards import active_fake_mode as active
-
-    return active()
+    return _guards.active_fake_mode()
 
 
 @contextlib.contextmanager
@@ -233,7 +242,8 @@ class ProfilerSession:
     2.11, 2.13): ``peak_bytes``, the most allocated above what was allocated when it began, and ``marked``,
     the bytes allocated above that when each :meth:`mark` was made. It sees what compiled kernels and code
     outside the dispatcher allocate, which a dispatch-level tracker cannot. Frees of memory allocated before
-    it started are not reported: allocate what the work frees inside it."""
+    it started are not reported: allocate what the work frees inside it, or :meth:`follow` it (its free is
+    then marked where it happens)."""
 
     def __init__(self, device: torch.device) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -243,6 +253,7 @@ class ProfilerSession:
         self._prof = profile(activities=activities, profile_memory=True)
         self.peak_bytes = 0
         self.marked: dict[str, int] = {}
+        self._followed: list[weakref.ref] = []
 
     def __enter__(self) -> "ProfilerSession":
         with _stderr_silenced():  # kineto logs "profiler_start"/"profiler_stop" lines to fd 2 (torch 2.13)
@@ -256,9 +267,23 @@ class ProfilerSession:
         with record_function(f"remat::mark::{label}"):
             pass
 
+    def follow(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Count ``nbytes`` (a storage alive before the session began, e.g. the previous step's gradients
+        a framework frees during its step) as freed where ``storage`` dies: a mark in the profiler's own
+        timeline, made by a weak reference's callback where the last reference goes (the profiler reports
+        no free of memory it did not see allocated)."""
+        from torch.profiler import record_function
+
+        def freed(_ref) -> None:
+            with record_function(f"remat::freed::{nbytes}"):
+                pass
+
+        self._followed.append(weakref.ref(storage, freed))
+
     def __exit__(self, *exc) -> None:
         with _stderr_silenced():
             self._prof.__exit__(*exc)
+        self._followed.clear()  # frees after the session are not its
         events = []
         labels: dict[int, str] = {}
         for e in self._prof.profiler.kineto_results.events():
@@ -267,6 +292,8 @@ class ProfilerSession:
             elif e.name().startswith("remat::mark::"):
                 labels[len(events)] = e.name().removeprefix("remat::mark::")
                 events.append((e.start_ns(), 1, 0))
+            elif e.name().startswith("remat::freed::"):
+                events.append((e.start_ns(), 0, -int(e.name().removeprefix("remat::freed::"))))
         run = 0
         for i in sorted(range(len(events)), key=lambda i: events[i][:2]):
             run += events[i][2]

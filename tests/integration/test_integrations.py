@@ -46,10 +46,10 @@ def mid_budget(model, batch, *, accumulate: bool, bf16: bool, output_alive: bool
 
 # -- Hugging Face Trainer ------------------------------------------------------------------------------
 
-def tiny_llama():
+def tiny_llama(layers: int = 2):
     T = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = T.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = T.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1,
                         max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
     return T.LlamaForCausalLM(cfg)
@@ -60,13 +60,13 @@ def token_rows(n: int = 24, seq: int = 32):
     return [{"input_ids": r, "labels": r} for r in ids]
 
 
-def hf_train(tmp_path, callbacks, accumulate: int, bf16: bool, **args):
+def hf_train(tmp_path, callbacks, accumulate: int, bf16: bool, layers: int = 2, **args):
     T = pytest.importorskip("transformers")
     targs = T.TrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, max_steps=3, per_device_train_batch_size=4,
         gradient_accumulation_steps=accumulate, bf16=bf16, logging_steps=1, report_to=[], save_strategy="no",
         seed=0, disable_tqdm=True, **args)
-    trainer = T.Trainer(model=tiny_llama(), args=targs, train_dataset=token_rows(), callbacks=callbacks)
+    trainer = T.Trainer(model=tiny_llama(layers), args=targs, train_dataset=token_rows(), callbacks=callbacks)
     trainer.train()
     return trainer
 
@@ -123,8 +123,9 @@ def test_hf_trainer_callback_with_torch_compile(tmp_path):
 
     batch = token_rows(4)
     batch = {k: torch.stack([r[k] for r in batch]) for k in batch[0]}
-    compiled = dict(torch_compile=True, torch_compile_backend="aot_eager")
-    probe = tiny_llama().train()
+    # one layer: the compiled planning's compiles (one per measured plan) are most of this test's time
+    compiled = dict(torch_compile=True, torch_compile_backend="aot_eager", layers=1)
+    probe = tiny_llama(1).train()
     roomy = remat.optimize_checkpointing(probe, 1.0, batch, output_alive=False,
                                          optimizer=torch.optim.AdamW(probe.parameters()), compile={"backend": "aot_eager"})
     budget = roomy.checked_peak_bytes - 1  # the compiled step without checkpointing, less a byte
@@ -200,14 +201,14 @@ def test_callback_needs_a_budget_or_a_plan():
 
 # -- Lightning ------------------------------------------------------------------------------------------
 
-def lightning_module(L):
+def lightning_module(L, layers: int = 2):
     from remat.examples import GPT
 
     class LitGPT(L.LightningModule):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.gpt = GPT(vocab=VOCAB, seq_len=32, d_model=64, n_layers=2, n_heads=4, dropout=0.1)
+            self.gpt = GPT(vocab=VOCAB, seq_len=32, d_model=64, n_layers=layers, n_heads=4, dropout=0.1)
 
         def training_step(self, batch, batch_idx):
             idx, targets = batch
@@ -320,7 +321,7 @@ def test_lightning_callback_with_a_compiled_module():
                 losses.append(outputs["loss"].item())
 
         torch.manual_seed(0)
-        module = lightning_module(L)
+        module = lightning_module(L, layers=1)  # one block: the compiles are most of this test's time
         # Dynamo (torch 2.13) fails tracing Lightning's self.log (inspect.getfullargspec of a bound method):
         # a compiled training_step that logs does not run with or without remat
         module.log = lambda *a, **k: None
