@@ -5,14 +5,16 @@
 
 The model is remat's built-in GPT (``remat.examples.GPT``: nanoGPT's shape, dropout 0.1, tied head, the loss
 computed inside its forward from ``targets``), trained with AdamW. Every measurement runs in a process of its
-own, so that each one's memory (its peak RSS, ``ru_maxrss``) is its own:
+own, so that each one's memory (its peak RSS, ``ru_maxrss``) is its own, and with an empty timing cache of its
+own (a first call's cost; Note [Timing cache]) unless said:
 
   plain      a plain training loop (no remat): 1 + 3 AdamW steps; the step time (median of the 3) and its RSS
   peaks      measured peaks of one step without checkpointing and with every block checkpointed
   plan       ``optimize_checkpointing`` at three budgets: every block's measured peak, halfway between it and
              no checkpointing, and 0.9 x every block (below the least peak: refused): wall time in plain
              steps, the stage times from the plan's notes, the model forwards it ran (counted on the class),
-             and the plan's "what holds the predicted peak" (or the refusal's message)
+             and the plan's "what holds the predicted peak" (or the refusal's message); then the halfway
+             budget again in a new process reading the first halfway call's cached times (a second call)
   tradeoff   ``remat tradeoff`` on this model (``benchmarks/gpt2_small.py:build``, the hand rules and two
              budgets, one timed round per plan): its peak RSS against the plain loop's
 
@@ -30,6 +32,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -124,11 +127,14 @@ def stage_tradeoff(args) -> dict:
     return dict(code=code, wall_s=time.perf_counter() - t0, rss_gib=_rss_gib())
 
 
-def _child(stage: str, env_size: dict, **extra) -> dict:
+def _child(stage: str, env_size: dict, cache: str | None = None, **extra) -> dict:
+    """Runs ``stage`` in a process of its own, with remat's timing cache in ``cache`` (default: a new empty
+    directory, so that each call measures its times as a first call does; Note [Timing cache])."""
     cmd = [sys.executable, __file__, "--stage", stage]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", ",".join(map(str, v)) if isinstance(v, list) else str(v)]
-    env = {**os.environ, "GPT2_SMALL_SIZE": json.dumps(env_size),
+    env = {**os.environ, "GPT2_SMALL_SIZE": json.dumps(env_size), "REMAT_CACHE": "1",
+           "REMAT_CACHE_DIR": cache or tempfile.mkdtemp(prefix="remat-cache-"),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -163,9 +169,14 @@ def main() -> None:
     every, none = peaks["every_block_peak"], peaks["plain_peak"]
     budgets = {"every block's measured peak": every, "halfway to no checkpointing": (every + none) // 2,
                "0.9 x every block (below the least peak)": int(0.9 * every)}
-    plans = {}
+    plans, caches = {}, {label: tempfile.mkdtemp(prefix="remat-cache-") for label in budgets}
     for label, b in budgets.items():
-        say(f"optimize_checkpointing at {label}"); plans[label] = _child("plan", size, budget=b)
+        say(f"optimize_checkpointing at {label}"); plans[label] = _child("plan", size, caches[label], budget=b)
+    # a second call at the same budget (another process, a new model object): its times come from the cache
+    again = "halfway again (a second call: times from the timing cache)"
+    say(f"optimize_checkpointing {again}")
+    plans[again] = _child("plan", size, caches["halfway to no checkpointing"], budget=budgets["halfway to no checkpointing"])
+    budgets[again] = budgets["halfway to no checkpointing"]
     tr = None if args.skip_tradeoff else (say("remat tradeoff"), _child("tradeoff", size, budgets=[every, (every + none) // 2]))[1]
     step = plain["step_s"]
     lines = [f"# remat at GPT-2-small size ({'cpu'})", "",
