@@ -152,7 +152,7 @@ def test_output_dropped_reaches_the_plan(capsys, tmp_path):
 def test_maxbatch_table_compare_and_plot(capsys, tmp_path):
     """remat maxbatch: the largest batch per strategy, each confirmed on a real step, remat's above both rules."""
     tiny = ["gpt", "--layers", "2", "--seq-len", "32", "--d-model", "64", "--device", "cpu"]
-    code, out, err = run(capsys, "maxbatch", *tiny, "--budget", "0.01", "--compare", "--repeats", "1",
+    code, out, err = run(capsys, "maxbatch", *tiny, "--budget", "0.005", "--compare", "--repeats", "1",
                          "--plot", str(tmp_path / "sizes.png"))
     assert code == 0, err
     sizes = dict(line.removeprefix("largest that fits: ").split(" (")[0].replace(",", "").split(" ")[i:i + 2]
