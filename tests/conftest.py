@@ -4,8 +4,10 @@ import pytest
 import torch
 from hypothesis import settings
 
-# Keep CPU timings stable and the suite fast on 2 cores.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Keep CPU timings stable and the suite fast on 2 cores: under pytest-xdist (scripts/test.sh runs two workers)
+# one thread per worker, so that the workers' threads do not outnumber the cores (two workers of two threads
+# each took 9:09 once, against 5-6 minutes in one process).
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 # The timing cache (Note [Timing cache] in remat.profile.cache): off outside tests (module-scoped fixtures), and
 # each test gets its own empty one (the autouse fixture below), so no test reads another's, or a developer's,
 # cached times, and the outcome of a test does not depend on which tests ran before it. Within one test, a
