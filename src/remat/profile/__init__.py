@@ -234,10 +234,12 @@ def profile_model(
     rec = rec.with_op_seconds(op_seconds)
     rec, times = shared_by_twins(rec, times, timed)  # Note [Twins share their times] in remat.recording
     units = unit_costs(rec, specs, times=times, overhead=overhead, buffer_bytes=buffer_bytes)
-    # the timed steps checkpointed the top-level units: take their recomputation and bookkeeping out
+    # the timed steps checkpointed the top-level units: take their recomputation and bookkeeping out. Each is
+    # timed separately, so on a busy machine they can add up to more than the backward timed around them: the
+    # backward is then at least its top-level units' own backward times (measured in the same step), never 0
     by_name = {u.name: u for u in units}
     backward_s = max(times.step_backward_s - sum(times.recompute_s.get(u, 0.0) + by_name[u].overhead_s
-                                                 for u in top), 0.0)
+                                                 for u in top), sum(times.backward_s.get(u, 0.0) for u in top), 0.0)
     return assembled(rec, units, times.step_forward_s, backward_s)
 
 
