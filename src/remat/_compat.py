@@ -346,6 +346,53 @@ def compile_fn(fn, settings: dict):
     return torch.compile(fn, **settings, **extra)
 
 
+def compile_settings(compiled: Any) -> dict | None:
+    """The ``torch.compile`` keyword arguments ``compiled`` was made with: a model ``torch.compile`` wraps (an
+    ``OptimizedModule``), a module's ``_compiled_call_impl`` (``Module.compile()``) or Dynamo's context itself
+    (Lightning keeps it in ``_compiler_ctx``). ``backend`` (a registered
+    name, else the callable; left out for inductor, the default), ``options`` (inductor's configuration, which a
+    ``mode`` expands into), ``fullgraph``, ``dynamic``; None where they cannot be read. Read from Dynamo's
+    ``OptimizeContext`` (``OptimizedModule.dynamo_ctx``, or the compiled function's closure): ``fullgraph``,
+    ``_dynamic``, and ``callback._torchdynamo_orig_backend._torchdynamo_orig_backend``, the backend wrapper with
+    its ``_compiler_name`` and, for inductor, ``config`` (checked on 2.13)."""
+    try:
+        from torch._dynamo.backends.registry import list_backends
+        from torch._dynamo.eval_frame import OptimizeContext
+
+        ctx = compiled if isinstance(compiled, OptimizeContext) else getattr(compiled, "dynamo_ctx", None)
+        if ctx is None:
+            cells = []
+            for cell in getattr(compiled, "__closure__", None) or ():
+                try:
+                    cells.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    continue
+            ctx = next((c for c in cells if isinstance(c, OptimizeContext)), None)
+        if not isinstance(ctx, OptimizeContext):
+            return None
+        backend = ctx.callback._torchdynamo_orig_backend._torchdynamo_orig_backend
+        name = getattr(backend, "_compiler_name", None)
+        config = getattr(backend, "config", None)
+        out: dict = {}
+        if isinstance(config, dict):  # inductor's wrapper
+            if config:
+                out["options"] = dict(config)
+        elif isinstance(name, str) and name in list_backends(exclude_tags=()):
+            out["backend"] = name
+        else:
+            fn = getattr(backend, "compiler_fn", None)
+            if not callable(fn):
+                return None
+            out["backend"] = fn
+        if ctx.fullgraph:
+            out["fullgraph"] = True
+        if ctx._dynamic is not None:
+            out["dynamic"] = ctx._dynamic
+        return out
+    except (AttributeError, ImportError, TypeError):
+        return None
+
+
 def compiled_submodules(model: torch.nn.Module) -> list[str]:
     """Qualified names of the submodules compiled in place with ``Module.compile()`` (their
     ``_compiled_call_impl`` is set; checked on 2.11, 2.13), outermost only."""

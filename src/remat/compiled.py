@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from remat._compat import compile_fn, compiled_submodules, submodules_called
+from remat._compat import compile_fn, compile_settings, compiled_submodules, submodules_called
 from remat.errors import InvalidInputError
 
 #: the torch.compile arguments a ``compile={...}`` dict may set
@@ -73,10 +73,20 @@ def compiled_loop(model: nn.Module, inner: nn.Module, compile: bool | dict | Non
     wrapped = model is not inner
     if compile is None and not wrapped and not blocks:
         return None
-    if compile is None:
-        source = ("the model is wrapped by torch.compile" if wrapped else
-                  f"Module.compile() was called on {len(blocks)} submodules")
-        source += " (its settings are not read: measured with torch.compile's defaults; pass compile={...} to set them)"
+    if compile is None:  # detected: its settings are read from the compiled objects where torch keeps them
+        if wrapped:
+            source, read = "the model is wrapped by torch.compile", compile_settings(model)
+        else:
+            source = f"Module.compile() was called on {len(blocks)} submodules"
+            mods = dict(inner.named_modules())
+            found = [compile_settings(mods[b]._compiled_call_impl) for b in blocks]
+            read = found[0] if all(f is not None and f == found[0] for f in found) else None
+        if read is None:
+            source += (" (its settings could not be read" + ("" if wrapped else ", or differ between them") +
+                       ": measured with torch.compile's defaults; pass compile={...} to set them)")
+        else:
+            settings = read
+            source += " (its settings read from it)" if wrapped else " (their settings read from them)"
     else:
         source = "compile=True" if compile is True else "compile={...}"
     return CompiledLoop(blocks=blocks, settings=tuple(settings.items()), source=source)

@@ -193,9 +193,11 @@ def test_optimize_checkpointing_on_a_compiled_model():
     compiled = torch.compile(model, backend=TRACE_ONLY)
     trace_only = {"backend": TRACE_ONLY}
     budget = compiled_baseline(compiled, inputs, loss_fn, compile=trace_only) - 1
-    plan = remat.optimize_checkpointing(compiled, budget / 2**30, inputs, loss_fn=loss_fn, granularity="block",
-                                        compile=trace_only)
+    # detected, with the settings the model was compiled with, read from it (measured with torch.compile's
+    # defaults, inductor, before)
+    plan = remat.optimize_checkpointing(compiled, budget / 2**30, inputs, loss_fn=loss_fn, granularity="block")
     assert plan.checked_peak_bytes <= budget and "torch.compile of the whole model" in plan.compiled
+    assert "backend='aot_eager'" in plan.compiled and "its settings read from it" in plan.compiled, plan.compiled
     assert plan.checkpointed and remat.checkpointed_modules(compiled) == list(plan.checkpointed)
     assert not any(n.startswith("_orig_mod") for n in plan.checkpointed)
     ref_losses, ref_grads = train(plain, inputs, loss_fn, steps=1)
@@ -232,11 +234,11 @@ def compiled_step_peak(model, inputs, loss_fn, optimizer=None) -> int:
 
 
 def test_blocks_compiled_in_place_are_planned_compiled_and_keep_their_compile():
-    """torchtitan's order: ``Module.compile()`` on each block, then remat (detected; only the settings are given,
-    the backend the blocks were compiled with, which remat does not read): profiled eagerly, planned on compiled
-    steps of the blocks, and the blocks are still compiled afterwards (their own compiled calls); BatchNorm
-    statistics and gradients equal the compiled plain model's. (Without the settings remat compiles its
-    candidates with inductor, torch.compile's default: 16 s of the suite with a cold inductor cache.)"""
+    """torchtitan's order: ``Module.compile()`` on each block, then remat (detected, with the settings the blocks
+    were compiled with, read from them): profiled eagerly, planned on compiled steps of the blocks, and the blocks
+    are still compiled afterwards (their own compiled calls); BatchNorm statistics and gradients equal the
+    compiled plain model's. (When the settings were not read, remat compiled its candidates with inductor,
+    torch.compile's default: 16 s of the suite with a cold inductor cache.)"""
     model, inputs, loss_fn, _, _ = sequential_with_batchnorm(batch=512)
     model = nn.Sequential(*(nn.Sequential(*model[i:i + 4]) for i in range(0, 12, 4)), model[12])
     plain = copy.deepcopy(model)
@@ -246,10 +248,9 @@ def test_blocks_compiled_in_place_are_planned_compiled_and_keep_their_compile():
     impls = [block._compiled_call_impl for block in model[:3]]
     trace_only = {"backend": TRACE_ONLY}
     budget = compiled_baseline(model, inputs, loss_fn, compile=trace_only) - 1
-    plan = remat.optimize_checkpointing(model, budget / 2**30, inputs, loss_fn=loss_fn, granularity="block",
-                                        compile=trace_only)
-    # (detected without any argument, with torch.compile's defaults: tests/slow/test_inductor.py's conv net)
+    plan = remat.optimize_checkpointing(model, budget / 2**30, inputs, loss_fn=loss_fn, granularity="block")
     assert "3 submodules in place" in plan.compiled and "backend='aot_eager'" in plan.compiled
+    assert "their settings read from them" in plan.compiled, plan.compiled
     assert plan.checkpointed and plan.checked_peak_bytes <= budget
     assert [block._compiled_call_impl for block in model[:3]] == impls
     ref_losses, ref_grads = train(plain, inputs, loss_fn, steps=2)
@@ -340,3 +341,26 @@ def conv_net(batch: int = 8):
     return model, torch.randn(batch, 3, 16, 16), lambda out: out.square().mean()
 
 
+
+
+def test_the_settings_a_model_was_compiled_with_are_read_back():
+    """remat measures a detected compiled step with the settings the loop compiled it with, read from Dynamo's
+    objects (torch.compile is lazy: nothing is compiled here); None where there is nothing to read."""
+    from remat._compat import compile_settings
+
+    def layer():
+        return nn.Linear(2, 2)
+
+    def backend(gm, example_inputs):
+        return gm
+
+    assert compile_settings(torch.compile(layer(), backend="aot_eager")) == {"backend": "aot_eager"}
+    assert compile_settings(torch.compile(layer(), backend="aot_eager", fullgraph=True, dynamic=False)) == {
+        "backend": "aot_eager", "fullgraph": True, "dynamic": False}
+    assert compile_settings(torch.compile(layer())) == {}  # inductor, its defaults
+    assert compile_settings(torch.compile(layer(), mode="max-autotune-no-cudagraphs"))["options"]["max_autotune"]
+    assert compile_settings(torch.compile(layer(), backend=backend)) == {"backend": backend}
+    block = layer()
+    block.compile(backend="aot_eager", dynamic=True)
+    assert compile_settings(block._compiled_call_impl) == {"backend": "aot_eager", "dynamic": True}
+    assert compile_settings(layer()) is None and compile_settings(lambda x: x) is None

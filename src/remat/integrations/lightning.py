@@ -9,8 +9,8 @@ in remat.integrations.first_step): the training step remat profiles is your ``tr
 (``precision="bf16-mixed"``, ``"16-mixed"``), with the Trainer's optimizer (never called) and its
 ``accumulate_grad_batches``, and its ``zero_grad`` between the forward and the backward (the previous
 step's gradients are alive through the forward); a module passed to ``fit`` compiled (``torch.compile(module)``)
-is planned for its compiled training step (with torch.compile's defaults unless ``compile={...}`` says the
-settings). While remat profiles, ``self.log``/``self.log_dict`` of the module do nothing (a
+is planned for its compiled training step, with the settings it was compiled with (read from Dynamo's context,
+which Lightning keeps; ``compile={...}`` overrides them). While remat profiles, ``self.log``/``self.log_dict`` of the module do nothing (a
 profiling step is not a training step), and what its ``training_step`` calls (11 on a 2-block GPT; 6 when the
 step's times are in remat's timing cache, Note [Timing cache] in remat.profile.cache) did to the
 module's attributes is undone afterwards (Note [Attributes kept] in remat.state: tensors, lists, dicts, sets,
@@ -32,6 +32,7 @@ import logging
 
 from torch import nn
 
+from remat._compat import compile_settings
 from remat.errors import UnsupportedError
 from remat.integrations.first_step import RematCallbackBase, missing_framework
 from remat.plan import Plan
@@ -136,7 +137,8 @@ class _RematLightning(RematCallbackBase):
                                           zero_grad_after_forward=True,
                                           autocast=trainer.precision_plugin.forward_context(),
                                           ddp=type(trainer.strategy).__name__ == "DDPStrategy",
-                                          compile=True if compiled else None)
+                                          # the settings it was compiled with, read from Dynamo's context
+                                          compile=(compile_settings(ctx["dynamo_ctx"]) or True) if compiled else None)
             finally:
                 for name, value in quiet.items():
                     if value is None:
