@@ -127,14 +127,22 @@ def stage_tradeoff(args) -> dict:
     return dict(code=code, wall_s=time.perf_counter() - t0, rss_gib=_rss_gib())
 
 
+#: the timing caches of this run's processes (Note [Timing cache]), removed when it ends
+_CACHES = tempfile.TemporaryDirectory(prefix="remat-gpt2-small-")
+
+
+def _fresh_cache() -> str:
+    return tempfile.mkdtemp(dir=_CACHES.name)
+
+
 def _child(stage: str, env_size: dict, cache: str | None = None, **extra) -> dict:
     """Runs ``stage`` in a process of its own, with remat's timing cache in ``cache`` (default: a new empty
-    directory, so that each call measures its times as a first call does; Note [Timing cache])."""
+    directory, so that each call measures its times as a first call does)."""
     cmd = [sys.executable, __file__, "--stage", stage]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", ",".join(map(str, v)) if isinstance(v, list) else str(v)]
     env = {**os.environ, "GPT2_SMALL_SIZE": json.dumps(env_size), "REMAT_CACHE": "1",
-           "REMAT_CACHE_DIR": cache or tempfile.mkdtemp(prefix="remat-cache-"),
+           "REMAT_CACHE_DIR": cache or _fresh_cache(),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -169,7 +177,7 @@ def main() -> None:
     every, none = peaks["every_block_peak"], peaks["plain_peak"]
     budgets = {"every block's measured peak": every, "halfway to no checkpointing": (every + none) // 2,
                "0.9 x every block (below the least peak)": int(0.9 * every)}
-    plans, caches = {}, {label: tempfile.mkdtemp(prefix="remat-cache-") for label in budgets}
+    plans, caches = {}, {label: _fresh_cache() for label in budgets}
     for label, b in budgets.items():
         say(f"optimize_checkpointing at {label}"); plans[label] = _child("plan", size, caches[label], budget=b)
     # a second call at the same budget (another process, a new model object): its times come from the cache

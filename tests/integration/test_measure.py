@@ -255,9 +255,8 @@ def test_the_allocator_meter_sees_a_followed_tensor_freed_during_the_step():
         old = torch.ones(n)  # the previous step's gradient
         meter = AllocatorMeter(torch.device("cpu"))
         meter.start([state], follow=[old])
-        kept = [old]
         if free_first:
-            del old, kept[:]  # freed before the new one exists
+            del old  # freed before the new one exists
         new = torch.ones(n)  # noqa: F841 - this step's gradient
         return meter.stop() - tensor_bytes([state])
 
