@@ -7,6 +7,8 @@ breaks here with a message that says which, instead of deep inside a stage.
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -391,6 +393,59 @@ def compile_settings(compiled: Any) -> dict | None:
         return out
     except (AttributeError, ImportError, TypeError):
         return None
+
+
+@functools.cache
+def _module_compile_skips_torch_modules() -> bool:
+    """Whether ``Module.compile()`` of one of torch.nn's own modules captures no frame in this torch: Dynamo
+    skips the top frame ``Module._call_impl`` (it leaves it out of ``wrap_inline``) and the module's forward
+    (torch.nn's files are in its skip rules), so the backend is never called (pytorch#150915; seen on 2.13).
+    Found out once per process on a ``nn.ReLU`` with a backend that only counts: a torch that fixes it
+    captures the frame, and then every compiled block counts as compiled."""
+    graphs: list = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(torch.nn.ReLU()._call_impl, backend=counting)(torch.ones(1))
+    return not graphs
+
+
+def _unwrapped_forward(m: torch.nn.Module) -> Callable:
+    """``m``'s forward as the user's model has it: remat's checkpointed forwards (callables with ``previous``
+    and ``unit_names``, remat.rewrite) looked through."""
+    f = m.__dict__.get("forward")
+    while f is not None and hasattr(f, "previous") and hasattr(f, "unit_names"):
+        f = f.previous
+    return f if f is not None else types.MethodType(type(m).forward, m)
+
+
+def module_compile_compiles_nothing(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` compiles nothing in this torch: Dynamo captures no frame of ``module``'s own
+    (:func:`_module_compile_skips_torch_modules`) and none under it, because every forward in its subtree is one
+    Dynamo's trace rules skip (torch.nn's modules: ``trace_rules.check``, checked on 2.13) and no module hooks (a
+    hook is a frame Dynamo would capture) are registered. A module of the user's own class, or one with a
+    submodule of one, compiles its frames: False."""
+    if not _module_compile_skips_torch_modules():
+        return False
+    from torch._dynamo import trace_rules
+    from torch.nn.modules import module as module_module
+
+    if any(getattr(module_module, n, None) for n in (
+            "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+            "_global_backward_pre_hooks")):
+        return False
+    for m in module.modules():
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return False
+        try:
+            if not trace_rules.check(_unwrapped_forward(m)):
+                return False
+        except Exception:  # noqa: BLE001 - a forward Dynamo cannot place (no source file): assume it compiles
+            return False
+    return True
 
 
 def compiled_submodules(model: torch.nn.Module) -> list[str]:

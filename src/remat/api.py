@@ -15,7 +15,7 @@ from torch import nn
 
 from remat._compat import profiler_memory_trace, uncompiled
 from remat.capture import ModelGraph, capture
-from remat.compiled import CompiledLoop, compiled_loop, eager_submodules
+from remat.compiled import CompiledLoop, compiled_loop, compiled_nothing_note, eager_submodules
 from remat.costs import Profile
 from remat.distributed import Ranks, Wrapping, ranks_for, wrapping_of
 from remat.errors import InternalError, InvalidInputError, PlanMismatchError, RematError
@@ -265,6 +265,7 @@ def optimize_checkpointing(
         time_limit_s=time_limit_s, optimizer=None if optimizer is None else type(optimizer).__name__,
         compiled=str(loop)))
     notes, undo = prepare_hf_for_training(model)
+    notes += tuple(n for n in (compiled_nothing_note(model),) if n)
     started = time.perf_counter()
     checked: dict[tuple[str, ...], int] = {}  # checked peaks by plan (Note [Memory before time])
     by_memory: list[Planner] = []

@@ -14,8 +14,10 @@ from typing import Any, Callable
 
 from torch import nn
 
-from remat._compat import compile_fn, compile_settings, compiled_submodules, submodules_called
+from remat._compat import (compile_fn, compile_settings, compiled_submodules, module_compile_compiles_nothing,
+                           submodules_called)
 from remat.errors import InvalidInputError
+from remat.rewrite import keep_compiled_nothing_eager, left_eager
 
 #: the torch.compile arguments a ``compile={...}`` dict may set
 COMPILE_KEYS = ("backend", "mode", "options", "fullgraph", "dynamic")
@@ -69,7 +71,8 @@ def compiled_loop(model: nn.Module, inner: nn.Module, compile: bool | dict | Non
     unknown = sorted(set(settings) - set(COMPILE_KEYS))
     if unknown:
         raise InvalidInputError(f"compile={{...}} takes the torch.compile settings {list(COMPILE_KEYS)}; got {unknown}")
-    blocks = tuple(compiled_submodules(inner))
+    mods = dict(inner.named_modules())
+    blocks = tuple(b for b in compiled_submodules(inner) if not module_compile_compiles_nothing(mods[b]))
     wrapped = model is not inner
     if compile is None and not wrapped and not blocks:
         return None
@@ -78,7 +81,6 @@ def compiled_loop(model: nn.Module, inner: nn.Module, compile: bool | dict | Non
             source, read = "the model is wrapped by torch.compile", compile_settings(model)
         else:
             source = f"Module.compile() was called on {len(blocks)} submodules"
-            mods = dict(inner.named_modules())
             found = [compile_settings(mods[b]._compiled_call_impl) for b in blocks]
             read = found[0] if all(f is not None and f == found[0] for f in found) else None
         if read is None:
@@ -92,10 +94,35 @@ def compiled_loop(model: nn.Module, inner: nn.Module, compile: bool | dict | Non
     return CompiledLoop(blocks=blocks, settings=tuple(settings.items()), source=source)
 
 
+def compiled_nothing(model: nn.Module) -> list[str]:
+    """The submodules of ``model`` (qualified names) on which ``Module.compile()`` was called but compiles nothing
+    in this torch (Note [Blocks Module.compile() leaves eager] in remat.rewrite), set aside by remat or not."""
+    mods = dict(model.named_modules())
+    return sorted(set(left_eager(model)) | {b for b in compiled_submodules(model)
+                                            if module_compile_compiles_nothing(mods[b])})
+
+
+def compiled_nothing_note(model: nn.Module) -> str | None:
+    """The plan's note on the blocks ``Module.compile()`` compiles nothing for, or None where there are none."""
+    names = compiled_nothing(model)
+    if not names:
+        return None
+    kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n in names})
+    return (f"Module.compile() was called on {', '.join(repr(n) for n in names[:4])}{' ...' if len(names) > 4 else ''} "
+            f"({', '.join(kinds)}), but in this torch it compiles nothing for them: Dynamo skips Module._call_impl "
+            "and torch.nn's own forwards (pytorch#150915), so they run eagerly, and are planned for the eager step; "
+            "remat's checkpointing keeps them eager (Note [Blocks Module.compile() leaves eager] in remat.rewrite). "
+            "To compile such a block, compile a module of your own class around it, or the whole model")
+
+
 @contextlib.contextmanager
 def eager_submodules(model: nn.Module) -> Iterator[None]:
     """Within the block, ``model``'s submodules compiled in place (``Module.compile()``) run eagerly: remat's
     recorder is a dispatch mode, which compiled code bypasses, so profiling and eager checks run them
-    eagerly, whether or not the plan is made for the compiled step; their compiled calls are back afterwards."""
-    with submodules_called(model, compiled_submodules(model), None):
-        yield
+    eagerly, whether or not the plan is made for the compiled step; their compiled calls are back afterwards
+    (those of blocks that compile nothing set aside again where remat's forwards are under them)."""
+    try:
+        with submodules_called(model, compiled_submodules(model), None):
+            yield
+    finally:
+        keep_compiled_nothing_eager(model)

@@ -73,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections import defaultdict
 from typing import Callable, Iterable
 
@@ -80,7 +81,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from remat._compat import argument, outside_dispatch_modes, storage_key, tree_flatten, uncompiled, written_arguments
+from remat._compat import (argument, module_compile_compiles_nothing, outside_dispatch_modes, storage_key, tree_flatten,
+                           uncompiled, written_arguments)
 from remat.capture import RegionProgram
 from remat.costs import SELECTIVE, is_selective, op_key, parse_region, parse_segment, region_name, segment_name
 from remat.errors import InvalidInputError, PlanMismatchError
@@ -474,6 +476,43 @@ def checkpoint_modules(
             policy = n[len(container):]
             m.forward = CheckpointedForward(m, preserve_rng_state=preserve_rng_state, buffers=bufs,
                                             saved_ops=policies[n] if policy else None, policy=policy)
+    keep_compiled_nothing_eager(model)
+
+
+#: Note [Blocks Module.compile() leaves eager]
+#: ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+#: ``Module.compile()`` on one of torch.nn's own modules (an ``nn.Sequential`` of layers, an
+#: ``nn.TransformerEncoderLayer``) compiles nothing in torch 2.13: Dynamo skips ``Module._call_impl`` and those
+#: forwards (pytorch#150915), so the loop runs the block eagerly. The forward remat installs is code Dynamo does
+#: capture: a checkpointed unit inside such a block would start compiling, and the step would be another program
+#: than the one planned (and than the user's). So while remat's forwards are installed under such a block, its
+#: compiled call is set aside (``_compiled_call_impl`` None: the eager call it was in effect) and given back by
+#: remove_checkpointing. Kept here by module, weakly: the user's compiled call of each block set aside.
+_LEFT_EAGER: "weakref.WeakKeyDictionary[nn.Module, Callable]" = weakref.WeakKeyDictionary()
+
+
+def keep_compiled_nothing_eager(model: nn.Module) -> list[str]:
+    """Set aside the compiled call of every block of ``model`` that ``Module.compile()`` compiles nothing for and
+    that holds a forward of remat's (Note [Blocks Module.compile() leaves eager]; mutates ``model``). Returns the
+    blocks' qualified names (those set aside now and before)."""
+    out = []
+    for name, m in uncompiled(model).named_modules():
+        if m in _LEFT_EAGER:
+            out.append(name)
+            continue
+        if getattr(m, "_compiled_call_impl", None) is None:
+            continue
+        if any(isinstance(sub.__dict__.get("forward"), _RematForward) for sub in m.modules()) \
+                and module_compile_compiles_nothing(m):
+            _LEFT_EAGER[m] = m._compiled_call_impl
+            m._compiled_call_impl = None
+            out.append(name)
+    return out
+
+
+def left_eager(model: nn.Module) -> list[str]:
+    """The blocks of ``model`` whose compiled call remat has set aside (qualified names)."""
+    return [name for name, m in uncompiled(model).named_modules() if m in _LEFT_EAGER]
 
 
 def checkpoint_plan(model: nn.Module, plan: Plan) -> None:
@@ -495,4 +534,6 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
                 del m.forward
             undone += f.unit_names(name)
             f = m.__dict__.get("forward")
+        if m in _LEFT_EAGER:
+            m._compiled_call_impl = _LEFT_EAGER.pop(m)
     return undone

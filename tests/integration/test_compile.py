@@ -240,7 +240,7 @@ def test_blocks_compiled_in_place_are_planned_compiled_and_keep_their_compile():
     compiled plain model's. (When the settings were not read, remat compiled its candidates with inductor,
     torch.compile's default: 16 s of the suite with a cold inductor cache.)"""
     model, inputs, loss_fn, _, _ = sequential_with_batchnorm(batch=512)
-    model = nn.Sequential(*(nn.Sequential(*model[i:i + 4]) for i in range(0, 12, 4)), model[12])
+    model = nn.Sequential(*(Layers(*model[i:i + 4]) for i in range(0, 12, 4)), model[12])
     plain = copy.deepcopy(model)
     for m in (model, plain):
         for block in m[:3]:
@@ -329,13 +329,24 @@ def test_selective_policy_keeps_the_same_operators_under_compile():
     assert compiled and all(p == eager[0] for p in compiled), (eager, compiled)
 
 
-def conv_net(batch: int = 8):
-    """Two conv blocks with BatchNorm (each compiled in place, inductor) and a head."""
+class Layers(nn.Sequential):
+    """An ``nn.Sequential`` with a forward of its own, as a user's block class has: ``Module.compile()`` compiles
+    it. On torch.nn's own ``nn.Sequential`` it compiles nothing in this torch (Dynamo skips torch.nn's forwards
+    as top frames: test_blocks_whose_module_compile_compiles_nothing_are_planned_eager_and_stay_eager)."""
+
+    def forward(self, x):
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+def conv_net(batch: int = 8, block_class: type = Layers):
+    """Two conv blocks with BatchNorm (to be compiled in place) and a head."""
     torch.manual_seed(0)
 
     def block(cin, cout):
-        return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(),
-                             nn.Conv2d(cout, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
+        return block_class(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(),
+                           nn.Conv2d(cout, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
 
     model = nn.Sequential(block(3, 16), block(16, 16), nn.Flatten(), nn.Linear(16 * 16 * 16, 10))
     return model, torch.randn(batch, 3, 16, 16), lambda out: out.square().mean()
@@ -373,7 +384,7 @@ def test_blocks_whose_module_compile_compiles_nothing_are_planned_eager_and_stay
     checked), says why in the plan, and its checkpointing keeps the blocks eager. Before, remat's installed
     forward was a frame Dynamo captures: the checkpointed blocks compiled (a graph per block) and the others did
     not, and remat planned it as a compiled loop, calibrating on that mix (the conv net's prediction was 4-14% off)."""
-    model, inputs, loss_fn = conv_net()
+    model, inputs, loss_fn = conv_net(block_class=nn.Sequential)
     for block in model[:2]:
         block.compile(backend=TRACE_ONLY)
     impls = [block._compiled_call_impl for block in model[:2]]

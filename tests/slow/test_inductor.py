@@ -54,14 +54,14 @@ def test_compiled_gpt_plan_meets_the_budget_predicted_within_5_percent():
 
 def test_conv_net_with_batchnorm_compiled_per_block_on_inductor():
     """A small conv net with BatchNorm, each block compiled in place with inductor (torchtitan's order), then
-    remat (detected): the plan's compiled peak is within the budget, an independent compiled step measures
-    within the budget too, and training equals the compiled plain model's (BatchNorm statistics included).
+    remat (detected): the plan's compiled peak is within the budget, was predicted (before it ran) within 5%,
+    an independent compiled step measures within the budget too, and training equals the compiled plain
+    model's (BatchNorm statistics included).
 
-    The compiled prediction is not held to 5% here: a plan that checkpoints a segment *inside* a compiled
-    block (``0[0:5]``) measured 7-13% above the interpolation between the anchors (whole blocks), whose
-    compiled savings differ in kind (inductor fuses BatchNorm and ReLU, so the segment frees less compiled
-    than eager); which plan the ILP picks varies with the measured recompute times. The budget holds either
-    way: every returned plan is measured (Note [Compiled steps])."""
+    The blocks are of a class with a forward of its own (``Layers``): ``Module.compile()`` on torch.nn's own
+    ``nn.Sequential`` compiles nothing in this torch, and until this was found this test ran those blocks
+    eagerly (but for the ones remat checkpointed). Over seven budgets from the plain compiled peak to every
+    block's, the plans were predicted -0.5% to -2.8% off (Note [The compiled offset])."""
     model, inputs, loss_fn = conv_net()
     plain = copy.deepcopy(model)
     for m in (model, plain):
@@ -72,6 +72,8 @@ def test_conv_net_with_batchnorm_compiled_per_block_on_inductor():
     assert plan.checkpointed and plan.checked_peak_bytes <= budget and "2 submodules in place" in plan.compiled
     # detected without any argument, the blocks' settings read from them (torch.compile's defaults here)
     assert "Module.compile() was called" in plan.compiled and "their settings read from them" in plan.compiled
+    assert abs(plan.predicted_peak_bytes - plan.checked_peak_bytes) <= 0.05 * plan.checked_peak_bytes, \
+        (plan.predicted_peak_bytes, plan.checked_peak_bytes)
     state = copy.deepcopy(model.state_dict())  # (a deep copy would share the blocks' compiled calls)
     assert compiled_step_peak(model, inputs, loss_fn) <= budget
     model.load_state_dict(state)  # the measured steps updated BatchNorm's statistics
