@@ -510,6 +510,20 @@ def keep_compiled_nothing_eager(model: nn.Module) -> list[str]:
     return out
 
 
+_KEEP = object()
+
+
+def set_aside(m: nn.Module, impl: object = _KEEP) -> object:
+    """The compiled call remat set aside for module ``m`` (None where none); with ``impl``, set that as it
+    (None: none), for a snapshot's restore (remat.state)."""
+    if impl is not _KEEP:
+        if impl is None:
+            _LEFT_EAGER.pop(m, None)
+        else:
+            _LEFT_EAGER[m] = impl
+    return _LEFT_EAGER.get(m)
+
+
 def left_eager(model: nn.Module) -> list[str]:
     """The blocks of ``model`` whose compiled call remat has set aside (qualified names)."""
     return [name for name, m in uncompiled(model).named_modules() if m in _LEFT_EAGER]

@@ -21,10 +21,15 @@ class Snapshot:
     buffers: list[tuple[torch.Tensor, torch.Tensor]]
     grads: list[tuple[nn.Parameter, torch.Tensor | None]]
     forwards: list[tuple[nn.Module, object]]
+    #: each module's compiled call (``Module.compile()``) and the one remat set aside for it, if any (Note
+    #: [Blocks Module.compile() leaves eager] in remat.rewrite)
+    compiled_calls: list[tuple[nn.Module, object, object]]
 
 
 def take_snapshot(model: nn.Module) -> Snapshot:
-    """Copies of the RNG states and buffers, references to the gradients and forward overrides."""
+    """Copies of the RNG states and buffers, references to the gradients, forward overrides and compiled calls."""
+    from remat.rewrite import set_aside
+
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return Snapshot(
         cpu_rng=torch.get_rng_state(),
@@ -32,11 +37,14 @@ def take_snapshot(model: nn.Module) -> Snapshot:
         buffers=[(b, b.detach().clone()) for b in model.buffers()],
         grads=[(p, p.grad) for p in model.parameters()],
         forwards=[(m, m.__dict__.get("forward")) for m in model.modules()],
+        compiled_calls=[(m, m.__dict__.get("_compiled_call_impl"), set_aside(m)) for m in model.modules()],
     )
 
 
 def restore(snap: Snapshot) -> None:
-    """Put the model's buffers (in place, same objects), gradients, forwards and the RNG back."""
+    """Put the model's buffers (in place, same objects), gradients, forwards, compiled calls and the RNG back."""
+    from remat.rewrite import set_aside
+
     with torch.no_grad():
         for b, v in snap.buffers:
             b.copy_(v)
@@ -47,6 +55,12 @@ def restore(snap: Snapshot) -> None:
             m.__dict__.pop("forward", None)
         else:
             m.forward = f
+    for m, impl, aside in snap.compiled_calls:
+        if impl is None:
+            m.__dict__.pop("_compiled_call_impl", None)
+        else:
+            m._compiled_call_impl = impl
+        set_aside(m, aside)
     torch.set_rng_state(snap.cpu_rng)
     if snap.cuda_rng is not None:
         torch.cuda.set_rng_state_all(snap.cuda_rng)
