@@ -390,17 +390,6 @@ class MemoryModel:
         chosen = self.assignment(plan)
         return max(self.row_bytes(r, chosen) for r in self.rows)
 
-    def forward_end_bytes(self, plan: Iterable[str]) -> int:
-        """Predicted memory at the end of the forward with ``plan`` checkpointed (bytes): what the step holds
-        as it turns to backward, the saved activations included (Note [The compiled offset] in
-        remat.solve.calibrated)."""
-        p = self.profile
-        if not p.live_bytes:
-            return p.fixed_bytes
-        i = max(p.backward_start - 1, 0)
-        chosen = self.assignment(plan)
-        return p.fixed_bytes + p.live_bytes[i] + sum(c for u, c in self._coefs(i).items() if u in chosen)
-
     def breakdown(self, plan: Iterable[str]) -> PeakBreakdown:
         """The predicted peak of ``plan`` split by category."""
         chosen = self.assignment(plan)
@@ -555,11 +544,6 @@ class WorstRankModel(MemoryModel):
         self.rows = tuple(dataclasses.replace(row, name=f"rank{r}_{row.name}",
                                               coef_bytes={k: c for k, c in row.coef_bytes.items() if k in known})
                           for r, m in enumerate(self.members) for row in m.rows)
-
-    def forward_end_bytes(self, plan: Iterable[str]) -> int:
-        """The largest over ranks of :meth:`MemoryModel.forward_end_bytes`."""
-        chosen = frozenset(plan)
-        return max(m.forward_end_bytes(chosen) for m in self.members)
 
     def breakdown(self, plan: Iterable[str]) -> PeakBreakdown:
         """The breakdown of the rank where ``plan`` peaks highest."""

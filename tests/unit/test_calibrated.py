@@ -7,7 +7,7 @@ import pytest
 
 from remat.errors import InfeasibleBudgetError
 from remat.solve import UNDER_COMPILE, Planner
-from remat.solve.calibrated import CompiledOffset, PeakCalibration, plan_compiled
+from remat.solve.calibrated import PeakCalibration, plan_compiled
 from remat.solve.synthetic import random_chain_profile
 
 MiB = 2**20
@@ -72,46 +72,11 @@ def test_every_plan_measures_within_the_budget_and_is_predicted_before_it_is_mea
         assert meter(eager) > budget or eager.checkpointed == plan.checkpointed
 
 
-class OffsetStand(CompiledStand):
-    """A compiled step whose peak differs from the eager prediction by 20% of the activations the plan holds at
-    the end of the forward, less 1 KiB (Note [The compiled offset])."""
-
-    def __call__(self, plan) -> int:
-        self.measured.append(plan.checkpointed)
-        model = self.planner.model
-        held = model.forward_end_bytes(plan.checkpointed) - self.planner.profile.fixed_bytes
-        return model.peak_bytes(plan.checkpointed) + int(0.2 * held) - 1024
-
-
-def test_the_compiled_offset_interpolates_in_the_memory_at_the_end_of_the_forward():
-    off = CompiledOffset(((100, -10), (300, -50), (200, -20)))
-    assert off.points == ((100, -10), (200, -20), (300, -50))
-    assert off.offset(150) == -15 and off.offset(250) == -35
-    assert off.offset(50) == -10 and off.offset(400) == -50  # outside: the nearest point's offset
-    assert off.predict(1000, 250) == 965
-    assert CompiledOffset(((100, -10), (100, -30))).points == ((100, -10),)  # alike: the larger offset
-    assert CompiledOffset.of([(1000, 100, 990), (900, 300, 850)]).points == ((100, -10), (300, -50))
-
-
-def test_a_plan_whose_eager_peak_is_below_the_anchors_takes_the_offset_of_what_it_holds():
-    """The conv net's case (Note [The compiled offset]): a plan with an eager peak below every anchor's but that
-    holds, at the end of the forward, between what they hold, gets the offset interpolated there, not the
-    offset of the anchor with the nearest eager peak (in the eager peak alone it would be outside the range)."""
-    # (eager peak, memory at the forward's end, compiled peak): no checkpointing, every block (as measured)
-    anchors = [(1694584, 1268876, 1683320), (1317096, 492588, 1224184)]
-    by_eager = PeakCalibration(tuple((e, c) for e, _, c in anchors))
-    by_held = CompiledOffset.of(anchors)
-    eager, held, measured = 1306440, 880732, 1289848  # '0[0:5]': block 0 but its last layer
-    assert abs(by_eager.predict(eager) - measured) > 0.05 * measured  # -5.9%
-    assert abs(by_held.predict(eager, held) - measured) < 0.03 * measured  # -2.7%
-
-
 def test_the_compiled_prediction_comes_from_other_plans_measurements():
-    """A stand-in whose compiled peak differs from the eager one by a linear function of what the plan holds at
-    the end of the forward: the offset through the anchors predicts any other plan exactly, before it is
-    measured."""
+    """A stand-in whose compiled peak is linear in the eager one: the calibration through the anchors predicts
+    any other plan exactly, before it is measured."""
     p = planner()
-    meter = OffsetStand(p)
+    meter = CompiledStand(p)
     lo, hi = meter(p.least_memory()), meter(p.no_checkpointing())
     plan = plan_compiled(p, (lo + hi) // 2, meter, loop="stand-in")
     assert plan.checkpointed not in {p.least_memory().checkpointed, (), p.every_nth_block(1).checkpointed}

@@ -16,12 +16,10 @@ allocator-level memory events on CPU, remat.compiled) and uses the eager simulat
   block", and, for a budget below every block's compiled peak, the least-memory plan (the lower of the two
   is then the least peak remat promises, as in Note [Least peak is a promise] in remat.api; above it the
   least-memory plan is not compiled and the plan's least peak is the eager prediction, said in its notes);
-* the compiled peak of any other plan is its eager predicted peak plus an offset interpolated from the
-  measured plans in a second feature, the memory the plan holds at the end of the forward (Note [The
-  compiled offset], :class:`CompiledOffset`);
-* the ILP is solved for the eager target whose calibrated compiled peak is the budget (:class:`PeakCalibration`:
-  piecewise linear in the eager predicted peak between the measured plans, past the last point the offset of
-  the nearest one; a search heuristic, not the prediction) and the plan is
+* the compiled peak of any other plan is predicted by interpolating, in the plan's eager predicted peak,
+  between the measured plans next to it (:class:`PeakCalibration`, piecewise linear; past the last point
+  the offset of the nearest point);
+* the ILP is solved for the eager target whose calibrated compiled peak is the budget and the plan is
   measured compiled; its point joins the calibration, and while the last plan was over the budget, or
   within it with more than 2% to spare (a cheaper plan may fit), the target is solved again (at most
   REFINE_STEPS plans per budget). The cheapest plan measured within the budget is returned with its
@@ -91,58 +89,6 @@ class PeakCalibration:
         return None
 
 
-@dataclass(frozen=True)
-class CompiledOffset:
-    """Note [The compiled offset]
-    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    What compile changes in a step's memory is mostly what the forward saves for backward: AOTAutograd's
-    partitioner saves other tensors than eager autograd (inductor fuses BatchNorm and ReLU and saves fewer), and
-    checkpointed regions save only their inputs either way. So the difference between a plan's compiled peak
-    and its eager prediction grows with the activations the plan still holds when the forward ends, and is
-    interpolated in that (the eager prediction of the memory at the end of the forward,
-    ``MemoryModel.forward_end_bytes``), piecewise linearly between measured plans; outside them, the offset of
-    the nearest one. In the eager peak alone it cannot be: on the test conv net (blocks compiled in place,
-    inductor) a plan checkpointing five of block 0's six layers has an eager peak *below* every block's (the
-    last block's recomputation raises the eager peak), so it lay outside the calibrated range and took every
-    block's offset (-7.1%), when it measured 1.3% under its eager prediction: -5.9% off. Interpolated in the
-    memory at the end of the forward, where it lies between no checkpointing and every block, it is -2.7% off."""
-
-    #: (memory at the end of the forward, eager prediction, bytes; compiled peak measured - eager predicted
-    #: peak, bytes) of each measured plan, by the first
-    points: tuple[tuple[int, int], ...]
-
-    def __post_init__(self) -> None:
-        if not self.points:
-            raise ValueError("a compiled offset needs at least one measured plan")
-        merged: dict[int, int] = {}
-        for feature, offset in self.points:  # two plans alike at the forward's end: the larger offset
-            merged[feature] = max(offset, merged.get(feature, offset))
-        object.__setattr__(self, "points", tuple(sorted(merged.items())))
-
-    @classmethod
-    def of(cls, measured: list[tuple[int, int, int]]) -> "CompiledOffset":
-        """From (eager predicted peak, memory at the end of the forward, compiled measured peak) per plan."""
-        return cls(tuple((forward_end, compiled - eager) for eager, forward_end, compiled in measured))
-
-    def offset(self, forward_end_bytes: int) -> int:
-        """The compiled peak minus the eager predicted peak (bytes) of a plan that holds ``forward_end_bytes``
-        at the end of the forward."""
-        pts = self.points
-        if forward_end_bytes <= pts[0][0]:
-            return pts[0][1]
-        if forward_end_bytes >= pts[-1][0]:
-            return pts[-1][1]
-        for (f0, o0), (f1, o1) in zip(pts, pts[1:]):
-            if f0 <= forward_end_bytes <= f1:
-                return round(o0 + (o1 - o0) * (forward_end_bytes - f0) / (f1 - f0))
-        raise AssertionError("unreachable: the points cover the range")
-
-    def predict(self, eager_bytes: int, forward_end_bytes: int) -> int:
-        """The compiled peak (bytes) of a plan with eager predicted peak ``eager_bytes`` that holds
-        ``forward_end_bytes`` at the end of the forward."""
-        return eager_bytes + self.offset(forward_end_bytes)
-
-
 #: Note [Compiled steps]: plans solved and measured per budget after the anchors, at most; a plan measured
 #: within the budget with more than CLOSE_ENOUGH of it to spare is followed by a cheaper one solved for the
 #: calibration refined by it
@@ -207,9 +153,7 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
         least_note = (" (least peak: the eager prediction, the least-memory plan not compiled: the budget is above "
                       "every block's compiled peak)")
     # every plan measured so far calibrates (those of earlier budgets too, when ``measured`` is shared)
-    model = planner.model
-    points = [(model.peak_bytes(units), model.forward_end_bytes(units), peak) for units, peak in measured.items()]
-    calibration = PeakCalibration(tuple((eager, peak) for eager, _, peak in points))
+    calibration = PeakCalibration(tuple((planner.model.peak_bytes(units), peak) for units, peak in measured.items()))
     best: tuple[Plan, int] | None = None  # the cheapest plan measured within the budget, with its prediction
     target = None
     for _ in range(REFINE_STEPS):
@@ -219,15 +163,13 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
         target = new_target
         plan = agree(planner.plan_for_budget(target))
         seen = plan.checkpointed in measured
-        predicted = CompiledOffset.of(points).predict(model.peak_bytes(plan.checkpointed),
-                                                      model.forward_end_bytes(plan.checkpointed))
+        predicted = calibration.predict(plan.predicted_peak_bytes)
         peak = check(plan)
         if peak <= budget_bytes and (best is None or plan.predicted_recompute_s < best[0].predicted_recompute_s):
             best = (plan, predicted)
         if seen or (peak <= budget_bytes and budget_bytes - peak <= CLOSE_ENOUGH * budget_bytes):
             break  # nothing new to learn, or too little slack left to buy a cheaper plan with
         calibration = calibration.with_point(plan.predicted_peak_bytes, peak)
-        points.append((model.peak_bytes(plan.checkpointed), model.forward_end_bytes(plan.checkpointed), peak))
     if best is not None:
         return done(best[0], best[1], "within the budget")
     fits = [p for p in anchors if check(p) <= budget_bytes]
