@@ -1,6 +1,6 @@
 """How close remat's compiled-peak prediction comes to the measured compiled peak (Note [Compiled steps]).
 
-    python benchmarks/compile_prediction.py [--fractions 1.0 0.97 0.93 0.9 0.85 0.8 0.75] [--same-plans]
+    python benchmarks/compile_prediction.py [--fractions 1.0 0.97 0.93 0.9 0.85 0.8 0.75] [--same-plans | --saved-set]
 
 The models of tests/slow/test_inductor.py: the 2-block GPT with dropout (AdamW) and a conv net with BatchNorm
 (two blocks of a class with a forward of its own, so that Module.compile() compiles them), each compiled whole
@@ -17,6 +17,14 @@ is predicted from the anchors alone: by remat (``PeakCalibration``: interpolatio
 candidate, an offset (compiled - eager peak) interpolated in the memory the plan holds at the end of the forward,
 which is what the partitioner's saved set changes. The candidate was tried in session 14 and rejected on this
 comparison (12 of 20 plans within 5% by remat's, 8 of 20 by it); it lives here, not in remat.
+
+With ``--saved-set``, instead: what the partitioner saves, against the measured compiled peak, on the same plans
+of the conv net and the 4-block GPT compiled whole. Each plan is traced with inductor's decompositions and its
+min-cut partitioner but no kernels (``aot_autograd`` with a forward compiler that reads the forward graph's
+outputs: the user outputs and the saved tensors), and compiled with inductor and measured. Prints the saved
+bytes and the measured peak less them: where the end of the forward holds the peak, that difference is the
+no-checkpointing plan's (parameters, gradients, optimizer state, the batch) give or take the forward's last
+temporaries, so the saved set predicts it; where the backward holds it (recomputations), it does not.
 """
 
 from __future__ import annotations
@@ -157,6 +165,72 @@ def same_plans(name: str, make, how: str) -> None:
         print(f"| {label} | {len(units)} | {e:,} | {c:,} | {(old - c) / c * 100:+.1f}% | {(new - c) / c * 100:+.1f}% |")
 
 
+def saved_set(name: str, make) -> None:
+    """The partitioner's saved bytes against the measured compiled peak, per plan (``--saved-set``)."""
+    import functools
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    from remat.api import peak_with_plan
+    from remat.compiled import compiled_loop
+    from remat.measure import split_inputs
+    from remat.rewrite import checkpoint_plan, remove_checkpointing
+
+    model, batch, loss_fn, optim, _, granularity = make()
+    opt = optim(model.parameters()) if optim is not None else None
+    profile = remat.make_profile(model, batch, loss_fn=loss_fn, optimizer=opt)
+    planner = remat.Planner(profile, granularity=granularity, regions=False)
+    args, kwargs = split_inputs(batch)
+    lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
+    plans = {"none": (), "every block": planner.every_nth_block(1).checkpointed,
+             "least memory": planner.least_memory().checkpointed}
+    for f in (0.2, 0.3, 0.4, 0.55, 0.7, 0.85):
+        plans.setdefault(f"ILP at {f:.2f} of the eager range", planner.plan_for_budget(int(lo + f * (hi - lo))).checkpointed)
+
+    def traced_saved_bytes(units) -> int:
+        outputs: list = []
+
+        def forward_graph(gm, example_inputs):
+            out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+            outputs.extend(v.meta["val"] for v in out if isinstance(v, torch.fx.Node) and torch.is_tensor(v.meta.get("val")))
+            return gm
+
+        backend = aot_autograd(fw_compiler=forward_graph, bw_compiler=lambda gm, example_inputs: gm,
+                               decompositions=select_decomp_table(),
+                               partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+        torch._dynamo.reset()
+        checkpoint_plan(model, planner.make_plan(units, "traced"))
+        try:
+            with torch.random.fork_rng():
+                loss_fn(torch.compile(model, backend=backend, dynamic=False)(*args, **kwargs)).backward()
+        finally:
+            remove_checkpointing(model)
+            for p in model.parameters():
+                p.grad = None
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        # (a forward graph traced with a symbolic size, e.g. a batch dimension Dynamo made dynamic: its hint)
+        return sum(optimization_hint(t.untyped_storage().nbytes()) for t in outputs)
+
+    loop = compiled_loop(model, model, True)
+    print(f"\n{name}, compiled whole: the partitioner's saved set (traced, no kernels) and the measured peak")
+    print("| plan | units | saved (traced) | compiled measured | measured - saved |")
+    print("|---|---:|---:|---:|---:|")
+    seen = set()
+    for label, units in plans.items():
+        if units in seen:
+            continue
+        seen.add(units)
+        saved = traced_saved_bytes(units)
+        torch._dynamo.reset()
+        with torch.random.fork_rng():
+            peak = peak_with_plan(model, planner.make_plan(units, label), args, kwargs, loss_fn, torch.device("cpu"),
+                                  profile, loop)
+        print(f"| {label} | {len(units)} | {saved:,} | {peak:,} | {peak - saved:,} |", flush=True)
+
+
 def gpt4():
     model, batch, loss_fn = make_gpt(layers=4, batch_size=8, seq_len=128, d_model=128, dropout=0.1)
     return model, batch, loss_fn or remat.default_loss, torch.optim.AdamW, list(model.h), "op"
@@ -166,8 +240,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.97, 0.93, 0.9, 0.85, 0.8, 0.75])
     ap.add_argument("--same-plans", action="store_true", help="both predictors on the same measured plans")
+    ap.add_argument("--saved-set", action="store_true", help="the partitioner's saved bytes against the compiled peak")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, inductor, fallback_random; {torch.get_num_threads()} threads")
+    if args.saved_set:
+        with torch._inductor.config.patch(fallback_random=True):
+            for name, make in (("conv net with BatchNorm", conv_net), ("4-block GPT (benchmarks/compiled.py's)", gpt4)):
+                saved_set(name, make)
+        return
     if args.same_plans:
         with torch._inductor.config.patch(fallback_random=True):
             for name, make, how in (("2-block GPT", gpt, "whole"), ("conv net with BatchNorm", conv_net, "whole"),
