@@ -120,6 +120,17 @@ def offset_in_held(anchors, eager: int, held: int) -> int:
     raise AssertionError("unreachable")
 
 
+def anchors_and_ilp_plans(planner, fractions) -> dict[str, tuple[str, ...]]:
+    """The anchors of Note [Compiled steps] and the ILP's plans at the given fractions of the eager range, by label
+    (a plan the ILP gives for two fractions under the first's label)."""
+    lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
+    plans = {"none": (), "every block": planner.every_nth_block(1).checkpointed,
+             "least memory": planner.least_memory().checkpointed}
+    for f in fractions:
+        plans.setdefault(f"ILP at {f:.2f} of the eager range", planner.plan_for_budget(int(lo + f * (hi - lo))).checkpointed)
+    return plans
+
+
 def same_plans(name: str, make, how: str) -> None:
     """remat's predictor and the candidate on the same measured plans (``--same-plans``)."""
     from remat.api import peak_with_plan
@@ -138,11 +149,7 @@ def same_plans(name: str, make, how: str) -> None:
     planner = remat.Planner(profile, granularity=granularity, regions=False)
     sim = planner.model
     args, kwargs = split_inputs(batch)
-    lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
-    plans = {"none": (), "every block": planner.every_nth_block(1).checkpointed,
-             "least memory": planner.least_memory().checkpointed}
-    for f in (0.05, 0.1, 0.2, 0.3, 0.4, 0.55, 0.7, 0.85):
-        plans.setdefault(f"ILP at {f:.2f} of the eager range", planner.plan_for_budget(int(lo + f * (hi - lo))).checkpointed)
+    plans = anchors_and_ilp_plans(planner, (0.05, 0.1, 0.2, 0.3, 0.4, 0.55, 0.7, 0.85))
     measured = {}
     for label, units in plans.items():
         if units not in measured:
@@ -183,11 +190,7 @@ def saved_set(name: str, make) -> None:
     profile = remat.make_profile(model, batch, loss_fn=loss_fn, optimizer=opt)
     planner = remat.Planner(profile, granularity=granularity, regions=False)
     args, kwargs = split_inputs(batch)
-    lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
-    plans = {"none": (), "every block": planner.every_nth_block(1).checkpointed,
-             "least memory": planner.least_memory().checkpointed}
-    for f in (0.2, 0.3, 0.4, 0.55, 0.7, 0.85):
-        plans.setdefault(f"ILP at {f:.2f} of the eager range", planner.plan_for_budget(int(lo + f * (hi - lo))).checkpointed)
+    plans = anchors_and_ilp_plans(planner, (0.2, 0.3, 0.4, 0.55, 0.7, 0.85))
 
     def traced_saved_bytes(units) -> int:
         outputs: list = []

@@ -491,37 +491,29 @@ def checkpoint_modules(
 _LEFT_EAGER: "weakref.WeakKeyDictionary[nn.Module, Callable]" = weakref.WeakKeyDictionary()
 
 
-def keep_compiled_nothing_eager(model: nn.Module) -> list[str]:
+def keep_compiled_nothing_eager(model: nn.Module) -> None:
     """Set aside the compiled call of every block of ``model`` that ``Module.compile()`` compiles nothing for and
-    that holds a forward of remat's (Note [Blocks Module.compile() leaves eager]; mutates ``model``). Returns the
-    blocks' qualified names (those set aside now and before)."""
-    out = []
-    for name, m in uncompiled(model).named_modules():
-        if m in _LEFT_EAGER:
-            out.append(name)
-            continue
-        if getattr(m, "_compiled_call_impl", None) is None:
+    that holds a forward of remat's (Note [Blocks Module.compile() leaves eager]; mutates ``model``)."""
+    for m in uncompiled(model).modules():
+        if m in _LEFT_EAGER or getattr(m, "_compiled_call_impl", None) is None:
             continue
         if any(isinstance(sub.__dict__.get("forward"), _RematForward) for sub in m.modules()) \
                 and module_compile_compiles_nothing(m):
             _LEFT_EAGER[m] = m._compiled_call_impl
             m._compiled_call_impl = None
-            out.append(name)
-    return out
 
 
-_KEEP = object()
-
-
-def set_aside(m: nn.Module, impl: object = _KEEP) -> object:
-    """The compiled call remat set aside for module ``m`` (None where none); with ``impl``, set that as it
-    (None: none), for a snapshot's restore (remat.state)."""
-    if impl is not _KEEP:
-        if impl is None:
-            _LEFT_EAGER.pop(m, None)
-        else:
-            _LEFT_EAGER[m] = impl
+def set_aside(m: nn.Module) -> Callable | None:
+    """The compiled call remat set aside for module ``m``, None where none (for a snapshot: remat.state)."""
     return _LEFT_EAGER.get(m)
+
+
+def restore_set_aside(m: nn.Module, impl: Callable | None) -> None:
+    """Make ``impl`` the compiled call remat holds set aside for ``m`` (None: none), as a snapshot had it."""
+    if impl is None:
+        _LEFT_EAGER.pop(m, None)
+    else:
+        _LEFT_EAGER[m] = impl
 
 
 def left_eager(model: nn.Module) -> list[str]:

@@ -43,7 +43,7 @@ def take_snapshot(model: nn.Module) -> Snapshot:
 
 def restore(snap: Snapshot) -> None:
     """Put the model's buffers (in place, same objects), gradients, forwards, compiled calls and the RNG back."""
-    from remat.rewrite import set_aside
+    from remat.rewrite import restore_set_aside
 
     with torch.no_grad():
         for b, v in snap.buffers:
@@ -60,7 +60,7 @@ def restore(snap: Snapshot) -> None:
             m.__dict__.pop("_compiled_call_impl", None)
         else:
             m._compiled_call_impl = impl
-        set_aside(m, aside)
+        restore_set_aside(m, aside)
     torch.set_rng_state(snap.cpu_rng)
     if snap.cuda_rng is not None:
         torch.cuda.set_rng_state_all(snap.cuda_rng)
