@@ -17,7 +17,7 @@ from remat._compat import profiler_memory_trace, uncompiled
 from remat.capture import ModelGraph, capture
 from remat.compiled import CompiledLoop, compiled_loop, compiled_nothing_note, eager_submodules
 from remat.costs import Profile
-from remat.distributed import Ranks, Wrapping, ranks_for, wrapping_of
+from remat.distributed import Ranks, Wrapping, ranks_for, steps_checked, wrapping_of
 from remat.errors import InternalError, InvalidInputError, PlanMismatchError, RematError
 from remat.measure import DefaultLoss, LossFn, default_loss, found_storages_are_fresh, input_tensors, measure_peak, model_device, run_step, split_inputs, \
     tensor_bytes, trainable_parameters
@@ -299,7 +299,7 @@ def optimize_checkpointing(
             promise = least_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks,
                                     checked=checked)
         if budget_bytes < promise:
-            raise planner.infeasible(budget_bytes, least_bytes=promise)
+            raise planner.infeasible(budget_bytes, least_bytes=promise, steps=max(steps_checked(model, device), 1))
 
     try:
         # (not for a compiled loop: Dynamo warns about global module hooks and would trace them)
@@ -378,7 +378,7 @@ def measure_checked_peak(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, *,
     output_alive: bool = True, optimizer_state_bytes: int = 0, optimizer_step_bytes: int = 0,
     grads_held: bool = False, grads_held_in_forward: bool = False, call: Callable[..., Any] | None = None,
-    allocator_level: bool = False,
+    allocator_level: bool = False, steps: int | None = None,
 ) -> int:
     """The peak memory (bytes) of one training step of ``model`` as it is (checkpointed or not): forward,
     loss and ``loss.backward()`` run for real, as the loop runs them (Note [Loop style] in remat.profile:
@@ -390,7 +390,9 @@ def measure_checked_peak(
     ``grads_held_in_forward`` (zero_grad after the forward) they are set to None once the loss exists
     (Note [Accumulated gradients] in remat.costs). ``call``: what runs the forward (the compiled model; default
     ``model``); ``allocator_level``: meter every allocation, as compiled code needs (the profiler's memory
-    events on CPU; on CUDA the allocator always is).
+    events on CPU; on CUDA the allocator always is). ``steps``: read that many steps by the allocator's
+    events and keep the largest peak; None: as many as ``model`` needs (:func:`remat.distributed.steps_checked`:
+    3 for a CPU model with DTensor parameters, under gloo, Note [Steps under gloo]; else one).
 
     The model's gradients (``.grad`` objects and values), buffers and the RNG state are as they were."""
     inputs = input_tensors(args, kwargs)
@@ -413,13 +415,17 @@ def measure_checked_peak(
                 p.grad = torch.zeros_like(p)
         run_step(call, args, kwargs, loss_fn, output_alive=output_alive, on=lambda event: on(event, live_now))
 
+    steps = steps_checked(model, device) if steps is None else steps
     with preserved(model), fresh_grads(leaves):
-        if allocator_level and device.type != "cuda":  # Note [Compiled steps] in remat.solve.calibrated
-            base = tensor_bytes(state, device)
-            peak, at = profiler_memory_trace(lambda mark: work(lambda: mark("backward")), device, marks=True)
-            peak, after_backward[:] = base + peak, [base + at["backward"]]
-        else:  # the allocator on CUDA sees compiled code too
-            peak = measure_peak(work, device, state)
+        if (allocator_level or steps) and device.type != "cuda":  # Note [Compiled steps] in remat.solve.calibrated
+            base, peaks = tensor_bytes(state, device), []
+            for _ in range(max(steps, 1)):  # Note [Steps under gloo] in remat.distributed: the largest
+                for t in leaves:  # every step starts as the first (the previous one's gradients dropped)
+                    t.grad = None
+                peak, at = profiler_memory_trace(lambda mark: work(lambda: mark("backward")), device, marks=True)
+                peaks.append(max(base + peak, base + at["backward"] + optimizer_step_bytes))
+            return max(peaks) + optimizer_state_bytes
+        peak = measure_peak(work, device, state)  # the allocator on CUDA sees compiled code too
     return max(peak, after_backward[0] + optimizer_step_bytes) + optimizer_state_bytes
 
 
@@ -495,14 +501,19 @@ def plan_checked(
     checked = {} if checked is None else checked
     check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked)
 
+    steps = steps_checked(model, device)
+    each = "one real step" if not steps else f"{steps} real steps, the largest by the allocator's events"
+
     def done(plan: Plan, measured: int, why: str) -> Plan:
-        note = f"checked on one real step: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}"
+        note = f"checked on {each}: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}"
+        if steps:
+            note += " (Note [Steps under gloo] in remat.distributed: under gloo one step's peak is not the next one's)"
         if len(checked) > 1:
             label = {fallbacks[1].checkpointed: "every block", fallbacks[0].checkpointed: "the least-memory plan"}
             names = [label.get(units, "the least-memory plan chosen on memory alone") for units in checked
                      if units != plan.checkpointed]
-            note += (f"; {len(checked)} plans measured, one real step each ({' and '.join(names)}, whose measured "
-                     "least is the least peak promised, and this one)")
+            note += (f"; {len(checked)} plans measured, {'one real step' if not steps else f'{steps} real steps'} each "
+                     f"({' and '.join(names)}, whose measured least is the least peak promised, and this one)")
         return dataclasses.replace(plan, budget_bytes=budget_bytes, checked_peak_bytes=measured,
                                    min_peak_bytes=promise, notes=plan.notes + (note,))
 
@@ -514,7 +525,7 @@ def plan_checked(
         fallbacks += extra
         promise = min([promise, *(check(p) for p in extra)])
     if budget_bytes < promise:
-        raise planner.infeasible(budget_bytes, least_bytes=promise)
+        raise planner.infeasible(budget_bytes, least_bytes=promise, steps=max(steps, 1))
     target = budget_bytes
     for _ in range(3):
         if target < planner.min_peak_bytes:

@@ -414,7 +414,7 @@ def _all(x):
     return out
 
 
-def allocator_peak(model, inputs, loss_fn, opt, readings: int = 3) -> int:
+def allocator_peak(model, inputs, loss_fn, opt, readings: int = 3, keep=min):
     """One training step's peak by the profiler's allocator-level memory events (every allocation, in or
     outside the dispatcher), plus the parameters, batch and optimizer state alive before it, output dropped
     after the loss: the least of ``readings`` steps after a first that creates the optimizer state. Under gloo one
@@ -422,7 +422,9 @@ def allocator_peak(model, inputs, loss_fn, opt, readings: int = 3) -> int:
     reference, the caller's or gloo's own, so a step's peak can include buffers another step has already freed
     (identical steps of the sequence-parallel decoder read 2,367,580-2,449,500 bytes); the least of several comes
     closer to the step's own peak: on the test decoder it read the same in every run but one (+32 KiB); on
-    benchmarks/tensor_parallel.py's larger one, 99.08 and 100.08 MiB in two runs (docs/limits.md)."""
+    benchmarks/tensor_parallel.py's larger one, 99.08 and 100.08 MiB in two runs (docs/limits.md). ``keep``: what is
+    kept of the readings, the least (the default); ``max`` keeps the largest (as remat's own check does: Note
+    [Steps under gloo] in remat.distributed), ``list`` all of them."""
     from remat._compat import profiler_memory_peak
     from remat.measure import tensor_bytes
 
@@ -436,7 +438,7 @@ def allocator_peak(model, inputs, loss_fn, opt, readings: int = 3) -> int:
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     state = [local(p) for p in model.parameters()] + [x for x in inputs if torch.is_tensor(x)]
     state += [local(t) for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
-    return tensor_bytes(state) + min(profiler_memory_peak(step, torch.device("cpu")) for _ in range(readings))
+    return keep(tensor_bytes(state) + profiler_memory_peak(step, torch.device("cpu")) for _ in range(readings))
 
 
 def cli_target():
@@ -497,3 +499,4 @@ def mismatch(rank: int) -> dict:
             out["tp_alone"] = str(e)
     dist.barrier()
     return out
+

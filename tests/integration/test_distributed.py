@@ -146,6 +146,11 @@ def test_tensor_parallel_gets_one_plan_within_budget_and_exact(ranks, case):
         # of late frees, 12% of the peak, in CI; docs/limits.md)
         assert r["predicted"] >= 0.95 * r["allocated"], r
         assert r["grad_mismatches"] == []
+        # remat's check read three steps by the allocator's events, keeping the largest: under gloo one step's peak
+        # is not the next one's (Note [Steps under gloo]; one dispatch-level step missed budgets by up to 9.1% in
+        # benchmarks/tensor_parallel.py)
+        assert [n for n in r["notes"] if n.startswith("checked on 3 real steps, the largest by the allocator's events")], \
+            r["notes"]
     # which units' recomputation runs collectives again (Note [Recomputed communication]): checkpoint stops a
     # recomputation once backward has what it needs, so a unit's closing all_reduce / reduce_scatter (Rowwise
     # wo, w2) is not run again, and PrepareModuleInput's all_gather runs in a pre-hook, outside a checkpointed

@@ -146,16 +146,18 @@ class Planner:
         )
 
     def infeasible(self, budget_bytes: int, *, least_bytes: int | None = None,
-                   compiled: str = "") -> InfeasibleBudgetError:
+                   compiled: str = "", steps: int = 1) -> InfeasibleBudgetError:
         """The error for a budget below the least achievable peak, with that peak and its breakdown.
         ``least_bytes``: the least-memory plan's checked (measured) peak, when known (Note [Least peak
         is a promise] in remat.api); else its prediction. ``compiled``: how the loop compiles the model, when
-        ``least_bytes`` was measured on compiled steps (Note [Compiled steps] in remat.solve.calibrated)."""
+        ``least_bytes`` was measured on compiled steps (Note [Compiled steps] in remat.solve.calibrated);
+        ``steps``: how many real steps it was the largest of (Note [Steps under gloo] in remat.distributed)."""
         least = self.make_plan(self._min_units, "least-memory")
         b = least.breakdown
         fixed = self.profile.fixed_bytes
         how = "predicted" if least_bytes is None else \
-            f"measured on one real step; predicted {fmt_bytes(self.min_peak_bytes)}" if not compiled else \
+            (f"measured on {'one real step' if steps <= 1 else f'{steps} real steps, the largest'}; predicted "
+             f"{fmt_bytes(self.min_peak_bytes)}") if not compiled else \
             f"measured on compiled steps ({compiled}); eager prediction {fmt_bytes(self.min_peak_bytes)}"
         least_bytes = self.min_peak_bytes if least_bytes is None else least_bytes
         every = self.every_nth_block(1)
