@@ -29,14 +29,15 @@ Note [Steps under gloo]
 On CPU a model whose parameters are DTensors (tensor parallel, FSDP2, both on a 2-D mesh) runs its
 collectives through gloo, and one step's peak is not the next one's: a collective's work object keeps
 references to its input and output buffers, and whichever thread drops the last one frees them, the
-caller's or one of gloo's own, a moment after the caller has moved on (when the machine has no core free
-for gloo's thread, many operators later), so buffers the caller no longer uses are still allocated at its
-peak in some steps and not in others. Gloo also allocates on its own threads (an all_gather's output-sized
-buffer). A dispatch-level meter sees neither (it counts a storage freed when Python drops it, and sees no
-other thread's operators). Measured on the tests' Llama-style decoder under sequence parallelism (2 ranks on
-2 cores, 8 x 128 tokens, both layers checkpointed): 16 identical steps read 5.67-8.55 MB by the profiler's
-allocator-level events, against 5.93 MB at dispatch level; without sequence parallelism 6.29-6.82 MB against
-6.30 MB. So such a check reads CHECKED_STEPS steps by the allocator's events and keeps the largest, as the
+caller's or one of gloo's own, sometimes many operators after the caller has moved on (seen in the
+allocator's events: in a step that read 24% above another, a matmul output and an all_gather buffer were
+freed by a gloo thread after the peak, where the caller freed them long before it in the other), so
+buffers the caller no longer uses are allocated at its peak in some steps and not in others. Gloo also
+allocates on its own threads (an all_gather's output-sized buffer), which no dispatch mode sees. Measured on
+the tests' Llama-style decoder under sequence parallelism (2 ranks on 2 cores, 8 x 128 tokens, both layers
+checkpointed): 16 identical steps read 5.67-8.55 MB by the profiler's allocator-level events, and 5.93 MB in
+13 of them (up to 6.33 MB) at dispatch level; without sequence parallelism 6.29-6.82 MB against 6.30 MB
+every time. So such a check reads CHECKED_STEPS steps by the allocator's events and keeps the largest, as the
 user's steps will reach it; it is not a bound on every step (docs/limits.md gives the spread). On CUDA the
 allocator meters every check already; DDP keeps its dispatch-level reading (its gradient buckets, made
 before the step, are found there: Note [Memory found] in remat.measure).
