@@ -10,13 +10,15 @@ plain step's measured peak (less a byte); prints per budget the plan, its compil
 ran and as measured, and the error, then the range of errors per model and compile. The CPU here; run it alone
 (each call compiles 1-7 plans).
 
-With ``--same-plans``, instead: remat's predictor against a candidate second feature, on the same plans. The
-compiled step is measured for the anchors (no checkpointing, every block, the least-memory plan) and for the
-ILP's plans at 8 eager targets across the range (benchmarks/compiled.py's 4-block GPT included), and each plan
-is predicted from the anchors alone: by remat (``PeakCalibration``: interpolation in the eager peak) and by the
-candidate, an offset (compiled - eager peak) interpolated in the memory the plan holds at the end of the forward,
-which is what the partitioner's saved set changes. The candidate was tried in session 14 and rejected on this
-comparison (12 of 20 plans within 5% by remat's, 8 of 20 by it); it lives here, not in remat.
+With ``--same-plans``, instead: remat's predictors on the same plans. The compiled step is measured for the
+anchors (no checkpointing, every block, the least-memory plan) and for the ILP's plans at 8 eager targets across
+the range (benchmarks/compiled.py's 4-block GPT included), and each plan is predicted from the anchors alone:
+interpolating in the eager peak (``PeakCalibration``; remat's only predictor until session 15, still the one for
+blocks compiled one by one); by a candidate rejected in session 14, an offset (compiled - eager peak)
+interpolated in the memory the plan holds at the end of the forward (12 of 20 plans within 5% by the eager
+peak, 8 of 20 by it; it lives here, not in remat); and by what remat predicts a whole model compiled by
+inductor from since session 15, interpolating in the step's compiled program's allocations (Note [Compiled
+programs] in remat.compiled_memory).
 
 With ``--saved-set``, instead: what the partitioner saves, against the measured compiled peak, on the same plans
 of the conv net and the 4-block GPT compiled whole. Each plan is traced with inductor's decompositions and its
@@ -133,7 +135,7 @@ def anchors_and_ilp_plans(planner, fractions) -> dict[str, tuple[str, ...]]:
 
 def same_plans(name: str, make, how: str) -> None:
     """remat's predictor and the candidate on the same measured plans (``--same-plans``)."""
-    from remat.api import peak_with_plan
+    from remat.api import checked_reading
     from remat.compiled import compiled_loop
     from remat.measure import split_inputs
     from remat.solve.calibrated import PeakCalibration
@@ -150,18 +152,22 @@ def same_plans(name: str, make, how: str) -> None:
     sim = planner.model
     args, kwargs = split_inputs(batch)
     plans = anchors_and_ilp_plans(planner, (0.05, 0.1, 0.2, 0.3, 0.4, 0.55, 0.7, 0.85))
-    measured = {}
+    measured, programs = {}, {}
     for label, units in plans.items():
         if units not in measured:
             with torch.random.fork_rng():
-                measured[units] = peak_with_plan(model, planner.make_plan(units, label), args, kwargs, loss_fn,
-                                                 torch.device("cpu"), profile, loop)
-    anchors = [(sim.peak_bytes(u), forward_end_bytes(sim, u), measured[u])
-               for u in (plans["none"], plans["every block"], plans["least memory"])]
+                reading = checked_reading(model, planner.make_plan(units, label), args, kwargs, loss_fn,
+                                          torch.device("cpu"), profile, loop)
+            measured[units], programs[units] = reading.peak_bytes, reading.program_bytes
+    named = (plans["none"], plans["every block"], plans["least memory"])
+    anchors = [(sim.peak_bytes(u), forward_end_bytes(sim, u), measured[u]) for u in named]
     by_eager = PeakCalibration(tuple((e, c) for e, _, c in anchors))
+    by_program = PeakCalibration(tuple((programs[u], measured[u]) for u in named)) \
+        if all(programs[u] is not None for u in named) else None
     print(f"\n{name}, compiled {how}: the same plans, predicted from the three anchors")
-    print("| plan | units | eager predicted | compiled measured | remat (in the eager peak) | candidate (offset in the forward's end) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| plan | units | eager predicted | compiled measured | in the eager peak (until session 15) | "
+          "candidate (offset in the forward's end) | remat (in the compiled program's allocations) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     seen = set()
     for label, units in plans.items():
         if label in ("none", "every block", "least memory") or units in seen:
@@ -169,7 +175,10 @@ def same_plans(name: str, make, how: str) -> None:
         seen.add(units)
         e, c = sim.peak_bytes(units), measured[units]
         old, new = by_eager.predict(e), offset_in_held(anchors, e, forward_end_bytes(sim, units))
-        print(f"| {label} | {len(units)} | {e:,} | {c:,} | {(old - c) / c * 100:+.1f}% | {(new - c) / c * 100:+.1f}% |")
+        program = "-" if by_program is None or programs[units] is None else \
+            f"{(by_program.predict(programs[units]) - c) / c * 100:+.1f}%"
+        print(f"| {label} | {len(units)} | {e:,} | {c:,} | {(old - c) / c * 100:+.1f}% | {(new - c) / c * 100:+.1f}% | "
+              f"{program} |")
 
 
 def saved_set(name: str, make) -> None:

@@ -38,7 +38,7 @@ import torch
 
 import remat
 from remat._compat import profiler_memory_peak
-from remat.api import peak_with_plan
+from remat.api import checked_reading
 from remat.compiled import compiled_loop
 from remat.examples import make_gpt
 from remat.measure import outside_autocast, split_inputs, tensor_bytes
@@ -152,14 +152,15 @@ class RematCompiled:
         self.planner = remat.Planner(self.profile, granularity="op", regions=False)
         self.loop = compiled_loop(self.model, self.model, True)
         self.measured: dict = {}
+        self.programs: dict = {}  # what each measured plan's compiled program says (Note [Compiled programs])
         self.args, self.kwargs = split_inputs(self.inputs)
 
     def plan(self, budget: int):
         t0 = time.perf_counter()
         before = len(self.measured)
-        plan = plan_compiled(self.planner, budget, lambda p: peak_with_plan(
+        plan = plan_compiled(self.planner, budget, lambda p: checked_reading(
             self.model, p, self.args, self.kwargs, self.loss_fn, self.device, self.profile, self.loop),
-            loop=str(self.loop), measured=self.measured)
+            loop=str(self.loop), measured=self.measured, programs=self.programs)
         return plan, time.perf_counter() - t0, len(self.measured) - before
 
 

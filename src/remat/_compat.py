@@ -486,3 +486,109 @@ def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
         return [(_keystr(path), leaf) for path, leaf in _tree_flatten_with_path(tree)[0]]
     except Exception:  # noqa: BLE001 - a node type registered without flatten_with_keys
         return [(f" <leaf {i}>", leaf) for i, leaf in enumerate(tree_flatten(tree)[0])]
+
+
+#: the buffer sizes of programs inductor lowered in this process, by the program's key (Note [Compiled programs])
+_PROGRAM_SIZES: dict[str, dict[str, int | None]] = {}
+#: the version of the sizes kept next to inductor's cache: raised when what is kept changes
+_PROGRAM_SIZES_FORMAT = 1
+
+
+def _program_sizes_path(key: str):
+    from pathlib import Path
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir(), f"remat-programs-{_PROGRAM_SIZES_FORMAT}", f"{key}.json")
+
+
+@contextlib.contextmanager
+def inductor_programs() -> Iterator[list[tuple[str, dict[str, int | None]]]]:
+    """Within the block, each graph inductor compiles or loads from its cache appends (its wrapper's source,
+    the bytes of each of its buffers and inputs by name) to the list yielded (Note [Compiled programs] in
+    remat.compiled_memory), in the order they are made ready. Sizes are read where a graph is lowered
+    (``GraphLowering.compile_to_module``: its ``name_to_buffer`` and ``graph_inputs``) and kept by the
+    program's key (``GraphLowering.cache_key``, a hash of its source) in this process and next to inductor's
+    cache (``remat-programs-1/<key>.json`` in its cache directory), so a graph inductor loads from its cache,
+    which is not lowered again, is read too (``CompiledFxGraph.post_compile``, which runs on a hit and a miss;
+    its ``cache_key`` and ``source_code``). A graph inductor cached without its sizes kept (by a process that
+    did not read it) is a miss within the block (``FxGraphCache._lookup_graph``), so it is lowered again and
+    its sizes kept (again each time where the cache reads that older entry first: it reads them in name order).
+    A symbolic size counts by its hint; a buffer without a layout of its own (a multi-output kernel's) has
+    none. Checked on 2.13."""
+    import json
+    import os
+
+    import torch._inductor.codecache as codecache
+    import torch._inductor.graph as inductor_graph
+    import torch._inductor.output_code as output_code
+
+    found: list[tuple[str, dict[str, int | None]]] = []
+    lowered = inductor_graph.GraphLowering.compile_to_module
+    post_compile = output_code.CompiledFxGraph.post_compile
+    lookup = codecache.FxGraphCache.__dict__["_lookup_graph"]
+
+    def kept(key: str | None) -> bool:
+        return bool(key) and (key in _PROGRAM_SIZES or _program_sizes_path(key).exists())
+
+    def lookup_kept(*args, **kwargs):
+        graph, info = lookup.__func__(*args, **kwargs)
+        if graph is not None and not kept(getattr(graph, "cache_key", None)):
+            return None, info  # lowered again, its sizes kept this time
+        return graph, info
+
+    def nbytes(node: Any, hint: Callable[[Any], int]) -> int | None:
+        try:
+            layout = node.get_layout()
+            size, stride = [hint(s) for s in layout.size], [hint(s) for s in layout.stride]
+            elements = (1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0) + hint(layout.offset)
+            return elements * node.get_dtype().itemsize
+        except Exception:  # noqa: BLE001 - a layout without a size (NoneLayout, MultiOutputLayout), no hint
+            return None
+
+    def compile_to_module(self):  # noqa: ANN001 - inductor's GraphLowering
+        module = lowered(self)
+        try:
+            # a symbolic size (the CPU RNG state a checkpointed region saves is one) by its hint
+            def hint(e: Any) -> int:
+                try:
+                    return int(e)
+                except TypeError:
+                    return int(self.sizevars.optimization_hint(e))
+
+            sizes = {name: nbytes(buf, hint) for name, buf in self.name_to_buffer.items()}
+            for name, value in self.graph_inputs.items():
+                sizes[name] = nbytes(getattr(value, "data", value), hint)
+            _PROGRAM_SIZES[self.cache_key] = sizes
+            path = _program_sizes_path(self.cache_key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_suffix(f".{os.getpid()}.part")
+            part.write_text(json.dumps(sizes))
+            os.replace(part, path)
+        except Exception:  # noqa: BLE001 - a lowering this reader does not know, an unwritable cache: not kept
+            pass
+        return module
+
+    def ready(self, *args, **kwargs):  # noqa: ANN001 - inductor's CompiledFxGraph
+        try:
+            key, source = getattr(self, "cache_key", None), getattr(self, "source_code", None)
+            sizes = _PROGRAM_SIZES.get(key) if key else None
+            if sizes is None and key:
+                path = _program_sizes_path(key)
+                if path.exists():
+                    sizes = _PROGRAM_SIZES[key] = json.loads(path.read_text())
+            if sizes is not None and source:
+                found.append((source, sizes))
+        except Exception:  # noqa: BLE001 - unreadable: left out, as a graph of unknown sizes is
+            pass
+        return post_compile(self, *args, **kwargs)
+
+    inductor_graph.GraphLowering.compile_to_module = compile_to_module
+    output_code.CompiledFxGraph.post_compile = ready
+    codecache.FxGraphCache._lookup_graph = staticmethod(lookup_kept)
+    try:
+        yield found
+    finally:
+        inductor_graph.GraphLowering.compile_to_module = lowered
+        output_code.CompiledFxGraph.post_compile = post_compile
+        codecache.FxGraphCache._lookup_graph = lookup

@@ -13,9 +13,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from remat._compat import profiler_memory_trace, uncompiled
+from remat._compat import inductor_programs, profiler_memory_trace, uncompiled
 from remat.capture import ModelGraph, capture
 from remat.compiled import CompiledLoop, compiled_loop, compiled_nothing_note, eager_submodules
+from remat.compiled_memory import step_program_bytes
 from remat.costs import Profile
 from remat.distributed import Ranks, Wrapping, ranks_for, steps_checked, wrapping_of
 from remat.errors import InternalError, InvalidInputError, PlanMismatchError, RematError
@@ -25,7 +26,7 @@ from remat.plan import GiB, Plan, fmt_bytes
 from remat.profile import profile_model
 from remat.rewrite import check_units, checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
-from remat.solve.calibrated import plan_compiled
+from remat.solve.calibrated import CompiledReading, plan_compiled
 from remat.state import fresh_grads, preserved
 
 log = logging.getLogger(__name__)
@@ -246,7 +247,9 @@ def optimize_checkpointing(
     (``block.compile()``, torchtitan's order) is planned for its compiled step; False plans the eager step.
     The predicted and checked peaks are then the compiled step's, measured by the allocator (CUDA) or the
     profiler's allocator-level memory events (CPU) on compiled steps of 1-7 plans (one compile each, the cost
-    of compiled planning: 1 when the budget needs no checkpointing, 3 to refuse one below the least peak). Regions (Note [Regions] in remat.capture) are not offered for a compiled loop. The
+    of compiled planning: 1 when the budget needs no checkpointing, 3 to refuse one below the least peak); a
+    whole model compiled by inductor is predicted from what its generated program allocates (Note [Compiled
+    programs] in remat.compiled_memory). Regions (Note [Regions] in remat.capture) are not offered for a compiled loop. The
     model is profiled eagerly (the module ``torch.compile`` wraps) and recompiles on its next call (Note
     [Under torch.compile] in remat.rewrite).
 
@@ -316,7 +319,7 @@ def optimize_checkpointing(
             if check and loop is not None:
                 with stage("check", model, args, kwargs, loss_fn):
                     plan = plan_compiled(
-                        planner, budget_bytes, lambda p: _ranks_max(ranks, peak_with_plan(
+                        planner, budget_bytes, lambda p: _ranks_reading(ranks, checked_reading(
                             model, p, args, kwargs, loss_fn, device, profile, loop)),
                         agree=ranks.broadcast if ranks is not None else (lambda p: p), loop=str(loop))
             elif check:
@@ -370,8 +373,13 @@ def forwards_counted(model: nn.Module) -> Iterator[dict[str, int]]:
         handle.remove()
 
 
-def _ranks_max(ranks: Ranks | None, peak: int) -> int:
-    return ranks.max(peak) if ranks is not None else peak
+def _ranks_reading(ranks: Ranks | None, reading: CompiledReading) -> CompiledReading:
+    """The largest reading over ranks (a program read on some ranks only: none)."""
+    if ranks is None:
+        return reading
+    readings = ranks.gather((reading.peak_bytes, reading.program_bytes))
+    programs = [program for _, program in readings]
+    return CompiledReading(max(peak for peak, _ in readings), None if None in programs else max(programs))
 
 
 def measure_checked_peak(
@@ -437,13 +445,28 @@ def peak_with_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss
     afresh, one warm-up step that compiles, then the measured step, metered at allocator level). ``then(call)``
     runs afterwards with the plan still applied (and compiled: ``call`` runs the forward), e.g. to time steps
     without compiling again. Leaves ``model`` without checkpointing."""
+    return checked_reading(model, plan, args, kwargs, loss_fn, device, profile, loop, then).peak_bytes
+
+
+def checked_reading(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
+                    profile: Profile, loop: CompiledLoop | None = None,
+                    then: Callable[[Callable[..., Any]], None] | None = None) -> CompiledReading:
+    """:func:`peak_with_plan`, and with ``loop`` what the programs inductor generated for the step say of its
+    memory, read as they are compiled, before the measured step (Note [Compiled programs] in
+    remat.compiled_memory; None where they cannot be read)."""
     remove_checkpointing(model)
     checkpoint_plan(model, plan)
+    program = None
     try:
         with loop.step(model) if loop is not None else contextlib.nullcontext(model) as call:
             if loop is not None:  # compiles: not measured
-                with preserved(model), torch.random.fork_rng(devices=[]), fresh_grads(trainable_parameters(model)):
+                # (read only where they can say the step's memory: a whole model compiled by inductor, one forward
+                # and one backward graph; reading them costs inductor's cache for these compiles)
+                read = not loop.blocks and dict(loop.settings).get("backend", "inductor") == "inductor"
+                with preserved(model), torch.random.fork_rng(devices=[]), fresh_grads(trainable_parameters(model)), \
+                        inductor_programs() if read else contextlib.nullcontext([]) as programs:
                     run_step(call, args, kwargs, loss_fn, output_alive=profile.output_alive)
+                program = step_program_bytes(programs)
             peak = measure_checked_peak(
                 model, args, kwargs, loss_fn, device, output_alive=profile.output_alive, grads_held=profile.grads_held,
                 grads_held_in_forward=profile.grads_held_in_forward,
@@ -451,7 +474,7 @@ def peak_with_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss
                 call=call, allocator_level=loop is not None)
             if then is not None:
                 then(call)
-            return peak
+            return CompiledReading(peak, program)
     finally:
         remove_checkpointing(model)
 

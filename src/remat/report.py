@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from remat.api import peak_with_plan, plan_checked, prepare_hf_for_training
+from remat.api import checked_reading, plan_checked, prepare_hf_for_training
 from remat.compiled import compiled_loop
 from remat.costs import Profile
 from remat.errors import InfeasibleBudgetError
@@ -28,7 +28,7 @@ from remat.steps import measure_plans, measure_step_in_place
 from remat.plan import GiB, Plan, fmt_bytes
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
-from remat.solve.calibrated import plan_compiled
+from remat.solve.calibrated import CompiledReading, plan_compiled
 
 
 @dataclass(frozen=True)
@@ -283,9 +283,10 @@ def _tradeoff_compiled(model, inputs, profile, *, loss_fn, budgets, points, warm
     planners = {g: Planner(profile, granularity=g, regions=False) for g in granularities}
     first = planners[granularities[0]]
     measured: dict[tuple[str, ...], int] = {}
+    programs: dict[tuple[str, ...], int | None] = {}
     times: dict[tuple[str, ...], tuple[float, ...]] = {}
 
-    def measure(plan: Plan) -> int:
+    def measure(plan: Plan) -> CompiledReading:
         """The compiled peak; the step is timed in the same compile (each plan compiles once)."""
         say(f"compiling and measuring {plan.strategy} ({len(plan.checkpointed)} units)")
 
@@ -293,18 +294,19 @@ def _tradeoff_compiled(model, inputs, profile, *, loss_fn, budgets, points, warm
             times[plan.checkpointed] = _compiled_step_times(model, call, args, kwargs, loss_fn, device, profile,
                                                             warmup, repeats)
 
-        return peak_with_plan(model, plan, args, kwargs, loss_fn, device, profile, loop, then=timed)
+        return checked_reading(model, plan, args, kwargs, loss_fn, device, profile, loop, then=timed)
 
     plans: list[tuple[Plan | _Infeasible, int | None, str]] = []
     for rule in first.baselines():
         if rule.checkpointed not in measured:
-            measured[rule.checkpointed] = measure(rule)
+            reading = measure(rule)
+            measured[rule.checkpointed], programs[rule.checkpointed] = reading.peak_bytes, reading.program_bytes
         plans.append((dataclasses.replace(rule, checked_peak_bytes=measured[rule.checkpointed], compiled=str(loop)),
                       None, ""))
     if budgets is None:
         lo = min(measured.values())
         try:
-            plan_compiled(first, 0, measure, loop=str(loop), measured=measured)
+            plan_compiled(first, 0, measure, loop=str(loop), measured=measured, programs=programs)
         except InfeasibleBudgetError as e:
             lo = e.min_feasible_bytes
         hi = measured[()]
@@ -313,7 +315,8 @@ def _tradeoff_compiled(model, inputs, profile, *, loss_fn, budgets, points, warm
         say(f"planning for {fmt_bytes(b)}")
         for g in granularities:
             try:
-                plans.append((plan_compiled(planners[g], b, measure, loop=str(loop), measured=measured), b, ""))
+                plans.append((plan_compiled(planners[g], b, measure, loop=str(loop), measured=measured, programs=programs),
+                              b, ""))
             except InfeasibleBudgetError as e:
                 plans.append((_Infeasible("ilp" if g == "block" else "ilp-op"), b,
                               f"below the least achievable compiled peak {fmt_bytes(e.min_feasible_bytes)}"))

@@ -86,3 +86,25 @@ def test_conv_net_with_batchnorm_compiled_per_block_on_inductor():
     assert max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads) <= 1e-5
     for (n, b), (_, ref) in zip(model.named_buffers(), plain.named_buffers()):
         assert torch.allclose(b, ref, atol=1e-5), n
+
+
+def test_conv_net_compiled_whole_is_predicted_from_its_compiled_program():
+    """Issue #22: the conv net compiled whole with inductor. Its compiled peak is not a function of the eager one
+    (plans of eager peaks 1,437,512 and 1,568,576 bytes measured 1,361,872 and 1,362,000 compiled), and the
+    interpolation in the eager peak predicted these three budgets' plans 3.7%, 7.1% and 11.5% low. remat now
+    predicts a plan from what inductor's programs for its step allocate (Note [Compiled programs] in
+    remat.compiled_memory), calibrated on the other plans measured, without its own measured step: each within
+    5% (benchmarks/compile_prediction.py: -1.4% to +0.3% over seven budgets), and each measured within the
+    budget."""
+    model, inputs, loss_fn = conv_net()
+    plain = compiled_baseline(model, inputs, loss_fn, granularity="block", compile=True)
+    for fraction in (0.97, 0.85, 0.80):
+        budget = int(plain * fraction) - 1
+        plan = remat.optimize_checkpointing(model, budget / 2**30, inputs, loss_fn=loss_fn, granularity="block",
+                                            compile=True)
+        assert plan.checkpointed and plan.checked_peak_bytes <= budget, (fraction, plan.checked_peak_bytes, budget)
+        assert abs(plan.predicted_peak_bytes - plan.checked_peak_bytes) <= 0.05 * plan.checked_peak_bytes, \
+            (fraction, plan.checkpointed, plan.predicted_peak_bytes, plan.checked_peak_bytes)
+        # (an anchor's prediction is its measured peak: those would pass whatever the predictor)
+        assert any("from its compiled program's allocations" in n for n in plan.notes), plan.notes
+        remat.remove_checkpointing(model)

@@ -145,3 +145,39 @@ def test_above_every_blocks_compiled_peak_the_least_memory_plan_is_not_compiled(
     meter.measured.clear()
     plan_compiled(p, every - 1, meter, loop="stand-in")  # below it: the least-memory plan is the promise
     assert p.least_memory().checkpointed in meter.measured
+
+
+class ProgramStand(CurvedStand):
+    """A compiled step whose peak bends (as :class:`CurvedStand`) and whose compiled program says so: each reading
+    carries the program's figure, the peak less a constant (what runs outside the compiled graphs), or, for one
+    plan, ``off_by`` more than that."""
+
+    def __init__(self, planner: Planner, odd: tuple[str, ...] = (), off_by: int = 0) -> None:
+        super().__init__(planner)
+        self.odd, self.off_by = odd, off_by
+
+    def __call__(self, plan):
+        from remat.solve.calibrated import CompiledReading
+
+        peak = super().__call__(plan)
+        return CompiledReading(peak, peak - 4096 + (self.off_by if plan.checkpointed == self.odd else 0))
+
+
+def test_a_compiled_program_predicts_a_plan_without_its_own_measured_step():
+    """Issue #22: where the compiled program can be read, a plan's prediction interpolates in the program's
+    figure between the other plans measured (Note [Compiled programs]): exact where the program says what the
+    step holds, though the peak is not linear in the eager one; and made without the plan's own measured
+    step: a program reading off by 10 KiB for the returned plan moves its prediction, not its measured peak."""
+    p = planner()
+    lo, hi = CurvedStand(p)(p.least_memory()), CurvedStand(p)(p.no_checkpointing())
+    budget = (lo + hi) // 2
+    plan = plan_compiled(p, budget, ProgramStand(p), loop="stand-in")
+    assert plan.checkpointed not in {p.least_memory().checkpointed, (), p.every_nth_block(1).checkpointed}
+    assert plan.predicted_peak_bytes == plan.checked_peak_bytes
+    assert "from its compiled program's allocations, calibrated on" in plan.notes[-1]
+    # by the eager peak the same plan is predicted off the curve (the calibration cannot follow the bend)
+    by_eager = plan_compiled(p, budget, CurvedStand(p), loop="stand-in")
+    assert by_eager.checkpointed == plan.checkpointed and by_eager.predicted_peak_bytes != by_eager.checked_peak_bytes
+    odd = plan_compiled(p, budget, ProgramStand(p, odd=plan.checkpointed, off_by=10240), loop="stand-in")
+    assert odd.checked_peak_bytes == plan.checked_peak_bytes
+    assert odd.predicted_peak_bytes == plan.checked_peak_bytes + 10240
