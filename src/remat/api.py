@@ -400,7 +400,7 @@ def measure_checked_peak(
     ``model``); ``allocator_level``: meter every allocation, as compiled code needs (the profiler's memory
     events on CPU; on CUDA the allocator always is). ``steps``: read that many steps by the allocator's
     events and keep the largest peak; None: as many as ``model`` needs (:func:`remat.distributed.steps_checked`:
-    3 for a CPU model with DTensor parameters, under gloo, Note [Steps under gloo]; else one).
+    3 for a tensor-parallel model on CPU, under gloo, Note [Steps under gloo]; else one).
 
     The model's gradients (``.grad`` objects and values), buffers and the RNG state are as they were."""
     inputs = input_tensors(args, kwargs)
