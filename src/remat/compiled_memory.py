@@ -30,7 +30,7 @@ _ITEM = re.compile(r"^\s+(\w+) = (\w+)((?:\[\d+\])+)$", re.M)  # (nested: a high
 _ALLOC = re.compile(r"^(\w+) = (empty_strided_\w+|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(")
 _RENAME = re.compile(r"^(\w+) = (\w+)$")
 _VIEW = re.compile(r"^(\w+) = reinterpret_tensor\((\w+),")
-_DEL = re.compile(r"^del (\w+)$")
+_DEL = re.compile(r"^del (\w+(?:, *\w+)*)$")
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class UnreadableProgram(ValueError):
     """A wrapper whose statements this reader does not know."""
 
 
-def program_memory(source: str, sizes: dict[str, int]) -> ProgramMemory:
+def program_memory(source: str, sizes: dict[str, int | None]) -> ProgramMemory:
     """The memory of the wrapper ``source`` when it runs (Note [Compiled programs]); ``sizes``: bytes of
     each buffer and input by name. Raises UnreadableProgram where the source has no ``call(self, args)``
     or allocates a buffer of unknown size."""
@@ -104,7 +104,7 @@ def program_memory(source: str, sizes: dict[str, int]) -> ProgramMemory:
 
     inputs_bytes = 0
     for name in inputs:
-        s = storage(sizes.get(name) or 0)  # (an input of unknown size, e.g. an RNG state: made elsewhere, small)
+        s = storage(sizes.get(name) or 0)  # (an input of unknown size counts as none: made elsewhere)
         bind(name, s)
         if name.startswith("primals_"):
             held.add(s)
@@ -121,7 +121,8 @@ def program_memory(source: str, sizes: dict[str, int]) -> ProgramMemory:
             if not stmt or stmt.startswith(("#", "assert_", "return")):
                 continue
             if d := _DEL.match(stmt):
-                drop(d.group(1))
+                for name in d.group(1).split(","):
+                    drop(name.strip())
             elif (r := _RENAME.match(stmt)) and r.group(2) in storage_of:  # reuse: the same memory
                 bind(r.group(1), storage_of[r.group(2)])
             elif (v := _VIEW.match(stmt)) and v.group(2) in storage_of:
@@ -149,7 +150,7 @@ def step_rise_bytes(forward: ProgramMemory, backward: ProgramMemory) -> int:
     return max(forward.peak_bytes, forward.end_bytes + backward.rise_bytes)
 
 
-def step_program_bytes(programs: list[tuple[str, dict[str, int]]]) -> int | None:
+def step_program_bytes(programs: list[tuple[str, dict[str, int | None]]]) -> int | None:
     """:func:`step_rise_bytes` of a training step compiled as one forward and one backward graph (a whole model
     compiled without graph breaks), from the two programs inductor generated for it, in the order compiled
     (the backward's inputs include the incoming gradients, ``tangents_*``); None for any other set of

@@ -37,8 +37,7 @@ BACKWARD = '''
         buf2 = buf1[0]
         assert_size_stride(buf2, (8, 16), (16, 1), 'torch.ops.aten.convolution_backward.default')
         buf3 = buf1[1]
-        del buf1
-        del buf1_saved
+        del buf1, buf1_saved
         return (buf2, buf3, )
 '''
 
@@ -105,3 +104,17 @@ def test_a_higher_order_operators_nested_outputs_are_read():
 """
     m = program_memory(source, {"primals_1": 4096, "buf2": 16, "buf3": 4096, "buf4": 1024})
     assert m.peak_bytes == m.end_bytes == 16 + 4096 + 1024
+
+
+def test_one_del_of_several_names_frees_each():
+    source = """
+    def call(self, args):
+        saved_a, saved_b, = args
+        args.clear()
+        buf0 = empty_strided_cpu((16, ), (1, ), torch.float32)
+        del saved_a, saved_b
+        buf1 = empty_strided_cpu((1024, ), (1, ), torch.float32)
+        return (buf0, buf1, )
+"""
+    m = program_memory(source, {"saved_a": 1000, "saved_b": 3000, "buf0": 64, "buf1": 4096})
+    assert m.inputs_bytes == 4000 and m.peak_bytes == 4096 + 64 == m.end_bytes
