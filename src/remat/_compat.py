@@ -528,12 +528,20 @@ def inductor_programs() -> Iterator[list[tuple[str, dict[str, int | None]]]]:
     post_compile = output_code.CompiledFxGraph.post_compile
     lookup = codecache.FxGraphCache.__dict__["_lookup_graph"]
 
-    def kept(key: str | None) -> bool:
-        return bool(key) and (key in _PROGRAM_SIZES or _program_sizes_path(key).exists())
+    def kept(key: str | None) -> dict[str, int | None] | None:
+        """The sizes kept for the program of ``key``: in this process, else next to inductor's cache."""
+        if not key:
+            return None
+        if key not in _PROGRAM_SIZES:
+            path = _program_sizes_path(key)
+            if not path.exists():
+                return None
+            _PROGRAM_SIZES[key] = json.loads(path.read_text())
+        return _PROGRAM_SIZES[key]
 
     def lookup_kept(*args, **kwargs):
         graph, info = lookup.__func__(*args, **kwargs)
-        if graph is not None and not kept(getattr(graph, "cache_key", None)):
+        if graph is not None and kept(getattr(graph, "cache_key", None)) is None:
             return None, info  # lowered again, its sizes kept this time
         return graph, info
 
@@ -571,12 +579,7 @@ def inductor_programs() -> Iterator[list[tuple[str, dict[str, int | None]]]]:
 
     def ready(self, *args, **kwargs):  # noqa: ANN001 - inductor's CompiledFxGraph
         try:
-            key, source = getattr(self, "cache_key", None), getattr(self, "source_code", None)
-            sizes = _PROGRAM_SIZES.get(key) if key else None
-            if sizes is None and key:
-                path = _program_sizes_path(key)
-                if path.exists():
-                    sizes = _PROGRAM_SIZES[key] = json.loads(path.read_text())
+            sizes, source = kept(getattr(self, "cache_key", None)), getattr(self, "source_code", None)
             if sizes is not None and source:
                 found.append((source, sizes))
         except Exception:  # noqa: BLE001 - unreadable: left out, as a graph of unknown sizes is

@@ -108,3 +108,29 @@ def test_conv_net_compiled_whole_is_predicted_from_its_compiled_program():
         # (an anchor's prediction is its measured peak: those would pass whatever the predictor)
         assert any("from its compiled program's allocations" in n for n in plan.notes), plan.notes
         remat.remove_checkpointing(model)
+
+
+def test_a_plan_inductor_loads_from_its_cache_is_read_as_when_it_was_lowered(tmp_path, monkeypatch):
+    """Note [Compiled programs]: the sizes of a program's buffers are read where inductor lowers it and kept by
+    its key, so the same step compiled again, which inductor now loads from its cache without lowering, reads
+    the same, in a later process too. (Without what is kept, a cache hit would give no reading and fall back to
+    the eager peak.) An inductor cache of its own: the first compile lowers, whatever this machine's cache
+    holds."""
+    from remat._compat import inductor_programs
+    from remat.compiled_memory import step_program_bytes
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, inputs, loss_fn = conv_net()
+    readings, lowered = [], []
+    for _ in range(2):
+        remat._compat._PROGRAM_SIZES.clear()  # as in a new process: only what is kept next to the cache
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        with inductor_programs() as programs:
+            loss_fn(torch.compile(model)(inputs)).backward()
+        readings.append(step_program_bytes(programs))
+        lowered.append(counters["inductor"]["fxgraph_cache_miss"])
+        model.zero_grad(set_to_none=True)
+    assert readings[0] is not None and readings[1] == readings[0], readings
+    assert lowered[0] > 0 and lowered[1] == 0, lowered  # the second compile was a cache hit: nothing lowered

@@ -34,8 +34,8 @@ allocator-level memory events on CPU, remat.compiled) and uses the eager simulat
   prediction (made without its own measured step) and its measured peak.
 
 Every returned plan's compiled peak is measured; the cost is one compile per measured plan (counted in
-the plan's notes), lowered afresh by inductor: remat reads the programs it generates, so its cache is not
-read while remat compiles (it is written: the loop's own compile of the plan finds it there).
+the plan's notes). Reading a plan's programs costs nothing more where inductor finds them in its cache with
+their sizes kept by remat; one cached without them is lowered again (remat.compiled_memory).
 """
 
 from __future__ import annotations
