@@ -7,6 +7,7 @@ breaks here with a message that says which, instead of deep inside a stage.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 import functools
 import types
 import weakref
@@ -491,7 +492,7 @@ def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
 #: the buffer sizes of programs inductor lowered in this process, by the program's key (Note [Compiled programs])
 _PROGRAM_SIZES: dict[str, dict[str, int | None]] = {}
 #: the version of the sizes kept next to inductor's cache: raised when what is kept changes
-_PROGRAM_SIZES_FORMAT = 1
+_PROGRAM_SIZES_FORMAT = 2
 
 
 def _program_sizes_path(key: str):
@@ -502,11 +503,24 @@ def _program_sizes_path(key: str):
     return Path(cache_dir(), f"remat-programs-{_PROGRAM_SIZES_FORMAT}", f"{key}.json")
 
 
+@dataclass
+class InductorPrograms:
+    """The programs inductor made ready within :func:`inductor_programs`, and those that ran, each as (its
+    wrapper's source, the bytes of each of its buffers and inputs by name)."""
+
+    #: each graph compiled or loaded from inductor's cache, in the order made ready
+    made: list[tuple[str, dict[str, int | None]]] = field(default_factory=list)
+    #: each call of a compiled graph, in the order run (a graph that runs twice, twice: two blocks of one
+    #: shape share it); None for one whose sizes are not known
+    called: list[tuple[str, dict[str, int | None]] | None] = field(default_factory=list)
+
+
 @contextlib.contextmanager
-def inductor_programs() -> Iterator[list[tuple[str, dict[str, int | None]]]]:
-    """Within the block, each graph inductor compiles or loads from its cache appends (its wrapper's source,
-    the bytes of each of its buffers and inputs by name) to the list yielded (Note [Compiled programs] in
-    remat.compiled_memory), in the order they are made ready. Sizes are read where a graph is lowered
+def inductor_programs() -> Iterator[InductorPrograms]:
+    """Within the block, each graph inductor compiles or loads from its cache is appended to the yielded
+    ``made`` (Note [Compiled programs] in remat.compiled_memory), in the order they are made ready, and each
+    call of one to ``called`` (``CompiledFxGraph.__call__``, which AOTAutograd's runtime calls per forward and
+    backward). Sizes are read where a graph is lowered
     (``GraphLowering.compile_to_module``: its ``name_to_buffer`` and ``graph_inputs``) and kept by the
     program's key (``GraphLowering.cache_key``, a hash of its source) in this process and next to inductor's
     cache (``remat-programs-1/<key>.json`` in its cache directory), so a graph inductor loads from its cache,
@@ -523,9 +537,10 @@ def inductor_programs() -> Iterator[list[tuple[str, dict[str, int | None]]]]:
     import torch._inductor.graph as inductor_graph
     import torch._inductor.output_code as output_code
 
-    found: list[tuple[str, dict[str, int | None]]] = []
+    found = InductorPrograms()
     lowered = inductor_graph.GraphLowering.compile_to_module
     post_compile = output_code.CompiledFxGraph.post_compile
+    run = output_code.CompiledFxGraph.__call__
     lookup = codecache.FxGraphCache.__dict__["_lookup_graph"]
 
     def kept(key: str | None) -> dict[str, int | None] | None:
@@ -552,6 +567,15 @@ def inductor_programs() -> Iterator[list[tuple[str, dict[str, int | None]]]]:
             elements = (1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0) + hint(layout.offset)
             return elements * node.get_dtype().itemsize
         except Exception:  # noqa: BLE001 - a layout without a size (NoneLayout, MultiOutputLayout), no hint
+            pass
+        try:  # a multi-output kernel's: all its outputs, those the program never names too (from its FX node)
+            if type(getattr(node, "layout", None)).__name__ != "MultiOutputLayout":
+                return None
+            origins = [getattr(node, "origin_node", None), *sorted(getattr(node, "origins", ()), key=lambda o: o.name)]
+            value = next(o.meta["val"] for o in origins if o is not None and isinstance(o.meta.get("val"), (list, tuple)))
+            leaves = torch.utils._pytree.tree_leaves(value)
+            return sum(hint(t.untyped_storage().nbytes()) for t in leaves if isinstance(t, torch.Tensor))
+        except Exception:  # noqa: BLE001 - no node, no value: unknown
             return None
 
     def compile_to_module(self):  # noqa: ANN001 - inductor's GraphLowering
@@ -581,17 +605,27 @@ def inductor_programs() -> Iterator[list[tuple[str, dict[str, int | None]]]]:
         try:
             sizes, source = kept(getattr(self, "cache_key", None)), getattr(self, "source_code", None)
             if sizes is not None and source:
-                found.append((source, sizes))
+                found.made.append((source, sizes))
         except Exception:  # noqa: BLE001 - unreadable: left out, as a graph of unknown sizes is
             pass
         return post_compile(self, *args, **kwargs)
 
+    def called(self, inputs):  # noqa: ANN001 - inductor's CompiledFxGraph
+        try:
+            sizes, source = kept(getattr(self, "cache_key", None)), getattr(self, "source_code", None)
+            found.called.append((source, sizes) if sizes is not None and source else None)
+        except Exception:  # noqa: BLE001 - unreadable: a call of unknown sizes
+            found.called.append(None)
+        return run(self, inputs)
+
     inductor_graph.GraphLowering.compile_to_module = compile_to_module
     output_code.CompiledFxGraph.post_compile = ready
+    output_code.CompiledFxGraph.__call__ = called
     codecache.FxGraphCache._lookup_graph = staticmethod(lookup_kept)
     try:
         yield found
     finally:
         inductor_graph.GraphLowering.compile_to_module = lowered
         output_code.CompiledFxGraph.post_compile = post_compile
+        output_code.CompiledFxGraph.__call__ = run
         codecache.FxGraphCache._lookup_graph = lookup

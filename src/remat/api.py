@@ -16,7 +16,7 @@ from torch import nn
 from remat._compat import inductor_programs, profiler_memory_trace, uncompiled
 from remat.capture import ModelGraph, capture
 from remat.compiled import CompiledLoop, compiled_loop, compiled_nothing_note, eager_submodules
-from remat.compiled_memory import step_program_bytes
+from remat.compiled_memory import composed_step_bytes, eager_blocks, step_program_bytes
 from remat.costs import Profile
 from remat.distributed import Ranks, Wrapping, ranks_for, steps_checked, wrapping_of
 from remat.errors import InternalError, InvalidInputError, PlanMismatchError, RematError
@@ -460,13 +460,18 @@ def checked_reading(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, los
     try:
         with loop.step(model) if loop is not None else contextlib.nullcontext(model) as call:
             if loop is not None:  # compiles: not measured
-                # (read only where they can say the step's memory: a whole model compiled by inductor, one forward
-                # and one backward graph; reading them costs inductor's cache for these compiles)
-                read = not loop.blocks and dict(loop.settings).get("backend", "inductor") == "inductor"
+                # (read where they can say the step's memory: a whole model compiled by inductor, one forward and
+                # one backward graph, or blocks compiled one by one, composed with the eager code between them;
+                # reading them costs inductor's cache for these compiles)
+                blocks = eager_blocks(profile, loop.blocks, plan.checkpointed) if loop.blocks else None
+                read = dict(loop.settings).get("backend", "inductor") == "inductor" and (
+                    not loop.blocks or blocks is not None)
                 with preserved(model), torch.random.fork_rng(devices=[]), fresh_grads(trainable_parameters(model)), \
-                        inductor_programs() if read else contextlib.nullcontext([]) as programs:
+                        inductor_programs() if read else contextlib.nullcontext(None) as programs:
                     run_step(call, args, kwargs, loss_fn, output_alive=profile.output_alive)
-                program = step_program_bytes(programs)
+                if programs is not None:
+                    program = step_program_bytes(programs.made) if blocks is None else \
+                        composed_step_bytes(profile, blocks, programs.called)
             peak = measure_checked_peak(
                 model, args, kwargs, loss_fn, device, output_alive=profile.output_alive, grads_held=profile.grads_held,
                 grads_held_in_forward=profile.grads_held_in_forward,

@@ -169,6 +169,29 @@ class Keep:
 
 
 @dataclass(frozen=True)
+class Made:
+    """A storage a unit's forward makes that outlives it in the plain step (its output, what it saves for
+    backward), and what outside the unit holds it: what a block compiled on its own replaces with what its
+    compiled forward returns (Note [Blocks compiled one by one] in remat.compiled_memory)."""
+
+    nbytes: int
+    #: first timeline index at which the plain step no longer holds it; None: alive when the step ends
+    free_index: int | None
+    #: saved for backward by an operator inside the unit
+    saved_inside: bool
+    #: the last forward operator outside the unit that reads it; None: none does
+    used_until: int | None
+    #: the tensors on it that operators outside the unit save: (the units running when it was saved, outermost
+    #: first; where backward first reads it back, None: never)
+    saved_outside: tuple[tuple[tuple[str, ...], int | None], ...] = ()
+
+    @property
+    def output(self) -> bool:
+        """Something outside the unit uses or saves it (else only the unit's own backward needs it)."""
+        return self.used_until is not None or bool(self.saved_outside) or self.free_index is None
+
+
+@dataclass(frozen=True)
 class UnitCost:
     """Measured costs of one candidate unit (a submodule, by qualified name)."""
 
@@ -229,6 +252,12 @@ class UnitCost:
     #: it, up to ``recompute_end``: a recomputation does not free them (Note [Growth of a recomputation] in
     #: remat.effects)
     freed_outside: tuple[tuple[int, int], ...] = ()
+    #: what its first forward call makes that outlives it (Note [Blocks compiled one by one] in
+    #: remat.compiled_memory)
+    made: tuple[Made, ...] = ()
+    #: timeline index of the last backward operator that reads a tensor saved inside its first call (where its
+    #: backward ends); None if it saves nothing or one is never read back
+    backward_end: int | None = None
 
     @property
     def calls(self) -> int:
@@ -410,7 +439,9 @@ class Profile:
                         "saved_ops": tuple(u.get("saved_ops", ())),
                         "later_calls": tuple(CallSpan(**c) for c in u.get("later_calls", ())),
                         "recomputed_collectives": tuple((n, b) for n, b in u.get("recomputed_collectives", ())),
-                        "freed_outside": tuple((i, b) for i, b in u.get("freed_outside", ()))})
+                        "freed_outside": tuple((i, b) for i, b in u.get("freed_outside", ())),
+                        "made": tuple(Made(**{**m, "saved_outside": tuple((tuple(st), at) for st, at in m["saved_outside"])})
+                                      for m in u.get("made", ()))})
             for u in d["units"]
         )
         for k in ("live_bytes", "grad_bytes", "saved_bytes", "notes"):

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from remat.costs import CallSpan, Drop, Keep, TensorInfo, UnitCost, recompute_growth
+from remat.costs import CallSpan, Drop, Keep, Made, TensorInfo, UnitCost, recompute_growth
 from remat.recording import CheckpointOverhead, Recording, SavedTensor, UnitTimes
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ class _CallEffects:
     saved_count: int
     #: (index, bytes) of storages made before the call and freed during its recomputed stretch
     freed_outside: tuple[tuple[int, int], ...] = ()
+    #: what the call makes that outlives it, and the last backward operator reading what it saved
+    made: tuple[Made, ...] = ()
+    backward_end: int | None = None
 
 
 def unit_costs(
@@ -88,13 +91,15 @@ def unit_costs(
     created_by = rec.created_by()
     frees = sorted((s.free_index, s.alloc_index, k, s.nbytes) for k, s in enumerate(rec.storages)
                    if s.free_index is not None)
-    return tuple(_unit_cost(rec, spec, live, saved_as, created_by, times, overhead, buffer_bytes or {}, frees)
+    allocs = sorted((s.alloc_index, k) for k, s in enumerate(rec.storages))
+    return tuple(_unit_cost(rec, spec, live, saved_as, created_by, times, overhead, buffer_bytes or {}, frees, allocs)
                  for spec in specs)
 
 
 def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: dict[int, list[SavedTensor]],
                created_by: dict[int, int], times: UnitTimes | None, overhead: CheckpointOverhead | None,
-               buffer_bytes: Mapping[str, int], frees: list[tuple[int, int, int, int]]) -> UnitCost:
+               buffer_bytes: Mapping[str, int], frees: list[tuple[int, int, int, int]],
+               allocs: list[tuple[int, int]]) -> UnitCost:
     members = spec.members
     first = members[0]
     member_set = frozenset(members)
@@ -125,7 +130,7 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
     inputs = rec.inputs.get(first, ())
     effects = [_call_effects(rec, spec, lambda t, c=c: in_call(t, c), start, end,
                              inputs[c] if c < len(inputs) else (),
-                             live, saved_as, created_by, frees, until=len(spans) > 1)
+                             live, saved_as, created_by, frees, allocs, until=len(spans) > 1)
                for c, (start, end) in enumerate(spans)]
     head = effects[0]
     start, end = spans[0]
@@ -204,12 +209,13 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
         recompute_extra_bytes=extra, recomputed_collectives=comm, freed_outside=head.freed_outside,
         later_calls=tuple(CallSpan(sp[0], sp[1], e.recompute_at, e.recompute_peak_bytes)
                           for sp, e in zip(spans[1:], effects[1:])),
+        made=head.made, backward_end=head.backward_end,
     )
 
 
 def _call_effects(rec: Recording, spec: UnitSpec, in_call, start: int, end: int, inputs: tuple[int, ...],
                   live: tuple[int, ...], saved_as: dict[int, list[SavedTensor]], created_by: dict[int, int],
-                  frees: list[tuple[int, int, int, int]], until: bool) -> _CallEffects:
+                  frees: list[tuple[int, int, int, int]], allocs: list[tuple[int, int]], until: bool) -> _CallEffects:
     """What checkpointing one forward call ``start..end`` of a unit does to memory (Note [Memory model]
     in remat.simulate); ``in_call(t)`` says whether saved tensor ``t`` was saved by that call. ``until``:
     the unit runs more than once, so each drop says when its own call is recomputed (Note [Reused
@@ -271,7 +277,26 @@ def _call_effects(rec: Recording, spec: UnitSpec, in_call, start: int, end: int,
         grown = [g - sum(c.nbytes for c in cached if c.alloc_index <= i and (c.free_index is None or i < c.free_index))
                  for i, g in zip(range(start, end_rec + 1), grown)]
     peak_inc = max(grown, default=0)
-    return _CallEffects(r_at, tuple(drops), keeps, release, end_rec, max(peak_inc, 0), saved, len(mine), outside)
+    made = _made(rec, start, end, saved, saved_as, in_call, allocs)
+    backward_end = max(unpacks) if unpacks and all(t.unpacked_at is not None for t in mine) else None
+    return _CallEffects(r_at, tuple(drops), keeps, release, end_rec, max(peak_inc, 0), saved, len(mine), outside,
+                        made, backward_end)
+
+
+def _made(rec: Recording, start: int, end: int, saved: frozenset[int], saved_as: dict[int, list[SavedTensor]],
+          in_call, allocs: list[tuple[int, int]]) -> tuple[Made, ...]:
+    """The storages the call ``start..end`` makes that outlive it in the plain step (``UnitCost.made``): for
+    each, whether the call saved it and what outside the call holds it (a later forward operator's use, a
+    later operator's saved tensor until backward reads it back)."""
+    out = []
+    for _, s in allocs[bisect.bisect_left(allocs, (start, -1)):bisect.bisect_right(allocs, (end, len(rec.storages)))]:
+        st = rec.storages[s]
+        if st.is_grad or (st.free_index is not None and st.free_index <= end + 1):
+            continue
+        last = rec.last_use.get(s, -1)
+        outside = tuple((t.stack, t.unpacked_at) for t in saved_as.get(s, ()) if not in_call(t))
+        out.append(Made(st.nbytes, st.free_index, s in saved, last if last > end else None, outside))
+    return tuple(out)
 
 
 def freed_outside(frees: list[tuple[int, int, int, int]], start: int, end: int,

@@ -61,8 +61,8 @@ def test_conv_net_with_batchnorm_compiled_per_block_on_inductor():
     The blocks are of a class with a forward of its own (``Layers``): ``Module.compile()`` on torch.nn's own
     ``nn.Sequential`` compiles nothing in this torch, and until this was found this test ran those blocks
     eagerly (but for the ones remat checkpointed). Here, at the plain compiled peak less a byte, the plan
-    (``0[3:5]``) was predicted 1.4% low; over seven budgets down to every block's compiled peak,
-    benchmarks/compile_prediction.py measured -5.9% to 0.0%, one plan (``0[0:5]``) outside 5%."""
+    (``0[3:5]``) is predicted from its blocks' programs composed with the eager code between them
+    (test_conv_net_compiled_per_block_is_predicted_from_its_blocks_programs)."""
     model, inputs, loss_fn = conv_net()
     plain = copy.deepcopy(model)
     for m in (model, plain):
@@ -110,6 +110,29 @@ def test_conv_net_compiled_whole_is_predicted_from_its_compiled_program():
         remat.remove_checkpointing(model)
 
 
+def test_conv_net_compiled_per_block_is_predicted_from_its_blocks_programs():
+    """Issue #22: the conv net with each block compiled in place. The interpolation in the eager peak predicted
+    these three budgets' plans 2.3%, 3.5% and 5.9% low (benchmarks/compile_prediction.py, session 15): the
+    eager code between the blocks is not in their programs, and a compiled convolution block saves a
+    channels-last copy of its input where the eager block saved the input. remat now composes the blocks'
+    programs with the eager step's timeline between them (Note [Blocks compiled one by one] in
+    remat.compiled_memory), calibrated on the other plans measured, without the plan's own measured step: each
+    within 5% (the benchmark: -1.3% to 0.0% over seven budgets), and each measured within the budget."""
+    model, inputs, loss_fn = conv_net()
+    for block in model[:2]:
+        block.compile()
+    plain = compiled_baseline(model, inputs, loss_fn, granularity="block")
+    for fraction in (0.97, 0.90, 0.80):
+        budget = int(plain * fraction) - 1
+        plan = remat.optimize_checkpointing(model, budget / 2**30, inputs, loss_fn=loss_fn, granularity="block")
+        assert plan.checkpointed and plan.checked_peak_bytes <= budget, (fraction, plan.checked_peak_bytes, budget)
+        assert "2 submodules in place" in plan.compiled
+        assert abs(plan.predicted_peak_bytes - plan.checked_peak_bytes) <= 0.05 * plan.checked_peak_bytes, \
+            (fraction, plan.checkpointed, plan.predicted_peak_bytes, plan.checked_peak_bytes)
+        assert any("from its compiled program's allocations" in n for n in plan.notes), plan.notes
+        remat.remove_checkpointing(model)
+
+
 def test_a_plan_inductor_loads_from_its_cache_is_read_as_when_it_was_lowered(tmp_path, monkeypatch):
     """Note [Compiled programs]: the sizes of a program's buffers are read where inductor lowers it and kept by
     its key, so the same step compiled again, which inductor now loads from its cache without lowering, reads
@@ -129,7 +152,7 @@ def test_a_plan_inductor_loads_from_its_cache_is_read_as_when_it_was_lowered(tmp
         counters.clear()
         with inductor_programs() as programs:
             loss_fn(torch.compile(model)(inputs)).backward()
-        readings.append(step_program_bytes(programs))
+        readings.append(step_program_bytes(programs.made))
         lowered.append(counters["inductor"]["fxgraph_cache_miss"])
         model.zero_grad(set_to_none=True)
     assert readings[0] is not None and readings[1] == readings[0], readings
