@@ -239,8 +239,8 @@ def step_program_bytes(programs: list[tuple[str, dict[str, int | None]]]) -> int
 # tests/slow/test_inductor.py's models, compiled per block, this reproduced the measured compiled peak to the
 # byte on 5 of 6 plans of the 2-block GPT and 6 of 8 of the conv net, before any calibration. The others
 # measured above it, by what extern kernels allocate inside themselves, which no wrapper shows (Note [Compiled
-# programs]): every GPT block checkpointed by 12,032 bytes (2.0%: its backward replays the block, and ``mm``
-# of a transposed operand copies it), a region of the second conv block by 21 KB (1.8%: oneDNN's workspace
+# programs]): every GPT block checkpointed by 12,032 bytes (2.0%, where its backward replays the block; not
+# traced to one kernel), a region of the second conv block by 21 KB (1.8%: oneDNN's workspace
 # for a recomputed convolution's backward). The calibration on measured plans (Note [Compiled steps] in
 # remat.solve.calibrated) takes up such offsets where they are alike across plans.
 
