@@ -13,12 +13,13 @@ ran and as measured, and the error, then the range of errors per model and compi
 With ``--same-plans``, instead: remat's predictors on the same plans. The compiled step is measured for the
 anchors (no checkpointing, every block, the least-memory plan) and for the ILP's plans at 8 eager targets across
 the range (benchmarks/compiled.py's 4-block GPT included), and each plan is predicted from the anchors alone:
-interpolating in the eager peak (``PeakCalibration``; remat's only predictor until session 15, still the one for
-blocks compiled one by one); by a candidate rejected in session 14, an offset (compiled - eager peak)
+interpolating in the eager peak (``PeakCalibration``; remat's only predictor until session 15, and for blocks
+compiled one by one until session 16); by a candidate rejected in session 14, an offset (compiled - eager peak)
 interpolated in the memory the plan holds at the end of the forward (12 of 20 plans within 5% by the eager
-peak, 8 of 20 by it; it lives here, not in remat); and by what remat predicts a whole model compiled by
-inductor from since session 15, interpolating in the step's compiled program's allocations (Note [Compiled
-programs] in remat.compiled_memory).
+peak, 8 of 20 by it; it lives here, not in remat); and by what remat predicts a model compiled by inductor
+from (a whole model since session 15, blocks compiled one by one since session 16), interpolating in what the
+step's compiled programs allocate (Note [Compiled programs], Note [Blocks compiled one by one] in
+remat.compiled_memory).
 
 With ``--saved-set``, instead: what the partitioner saves, against the measured compiled peak, on the same plans
 of the conv net and the 4-block GPT compiled whole. Each plan is traced with inductor's decompositions and its

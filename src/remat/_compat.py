@@ -523,13 +523,13 @@ def inductor_programs() -> Iterator[InductorPrograms]:
     backward). Sizes are read where a graph is lowered
     (``GraphLowering.compile_to_module``: its ``name_to_buffer`` and ``graph_inputs``) and kept by the
     program's key (``GraphLowering.cache_key``, a hash of its source) in this process and next to inductor's
-    cache (``remat-programs-1/<key>.json`` in its cache directory), so a graph inductor loads from its cache,
+    cache (``remat-programs-2/<key>.json`` in its cache directory), so a graph inductor loads from its cache,
     which is not lowered again, is read too (``CompiledFxGraph.post_compile``, which runs on a hit and a miss;
     its ``cache_key`` and ``source_code``). A graph inductor cached without its sizes kept (by a process that
     did not read it) is a miss within the block (``FxGraphCache._lookup_graph``), so it is lowered again and
     its sizes kept (again each time where the cache reads that older entry first: it reads them in name order).
-    A symbolic size counts by its hint; a buffer without a layout of its own (a multi-output kernel's) has
-    none. Checked on 2.13."""
+    A symbolic size counts by its hint; a multi-output kernel's buffer, without a layout of its own, counts all
+    its outputs (its FX node's value), also those the program never names. Checked on 2.13."""
     import json
     import os
 

@@ -5,8 +5,9 @@ Note [Compiled programs]
 Inductor turns each graph it compiles into a Python wrapper (``def call(self, args)``) whose statements
 say where every buffer is allocated and freed: ``bufN = empty_strided_cpu(...)`` (or ``_cuda``), an extern
 kernel that returns new buffers (``extern_kernels.convolution(...)``, ``torch.ops.aten.X.default(...)``, one
-of several outputs taken as ``bufN = bufM[i]``, or ``bufM[i][j]`` from a higher-order operator's), ``bufN = bufM; del bufM  # reuse`` (the same memory,
-renamed), ``reinterpret_tensor(bufM, ...)`` (a view) and ``del bufN`` (freed once no name refers to it).
+of several outputs taken as ``bufN = bufM[i]``, or ``bufM[i][j]`` from a higher-order operator's; those never
+taken, such as the activations of a dropout replayed for its mask, live until ``del bufM``), ``bufN = bufM;
+del bufM  # reuse`` (the same memory, renamed), ``reinterpret_tensor(bufM, ...)`` (a view) and ``del bufN`` (freed once no name refers to it).
 Its inputs come unpacked from ``args``; AOTAutograd names the parameters and the batch ``primals_*``: the
 module holds those, so deleting them frees nothing, where a backward's saved activations and incoming
 gradients are freed by their ``del``. Inductor's own estimate (``torch._inductor.memory``) plans in
@@ -200,7 +201,8 @@ def step_program_bytes(programs: list[tuple[str, dict[str, int | None]]]) -> int
     compiled without graph breaks), from the two programs inductor generated for it, in the order compiled
     (the backward's inputs include the incoming gradients, ``tangents_*``); None for any other set of
     programs (blocks compiled one by one, graph breaks, a wrapper this reader does not know): the step's
-    peak then also depends on what runs between them."""
+    peak then also depends on what runs between them (:func:`composed_step_bytes` reads blocks compiled one by
+    one)."""
     if len(programs) != 2:
         return None
     (fw_source, fw_sizes), (bw_source, bw_sizes) = programs

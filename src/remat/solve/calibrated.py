@@ -22,7 +22,8 @@ allocator-level memory events on CPU, remat.compiled) and uses the eager simulat
   nearest point);
 * a plan's reported prediction is made without its own measured step: where inductor's programs for the
   step can be read (a whole model compiled as one forward and one backward graph: Note [Compiled programs] in
-  remat.compiled_memory), interpolating in what its compiled program allocates, between the other plans
+  remat.compiled_memory; blocks compiled one by one, composed with the eager code between them: Note [Blocks
+  compiled one by one] there), interpolating in what its compiled programs allocate, between the other plans
   measured with theirs; else in its eager peak, as the targets are. The eager peak orders plans but is not
   what the compiled step holds (on the conv net of tests/slow/test_inductor.py compiled whole, plans of eager
   peaks 1,437,512 and 1,568,576 bytes measured 1,361,872 and 1,362,000 compiled; the eager-peak interpolation
