@@ -56,13 +56,31 @@ class CompiledLoop:
 
 
 
-def compiled_loop(model: nn.Module, inner: nn.Module, compile: bool | dict | None) -> CompiledLoop | None:
+@dataclass(frozen=True)
+class DetectedCompile:
+    """How a framework compiles the model, found by remat's integration for it (Lightning's ``_compiler_ctx``):
+    passed as ``compile`` to plan for it, with where it was found for the plan's ``compiled`` field."""
+
+    #: the ``torch.compile`` settings read, or None where they could not be read (torch.compile's defaults)
+    settings: dict | None
+    #: where they were found, e.g. "Lightning compiled the module"
+    source: str
+
+
+def compiled_loop(model: nn.Module, inner: nn.Module, compile: bool | dict | DetectedCompile | None) -> CompiledLoop | None:
     """How the loop compiles ``model`` (as the user passed it; ``inner``: the module it wraps, if compiled):
     ``compile`` True or a dict of ``torch.compile`` settings says so; None detects it (a model wrapped by
     ``torch.compile``, or submodules compiled in place with ``Module.compile()``); False plans the eager
     step. Returns None for an eager loop."""
     if compile is False:
         return None
+    if isinstance(compile, DetectedCompile):
+        mods = dict(inner.named_modules())
+        blocks = tuple(b for b in compiled_submodules(inner) if not module_compile_compiles_nothing(mods[b]))
+        source = compile.source + (" (its settings read from it)" if compile.settings is not None else
+                                   " (its settings could not be read: measured with torch.compile's defaults; pass "
+                                   "compile={...} to set them)")
+        return CompiledLoop(blocks=blocks, settings=tuple((compile.settings or {}).items()), source=source)
     if compile is not None and compile is not True and not isinstance(compile, dict):
         raise InvalidInputError(
             f"compile must be True, False, None (detect) or a dict of torch.compile settings ({', '.join(COMPILE_KEYS)}), "

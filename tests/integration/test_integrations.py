@@ -343,6 +343,9 @@ def test_lightning_callback_with_a_compiled_module():
     trainer, trained, losses = train([callback])
     plan = callback.plan
     assert "backend='aot_eager'" in plan.compiled and plan.checkpointed and plan.checked_peak_bytes <= budget
+    # where the loop's compile was found (it said "compile={...}", an argument nobody passed, until session 16)
+    assert "Lightning compiled the module" in plan.compiled and "its settings read from it" in plan.compiled, \
+        plan.compiled
     assert hasattr(trained.__dict__["training_step"], "_torchdynamo_orig_callable")  # still compiled by Lightning
     assert losses == pytest.approx(ref_losses, abs=1e-6) and len(losses) == 3
     assert lightning_step_peak(trainer, trained, 1, False) <= budget

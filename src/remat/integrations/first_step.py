@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from remat.api import apply_plan, optimize_checkpointing
+from remat.compiled import DetectedCompile
 from remat.errors import InvalidInputError, MissingDependencyError
 from remat.measure import AllocatorMeter, StepMeter, input_tensors, model_device, tensor_bytes
 from remat.plan import GiB, Plan, fmt_bytes, policy_summary
@@ -77,7 +78,8 @@ class FirstStep:
 
     def run(self, model: nn.Module, example_inputs: Any, *, optimizer: Any, output_alive: bool,
             grad_accumulation: bool, zero_grad_after_forward: bool = False,
-            autocast: ContextManager | None = None, ddp: bool = False, compile: bool | dict | None = None) -> Plan:
+            autocast: ContextManager | None = None, ddp: bool = False,
+            compile: bool | dict | DetectedCompile | None = None) -> Plan:
         """Plan ``model`` on ``example_inputs`` (or apply the saved plan) and remember the plan. ``ddp``: the
         framework trains ``model`` inside DistributedDataParallel (Note [DDP buckets reserved]); ``compile``: how
         the framework compiles it (the callback's own ``compile`` argument, when given, wins)."""

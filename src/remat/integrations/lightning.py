@@ -33,6 +33,7 @@ import logging
 from torch import nn
 
 from remat._compat import compile_settings
+from remat.compiled import DetectedCompile
 from remat.errors import UnsupportedError
 from remat.integrations.first_step import RematCallbackBase, missing_framework
 from remat.plan import Plan
@@ -138,7 +139,10 @@ class _RematLightning(RematCallbackBase):
                                           autocast=trainer.precision_plugin.forward_context(),
                                           ddp=type(trainer.strategy).__name__ == "DDPStrategy",
                                           # the settings it was compiled with, read from Dynamo's context
-                                          compile=(compile_settings(ctx["dynamo_ctx"]) or True) if compiled else None)
+                                          compile=DetectedCompile(
+                                              compile_settings(ctx["dynamo_ctx"]),
+                                              "Lightning compiled the module (torch.compile(module) passed to "
+                                              "fit)") if compiled else None)
             finally:
                 for name, value in quiet.items():
                     if value is None:
