@@ -23,6 +23,7 @@ remat.solve.calibrated). The sizes come from inductor's own buffers (``remat._co
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -322,7 +323,11 @@ def composed_step_bytes(profile: Profile, blocks: Sequence[EagerBlock],
             self.b = b
             self.out_only = fw.outputs_only_bytes(outputs[b.name])
             self.saved = fw.end_bytes - self.out_only
-            self.frees = sorted((m.free_index if m.free_index is not None else n, m.nbytes) for m in b.made)
+            frees = sorted((m.free_index if m.free_index is not None else n, m.nbytes) for m in b.made)
+            self.free_at = [f for f, _ in frees]
+            self.alive_from = [0] * (len(frees) + 1)  # bytes of frees[i:], the eager made alive past frees[i - 1]
+            for i in range(len(frees) - 1, -1, -1):
+                self.alive_from[i] = self.alive_from[i + 1] + frees[i][1]
             # how long the compiled output lives: held by what outside the block holds the eager one
             self.until, self.at_backward = b.forward_end, False
             for m in b.made:
@@ -345,7 +350,7 @@ def composed_step_bytes(profile: Profile, blocks: Sequence[EagerBlock],
 
         def eager(self, t: int) -> int:
             """Bytes of what the block's eager forward made still alive after operator ``t``."""
-            return sum(nbytes for free, nbytes in self.frees if free > t)
+            return self.alive_from[bisect.bisect_right(self.free_at, t)]
 
         def delta(self, t: int, at_backward: bool = False) -> int:
             b = self.b
