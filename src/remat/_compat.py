@@ -525,9 +525,10 @@ def inductor_programs() -> Iterator[InductorPrograms]:
     program's key (``GraphLowering.cache_key``, a hash of its source) in this process and next to inductor's
     cache (``remat-programs-2/<key>.json`` in its cache directory), so a graph inductor loads from its cache,
     which is not lowered again, is read too (``CompiledFxGraph.post_compile``, which runs on a hit and a miss;
-    its ``cache_key`` and ``source_code``). A graph inductor cached without its sizes kept (by a process that
-    did not read it) is a miss within the block (``FxGraphCache._lookup_graph``), so it is lowered again and
-    its sizes kept (again each time where the cache reads that older entry first: it reads them in name order).
+    its ``cache_key`` and ``source_code``). Of a graph's entries, those with their sizes kept are tried first
+    (``FxGraphCache.iterate_over_candidates``; inductor reads them in name order and takes the first whose
+    guards pass); a graph whose only entry was cached without its sizes kept (by a process that did not read it)
+    is a miss within the block (``FxGraphCache._lookup_graph``), so it is lowered again and its sizes kept.
     A symbolic size counts by its hint; a multi-output kernel's buffer, without a layout of its own, counts all
     its outputs (its FX node's value), also those the program never names. Checked on 2.13."""
     import json
@@ -542,6 +543,8 @@ def inductor_programs() -> Iterator[InductorPrograms]:
     post_compile = output_code.CompiledFxGraph.post_compile
     run = output_code.CompiledFxGraph.__call__
     lookup = codecache.FxGraphCache.__dict__["_lookup_graph"]
+    own_candidates = codecache.FxGraphCache.__dict__.get("iterate_over_candidates")  # (else GuardedCache's)
+    candidates = codecache.FxGraphCache.iterate_over_candidates  # (bound to the class: a classmethod)
 
     def kept(key: str | None) -> dict[str, int | None] | None:
         """The sizes kept for the program of ``key``: in this process, else next to inductor's cache."""
@@ -553,6 +556,13 @@ def inductor_programs() -> Iterator[InductorPrograms]:
                 return None
             _PROGRAM_SIZES[key] = json.loads(path.read_text())
         return _PROGRAM_SIZES[key]
+
+    def kept_first(cls, local, remote_cache, key):  # noqa: ANN001 - inductor's GuardedCache.iterate_over_candidates
+        # the entries of one graph with their sizes kept before those without (else in inductor's order): an entry
+        # cached by a process that did not read it, found first, would be lowered again on every compile
+        found = list(candidates(local, remote_cache, key))
+        found.sort(key=lambda entry: kept(getattr(entry[0], "cache_key", None)) is None)
+        yield from found
 
     def lookup_kept(*args, **kwargs):
         graph, info = lookup.__func__(*args, **kwargs)
@@ -622,6 +632,7 @@ def inductor_programs() -> Iterator[InductorPrograms]:
     output_code.CompiledFxGraph.post_compile = ready
     output_code.CompiledFxGraph.__call__ = called
     codecache.FxGraphCache._lookup_graph = staticmethod(lookup_kept)
+    codecache.FxGraphCache.iterate_over_candidates = classmethod(kept_first)
     try:
         yield found
     finally:
@@ -629,3 +640,7 @@ def inductor_programs() -> Iterator[InductorPrograms]:
         output_code.CompiledFxGraph.post_compile = post_compile
         output_code.CompiledFxGraph.__call__ = run
         codecache.FxGraphCache._lookup_graph = lookup
+        if own_candidates is not None:
+            codecache.FxGraphCache.iterate_over_candidates = own_candidates
+        else:
+            del codecache.FxGraphCache.iterate_over_candidates
