@@ -121,15 +121,38 @@ def test_one_del_of_several_names_frees_each():
 
 
 def test_a_multi_output_kernels_outputs_the_program_never_names_are_counted_until_it_is_deleted():
-    """A checkpointed block's compiled backward replays its last dropout for the mask alone (``buf5[1]``): the
-    kernel still makes the dropped activations (``buf5[0]``), never named, freed with ``del buf5``. Their
-    bytes come from the kernel's size (all its outputs: ``remat._compat.inductor_programs`` reads it from its
-    FX node); without it they were not counted."""
+    """A multi-output kernel whose program takes one of its outputs (``buf5[1]``) still makes the others, never
+    named, freed with ``del buf5``. Their bytes come from the kernel's size (all its outputs:
+    ``remat._compat.inductor_programs`` reads it from its FX node); without it they were not counted."""
+    source = """
+    def call(self, args):
+        primals_1, primals_2, = args
+        args.clear()
+        buf5 = torch.ops.aten.native_layer_norm.default(primals_1, [32], primals_2, None, 1e-05)
+        buf7 = buf5[1]
+        del buf5
+        buf8 = empty_strided_cpu((16, ), (1, ), torch.float32)
+        return (buf7, buf8, )
+"""
+    sizes = {"primals_1": 8192, "primals_2": 128, "buf5": 8192 + 256 + 256, "buf7": 256, "buf8": 64}
+    m = program_memory(source, sizes)
+    assert m.peak_bytes == 8192 + 256 + 256  # all three outputs, at the call
+    assert m.end_bytes == 256 + 64
+    # a kernel of unknown size (an older reading): only what the program names
+    assert program_memory(source, {**sizes, "buf5": None}).peak_bytes == 256 + 64
+
+
+def test_a_dropout_replayed_on_cpu_holds_what_it_allocates_inside():
+    """A checkpointed block's compiled backward replays its dropout (``run_with_rng_state``) for the mask. On
+    CPU, ``native_dropout`` makes a float copy of its mask inside (the size of its input) and the replay holds a
+    copy of the generator's state: neither is in the wrapper. The tests' GPTs compiled per block, every block
+    checkpointed, measured 12,032 and 529,344 bytes above the programs without them, and to the byte with
+    them."""
     source = """
     def call(self, args):
         primals_1, rng_state_0, = args
         args.clear()
-        buf5 = torch.ops.higher_order.run_with_rng_state(rng_state_0, torch.ops.aten.native_dropout.default, primals_1, 0.1, True)
+        buf5 = torch.ops.higher_order.run_with_rng_state(rng_state_0, torch.ops.aten.native_dropout.default, reinterpret_tensor(primals_1, (64, 32), (32, 1), 0), 0.1, True)
         del rng_state_0
         buf7 = buf5[1]
         del buf5
@@ -137,11 +160,11 @@ def test_a_multi_output_kernels_outputs_the_program_never_names_are_counted_unti
         return (buf7, buf8, )
 """
     sizes = {"primals_1": 8192, "rng_state_0": 5056, "buf5": 8192 + 2048, "buf7": 2048, "buf8": 64}
-    m = program_memory(source, sizes)
-    assert m.peak_bytes == 5056 + 8192 + 2048  # the RNG state, the unnamed output and the mask, at the call
-    assert m.end_bytes == 2048 + 64
-    # a kernel of unknown size (an older reading): only what the program names
-    assert program_memory(source, {**sizes, "buf5": None}).peak_bytes == 5056 + 2048
+    # the RNG state, the dropped activations and the mask, and inside: a float mask and the generator's state
+    assert program_memory(source, sizes).peak_bytes == 5056 + 8192 + 2048 + 8192 + 5056
+    # a CUDA wrapper: neither (its dropout is one kernel, its generator's state 16 bytes; not measured here)
+    cuda = source.replace("empty_strided_cpu", "empty_strided_cuda")
+    assert program_memory(cuda, sizes).peak_bytes == 5056 + 8192 + 2048
 
 
 def test_a_forward_says_which_of_its_returned_values_are_only_outputs_and_which_inputs_it_saves():
