@@ -7,7 +7,6 @@ breaks here with a message that says which, instead of deep inside a stage.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 import functools
 import types
 import weakref
@@ -503,29 +502,17 @@ def _program_sizes_path(key: str):
     return Path(cache_dir(), f"remat-programs-{_PROGRAM_SIZES_FORMAT}", f"{key}.json")
 
 
-@dataclass
-class InductorPrograms:
-    """The programs inductor made ready within :func:`inductor_programs`, and those that ran, each as (its
-    wrapper's source, the bytes of each of its buffers and inputs by name)."""
-
-    #: each graph compiled or loaded from inductor's cache, in the order made ready
-    made: list[tuple[str, dict[str, int | None]]] = field(default_factory=list)
-    #: each call of a compiled graph, in the order run (a graph that runs twice, twice: two blocks of one
-    #: shape share it); None for one whose sizes are not known
-    called: list[tuple[str, dict[str, int | None]] | None] = field(default_factory=list)
-
-
 @contextlib.contextmanager
-def inductor_programs() -> Iterator[InductorPrograms]:
-    """Within the block, each graph inductor compiles or loads from its cache is appended to the yielded
-    ``made`` (Note [Compiled programs] in remat.compiled_memory), in the order they are made ready, and each
-    call of one to ``called`` (``CompiledFxGraph.__call__``, which AOTAutograd's runtime calls per forward and
-    backward). Sizes are read where a graph is lowered
+def inductor_programs() -> Iterator[list[tuple[str, dict[str, int | None]] | None]]:
+    """Within the block, each call of a graph inductor compiled (``CompiledFxGraph.__call__``, which
+    AOTAutograd's runtime calls per forward and backward) appends (its wrapper's source, the bytes of each of its
+    buffers and inputs by name) to the list yielded, in the order run (Note [Compiled programs] in
+    remat.compiled_memory): a graph that runs twice, twice (two blocks of one shape share it); None for one
+    whose sizes are not known. Sizes are read where a graph is lowered
     (``GraphLowering.compile_to_module``: its ``name_to_buffer`` and ``graph_inputs``) and kept by the
     program's key (``GraphLowering.cache_key``, a hash of its source) in this process and next to inductor's
     cache (``remat-programs-2/<key>.json`` in its cache directory), so a graph inductor loads from its cache,
-    which is not lowered again, is read too (``CompiledFxGraph.post_compile``, which runs on a hit and a miss;
-    its ``cache_key`` and ``source_code``). Of a graph's entries, those with their sizes kept are tried first
+    which is not lowered again, is read too (by its ``cache_key``, with its ``source_code``). Of a graph's entries, those with their sizes kept are tried first
     (``FxGraphCache.iterate_over_candidates``; inductor reads them in name order and takes the first whose
     guards pass); a graph whose only entry was cached without its sizes kept (by a process that did not read it)
     is a miss within the block (``FxGraphCache._lookup_graph``), so it is lowered again and its sizes kept.
@@ -538,9 +525,8 @@ def inductor_programs() -> Iterator[InductorPrograms]:
     import torch._inductor.graph as inductor_graph
     import torch._inductor.output_code as output_code
 
-    found = InductorPrograms()
+    called: list[tuple[str, dict[str, int | None]] | None] = []
     lowered = inductor_graph.GraphLowering.compile_to_module
-    post_compile = output_code.CompiledFxGraph.post_compile
     run = output_code.CompiledFxGraph.__call__
     lookup = codecache.FxGraphCache.__dict__["_lookup_graph"]
     own_candidates = codecache.FxGraphCache.__dict__.get("iterate_over_candidates")  # (else GuardedCache's)
@@ -560,9 +546,9 @@ def inductor_programs() -> Iterator[InductorPrograms]:
     def kept_first(cls, local, remote_cache, key):  # noqa: ANN001 - inductor's GuardedCache.iterate_over_candidates
         # the entries of one graph with their sizes kept before those without (else in inductor's order): an entry
         # cached by a process that did not read it, found first, would be lowered again on every compile
-        found = list(candidates(local, remote_cache, key))
-        found.sort(key=lambda entry: kept(getattr(entry[0], "cache_key", None)) is None)
-        yield from found
+        entries = list(candidates(local, remote_cache, key))
+        entries.sort(key=lambda entry: kept(getattr(entry[0], "cache_key", None)) is None)
+        yield from entries
 
     def lookup_kept(*args, **kwargs):
         graph, info = lookup.__func__(*args, **kwargs)
@@ -611,33 +597,22 @@ def inductor_programs() -> Iterator[InductorPrograms]:
             pass
         return module
 
-    def ready(self, *args, **kwargs):  # noqa: ANN001 - inductor's CompiledFxGraph
+    def call(self, inputs):  # noqa: ANN001 - inductor's CompiledFxGraph
         try:
             sizes, source = kept(getattr(self, "cache_key", None)), getattr(self, "source_code", None)
-            if sizes is not None and source:
-                found.made.append((source, sizes))
-        except Exception:  # noqa: BLE001 - unreadable: left out, as a graph of unknown sizes is
-            pass
-        return post_compile(self, *args, **kwargs)
-
-    def called(self, inputs):  # noqa: ANN001 - inductor's CompiledFxGraph
-        try:
-            sizes, source = kept(getattr(self, "cache_key", None)), getattr(self, "source_code", None)
-            found.called.append((source, sizes) if sizes is not None and source else None)
+            called.append((source, sizes) if sizes is not None and source else None)
         except Exception:  # noqa: BLE001 - unreadable: a call of unknown sizes
-            found.called.append(None)
+            called.append(None)
         return run(self, inputs)
 
     inductor_graph.GraphLowering.compile_to_module = compile_to_module
-    output_code.CompiledFxGraph.post_compile = ready
-    output_code.CompiledFxGraph.__call__ = called
+    output_code.CompiledFxGraph.__call__ = call
     codecache.FxGraphCache._lookup_graph = staticmethod(lookup_kept)
     codecache.FxGraphCache.iterate_over_candidates = classmethod(kept_first)
     try:
-        yield found
+        yield called
     finally:
         inductor_graph.GraphLowering.compile_to_module = lowered
-        output_code.CompiledFxGraph.post_compile = post_compile
         output_code.CompiledFxGraph.__call__ = run
         codecache.FxGraphCache._lookup_graph = lookup
         if own_candidates is not None:

@@ -470,8 +470,8 @@ def checked_reading(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, los
                         inductor_programs() if read else contextlib.nullcontext(None) as programs:
                     run_step(call, args, kwargs, loss_fn, output_alive=profile.output_alive)
                 if programs is not None:
-                    program = step_program_bytes(programs.made) if blocks is None else \
-                        composed_step_bytes(profile, blocks, programs.called)
+                    program = step_program_bytes(programs) if blocks is None else \
+                        composed_step_bytes(profile, blocks, programs)
             peak = measure_checked_peak(
                 model, args, kwargs, loss_fn, device, output_alive=profile.output_alive, grads_held=profile.grads_held,
                 grads_held_in_forward=profile.grads_held_in_forward,

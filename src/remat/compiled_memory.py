@@ -175,7 +175,7 @@ def program_memory(source: str, sizes: dict[str, int | None]) -> ProgramMemory:
 
 
 _DROPOUT = re.compile(r"torch\.ops\.aten\.native_dropout\.default,\s*(?:reinterpret_tensor\()?(\w+)")
-_RNG_STATE = re.compile(r"torch\.ops\.higher_order\.run_(?:and_save|with)_rng_state\((\w+),")
+_RNG_STATE = re.compile(r"torch\.ops\.higher_order\.run_with_rng_state\((\w+),")
 
 
 def _inside_bytes(call: str, nbytes) -> int:  # noqa: ANN001 - nbytes: a buffer's bytes by name
@@ -188,7 +188,7 @@ def _inside_bytes(call: str, nbytes) -> int:  # noqa: ANN001 - nbytes: a buffer'
     if d := _DROPOUT.search(call):
         inside += nbytes(d.group(1))
     if r := _RNG_STATE.search(call):
-        inside += nbytes(r.group(1)) if not r.group(1).startswith("torch") else 0
+        inside += nbytes(r.group(1))
     return inside
 
 
@@ -219,14 +219,15 @@ def step_rise_bytes(forward: ProgramMemory, backward: ProgramMemory) -> int:
     return max(forward.peak_bytes, forward.end_bytes + backward.rise_bytes)
 
 
-def step_program_bytes(programs: list[tuple[str, dict[str, int | None]]]) -> int | None:
+def step_program_bytes(programs: Sequence[tuple[str, dict[str, int | None]] | None]) -> int | None:
     """:func:`step_rise_bytes` of a training step compiled as one forward and one backward graph (a whole model
-    compiled without graph breaks), from the two programs inductor generated for it, in the order compiled
-    (the backward's inputs include the incoming gradients, ``tangents_*``); None for any other set of
-    programs (blocks compiled one by one, graph breaks, a wrapper this reader does not know): the step's
+    compiled without graph breaks), from the two programs inductor generated for it, in the order run
+    (``remat._compat.inductor_programs``; the backward's inputs include the incoming gradients,
+    ``tangents_*``); None for any other set of programs (blocks compiled one by one, graph breaks, a wrapper
+    this reader does not know, one of unknown sizes): the step's
     peak then also depends on what runs between them (:func:`composed_step_bytes` reads blocks compiled one by
     one)."""
-    if len(programs) != 2:
+    if len(programs) != 2 or None in programs:
         return None
     (fw_source, fw_sizes), (bw_source, bw_sizes) = programs
     fw_args, bw_args = _ARGS.search(fw_source), _ARGS.search(bw_source)
@@ -313,8 +314,8 @@ def composed_step_bytes(profile: Profile, blocks: Sequence[EagerBlock],
                         calls: Sequence[tuple[str, dict[str, int | None]] | None]) -> int | None:
     """The peak (bytes) of a step whose ``blocks`` run compiled one by one and the rest eagerly (Note [Blocks
     compiled one by one]): the plain eager step of ``profile`` with each block's part replaced by its
-    programs. ``calls``: the programs that ran in the step, in the order run (``remat._compat.InductorPrograms
-    .called``). None where they are not one forward per block, in the blocks' order, then one backward per
+    programs. ``calls``: the programs that ran in the step, in the order run (``remat._compat.inductor_programs``).
+    None where they are not one forward per block, in the blocks' order, then one backward per
     block, in their backwards' order, or one cannot be read."""
     if not blocks or any(c is None for c in calls) or len(calls) != 2 * len(blocks):
         return None

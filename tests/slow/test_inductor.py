@@ -177,7 +177,7 @@ def test_a_plan_inductor_loads_from_its_cache_is_read_as_when_it_was_lowered(tmp
         counters.clear()
         with inductor_programs() as programs:
             loss_fn(torch.compile(model)(inputs)).backward()
-        readings.append(step_program_bytes(programs.made))
+        readings.append(step_program_bytes(programs))
         lowered.append(counters["inductor"]["fxgraph_cache_miss"])
         model.zero_grad(set_to_none=True)
     assert readings[0] is not None and readings[1] == readings[0], readings
