@@ -19,7 +19,7 @@ from remat.compiled import CompiledLoop, compiled_loop, compiled_nothing_note, e
 from remat.compiled_memory import composed_step_bytes, eager_blocks, step_program_bytes
 from remat.costs import Profile
 from remat.distributed import Ranks, Wrapping, ranks_for, steps_checked, wrapping_of
-from remat.errors import InternalError, InvalidInputError, PlanMismatchError, RematError
+from remat.errors import EquivalenceError, InternalError, InvalidInputError, PlanMismatchError, RematError
 from remat.measure import DefaultLoss, LossFn, default_loss, found_storages_are_fresh, input_tensors, measure_peak, model_device, run_step, split_inputs, \
     tensor_bytes, trainable_parameters
 from remat.plan import GiB, Plan, fmt_bytes
@@ -28,6 +28,7 @@ from remat.rewrite import check_units, checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
 from remat.solve.calibrated import CompiledReading, plan_compiled
 from remat.state import fresh_grads, preserved
+from remat.verify import check_compiled_plan
 
 log = logging.getLogger(__name__)
 
@@ -322,6 +323,7 @@ def optimize_checkpointing(
                         planner, budget_bytes, lambda p: _ranks_reading(ranks, checked_reading(
                             model, p, args, kwargs, loss_fn, device, profile, loop)),
                         agree=ranks.broadcast if ranks is not None else (lambda p: p), loop=str(loop))
+                    notes += (proved_compiled(model, plan, args, kwargs, loss_fn, loop, ranks),)
             elif check:
                 with stage("check", model, args, kwargs, loss_fn):
                     plan = plan_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks,
@@ -350,6 +352,38 @@ def optimize_checkpointing(
     log.info("remat: checkpointed %d units; predicted peak %d bytes", len(plan.checkpointed),
              plan.predicted_peak_bytes)
     return plan
+
+
+def proved_compiled(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, loop: CompiledLoop,
+                    ranks: Ranks | None) -> str:
+    """Note [Compiled plans are proved] in remat.verify: the plan's compiled step against the plain compiled
+    step; the plan's note on success, EquivalenceError where they differ."""
+    if ranks is not None:
+        return ("the compiled planned step was not compared with the plain compiled step (a distributed loop: "
+                "Note [Compiled plans are proved] in remat.verify runs in one process)")
+    if not plan.checkpointed:
+        return "nothing checkpointed: the compiled step is the plain compiled step"
+    report = check_compiled_plan(model, plan, args, kwargs, loss_fn, loop)
+    if report.equal:
+        name, diff = report.worst(1)[0] if report.max_abs_diff else ("", 0.0)
+        return (f"proved on one compiled step: loss, outputs, gradients and buffers equal the plain compiled "
+                f"step's within rtol {report.rtol:g} ({len(report.max_abs_diff)} tensors; largest difference "
+                f"{diff:.2e}, {name}; Note [Compiled plans are proved] in remat.verify)")
+    own = report.slope is not None and report.slope.consistent
+    alike = check_compiled_plan(model, plan, args, kwargs, loss_fn, loop, deterministic=True) if own else None
+    if alike is not None and alike.equal:
+        return (f"proved on compiled steps: with every module in eval mode the planned step equals the plain "
+                f"compiled step (rtol {alike.rtol:g}, {len(alike.max_abs_diff)} tensors); in training it draws "
+                f"other random numbers than the plain compiled step (inductor orders the two programs' random "
+                f"kernels as it schedules each; loss {float(report.max_abs_diff.get('loss', 0.0)):.2e} apart), and "
+                f"{report.slope} (Note [Compiled plans are proved] in remat.verify)")
+    raise EquivalenceError(
+        f"{report if alike is None else alike}\nUnder {loop}, the planned step does not compute what the plain "
+        f"compiled step computes (checkpointed: {list(plan.checkpointed)}"
+        f"{'' if alike is None else ', compared with every module in eval mode'}); the model is as it was. " + (
+            "Its gradient is not its own loss's: do not train with this plan. " if not own else "") +
+        "Plan the eager step with compile=False, and report this with the printout (Note [Compiled plans are "
+        "proved] in remat.verify).")
 
 
 @contextlib.contextmanager

@@ -20,7 +20,8 @@ option per unit. It uses ``torch.utils.checkpoint.create_selective_checkpoint_co
 non-reentrant checkpoint with the RNG state preserved; the policy never keeps the output of an
 operator that draws random numbers (``draws_random``), so every random operator runs again, in
 order, from the restored RNG state and draws the same values (skipping one would shift the draws
-of those after it). Operators are named by position, so the unit's operator sequence must be the
+of those after it; under torch.compile it keeps every one instead: Note [Random operators under compile]).
+Operators are named by position, so the unit's operator sequence must be the
 same at every step: remat offers selective options only for models it captured as a graph (fx or
 export), not for those with data-dependent control flow (the ``hooks`` path). In-place ops and views are recomputed (they allocate nothing to keep), and
 an output that a later operator of the unit modifies in place is never kept (the cache would
@@ -60,12 +61,41 @@ checkpointing, torchtitan's order) it calls ``checkpoint`` on the module's own f
 no buffer replay, and the selective policy as ``functools.partial(keep_ops_contexts, saved_ops)``, which
 counts operators afresh on each call (each trace). Compile needs no replay: the recomputation is part of
 the compiled backward graph, a pure function of the forward's inputs, and buffer updates are applied once,
-in the forward graph; random operators in a checkpointed region are replayed by inductor's RNG
-functionalization (with ``torch._inductor.config.fallback_random`` it saves their outputs instead).
+in the forward graph. Random operators are the exception, and under compile remat keeps their outputs
+(Note [Random operators under compile]).
 What compile keeps is decided by its partitioner from these tags. It traces some operators otherwise than
 eager does (dropout as one ``native_dropout`` where eager CPU runs four operators); selective policies name
 operators so that they keep the same ones under compile (Note [Operators named alike under compile]), and
 plans for a compiled loop are measured on compiled steps (Note [Compiled steps] in remat.solve.calibrated).
+
+Note [Random operators under compile]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Left to torch, a random operator inside a checkpoint under torch.compile is recomputed: AOTAutograd's
+partitioner wraps it in ``run_and_save_rng_state`` in the forward (the generator's state, then the operator)
+and ``run_with_rng_state`` in the backward, and inductor runs both as fallback kernels on torch's generator
+(torch 2.13, CPU, with or without ``fallback_random``; issue #36). Such a step draws other numbers than the
+plain compiled step, and its recomputation is not bound to draw its forward's:
+- inductor does not hold a wrapped operator's input to the layout eager gives it, as it does for the plain
+  operator's fallback: a ``native_dropout`` after a convolution ran on the channels-last buffer of the
+  convolution, and CPU dropout draws its mask in memory order, so the mask differed from the plain step's
+  (a U-Net's loss 0.72287 against 0.72533). The backward's replay gets whatever layout the backward program
+  chose: the same here, by no rule;
+- inductor schedules a plain random kernel that reads no activation (``Dropout2d``'s ``bernoulli_`` on a
+  fresh ``[batch, channels, 1, 1]`` tensor) early, with the others, and the wrapped one where it stands, so
+  the draws came in another order (0.72289 against 0.72129);
+- without ``fallback_random`` the plain step draws from inductor's own generator (one seed per step from
+  torch's) and the wrapped operator from torch's: other numbers, and torch's generator ends the step elsewhere.
+So under compile remat's policy keeps (``CheckpointPolicy.MUST_SAVE``) the output of every operator that
+draws random numbers inside a checkpointed unit, whole or selective: it runs once, lowered as in the plain
+program, and nothing is drawn again. The compiled planned step then draws what the plain compiled step draws
+(tested: tests/slow/test_inductor.py, whole and per block, with and without ``fallback_random``) and its
+recomputation cannot draw differently. What it costs is measured, not assumed: the kept outputs are in the
+programs remat reads and measures for every compiled plan (Note [Compiled steps] in remat.solve.calibrated).
+Measured on benchmarks/compiled.py's GPT (4 x 128, dropout 0.1, batch 8 x 128), every block checkpointed,
+the step's allocations above its state: with inductor's own random numbers (the default) 29.5 MiB kept
+against 29.7 MiB replayed; with ``fallback_random``, where ``native_dropout`` stays one kernel whose kept
+output is the dropped-out activation, 29.4 MiB against 25.6 MiB. Eager steps keep replaying from the restored generator state
+(Note [Selective checkpointing]), which draws exactly the forward's numbers.
 """
 
 from __future__ import annotations
@@ -136,10 +166,11 @@ class PolicyNames:
         return op_key(name, k)
 
 
-def keep_ops_contexts(saved_ops: tuple[str, ...]):
+def keep_ops_contexts(saved_ops: tuple[str, ...], keep_random: bool = False):
     """The ``context_fn`` of a selective checkpoint, bound as ``functools.partial(keep_ops_contexts, saved_ops)``:
     keep the outputs of the operators in ``saved_ops`` (``"aten.addmm.default#1"``: the 2nd call of that
-    overload in the unit's forward), recompute the rest. Each call (one per checkpointed call of the unit,
+    overload in the unit's forward), recompute the rest; with ``keep_random`` (under torch.compile) also keep
+    every random operator's output (Note [Random operators under compile]). Each call (one per checkpointed call of the unit,
     or one per trace under torch.compile) counts its operators from 0 (Note [Under torch.compile])."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -149,7 +180,9 @@ def keep_ops_contexts(saved_ops: tuple[str, ...]):
         # older torch versions also ask the policy during the recomputation (ctx.is_recompute), which
         # must count its operators from 0 again; torch 2.13 asks only in forward
         key = names[bool(getattr(ctx, "is_recompute", False))].key(func, args, kwargs)
-        if key in keep and not draws_random(func, args, kwargs):
+        if draws_random(func, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE if keep_random else CheckpointPolicy.PREFER_RECOMPUTE
+        if key in keep:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -171,9 +204,11 @@ def parse_unit(name: str) -> tuple[str, tuple[int, int] | None]:
 def _checkpointed_call(fn: Callable, args: tuple, kwargs: dict, buffers: list[torch.Tensor],
                        preserve_rng_state: bool, timer, saved_ops: tuple[str, ...] | None = None) -> object:
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint, replaying ``buffers`` (Note [Buffers replay])."""
+    if torch.compiler.is_compiling():  # Note [Under torch.compile], Note [Random operators under compile]
+        context = functools.partial(keep_ops_contexts, tuple(saved_ops or ()), True)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, context_fn=context,
+                          **kwargs)
     options = {} if saved_ops is None else {"context_fn": keep_ops(saved_ops)}
-    if torch.compiler.is_compiling():  # Note [Under torch.compile]
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options, **kwargs)
     before = [b.detach().clone() for b in buffers]
     calls = 0
     # a selective recomputation runs under its cache's dispatch mode, which refuses operators the forward

@@ -107,3 +107,36 @@ def step_runner(model, inputs, loss_fn):
             loss_fn(out).backward()
             model.zero_grad(set_to_none=True)
     return run
+
+
+class DropoutUNet(nn.Module):
+    """A small U-Net whose levels are ``level(Conv2d, BatchNorm2d, ReLU, <dropout>(0.1), Conv2d, ReLU)``, as many
+    vision models are (issue #36: dropout inside checkpointed segments of these levels under torch.compile)."""
+
+    def __init__(self, dropout: type = nn.Dropout2d, level: type = nn.Sequential) -> None:
+        super().__init__()
+
+        def make(cin, cout):
+            return level(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(), dropout(0.1),
+                         nn.Conv2d(cout, cout, 3, padding=1), nn.ReLU())
+
+        self.d1, self.d2, self.mid, self.u2, self.u1 = make(3, 8), make(8, 16), make(16, 16), make(32, 8), make(16, 8)
+        self.out = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        a = self.d1(x)
+        b = self.d2(nn.functional.max_pool2d(a, 2))
+        m = self.mid(nn.functional.max_pool2d(b, 2))
+        u = self.u2(torch.cat([nn.functional.interpolate(m, scale_factor=2.0), b], 1))
+        u = self.u1(torch.cat([nn.functional.interpolate(u, scale_factor=2.0), a], 1))
+        return self.out(u)
+
+
+def dropout_unet(dropout: type = nn.Dropout2d, level: type = nn.Sequential):
+    """``(model, batch, loss_fn)``: :class:`DropoutUNet` on 4 random 32 x 32 images, per-pixel cross-entropy."""
+    torch.manual_seed(0)
+    model = DropoutUNet(dropout, level).train()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 32, 32, generator=g)
+    y = torch.randint(0, 2, (4, 32, 32), generator=g)
+    return model, x, lambda out: nn.functional.cross_entropy(out, y)

@@ -274,11 +274,12 @@ def test_compile_argument_is_checked():
     assert remat.checkpointed_modules(model) == []
 
 
-def kept_operators(model, inputs, loss_fn, backend=None) -> list[list[tuple[int, str]]]:
+def kept_operators(model, inputs, loss_fn, backend=None, randoms: list | None = None):
     """Per pass of each selective policy over its unit (one eagerly, one per trace under compile), the operators
     it keeps, each as (position among the operators that allocate in both eager and compiled code, overload):
     views, in-place and random operators and a dropout's mask product, which eager CPU and compile run
-    differently (Note [Operators named alike under compile] in remat.rewrite), are left out of the count."""
+    differently (Note [Operators named alike under compile] in remat.rewrite), are left out of the count.
+    With ``randoms`` (a list), also each random operator's (overload, decision), appended to it."""
     from torch.utils import checkpoint as ckpt
 
     passes: list[list] = []
@@ -299,7 +300,10 @@ def kept_operators(model, inputs, loss_fn, backend=None) -> list[list[tuple[int,
             skip = random or product or func._schema.is_mutable or str(func) in (
                 "aten._unsafe_view.default", "aten.empty_like.default") or any(
                 r.alias_info is not None for r in func._schema.returns)
-            if decision == ckpt.CheckpointPolicy.MUST_SAVE:
+            if random:
+                if randoms is not None:
+                    randoms.append((str(func), decision))
+            elif decision == ckpt.CheckpointPolicy.MUST_SAVE:
                 seen[1].append((seen[0], str(func)))
             seen[0] += 0 if skip else 1
             return decision
@@ -313,7 +317,7 @@ def kept_operators(model, inputs, loss_fn, backend=None) -> list[list[tuple[int,
         loss_fn(run(*args, **kwargs)).backward()
     finally:
         ckpt.create_selective_checkpoint_contexts = real
-    return passes
+    return passes if randoms is None else (passes, randoms)
 
 
 def test_selective_policy_keeps_the_same_operators_under_compile():
@@ -327,10 +331,16 @@ def test_selective_policy_keeps_the_same_operators_under_compile():
     loss_fn = loss_fn or remat.default_loss
     option = max((u for u in profile.units if u.name.startswith("h.1.attn@ops")), key=lambda u: len(u.saved_ops))
     checkpoint_modules(model, [option.name], saved_ops={option.name: option.saved_ops})
-    eager = kept_operators(model, inputs, loss_fn)
-    compiled = kept_operators(model, inputs, loss_fn, backend=TRACE_ONLY)
+    from torch.utils import checkpoint as ckpt
+
+    eager, eager_random = kept_operators(model, inputs, loss_fn, randoms=[])
+    compiled, compiled_random = kept_operators(model, inputs, loss_fn, backend=TRACE_ONLY, randoms=[])
     assert len(eager) == 1 and len(eager[0]) == len(option.saved_ops) >= 3
     assert compiled and all(p == eager[0] for p in compiled), (eager, compiled)
+    # the dropout: drawn again in the eager recomputation, kept under compile (Note [Random operators under
+    # compile] in remat.rewrite)
+    assert eager_random and {d for _, d in eager_random} == {ckpt.CheckpointPolicy.PREFER_RECOMPUTE}
+    assert compiled_random and {d for _, d in compiled_random} == {ckpt.CheckpointPolicy.MUST_SAVE}
 
 
 class Layers(nn.Sequential):
