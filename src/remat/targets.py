@@ -27,6 +27,10 @@ from remat.examples import EXAMPLES
 LossFn = Callable[[Any], torch.Tensor]
 
 
+class _PathEntry(str):
+    """A ``sys.path`` entry of remat's own: a string like any other, found again by identity."""
+
+
 def _load_function(target: str) -> Callable[..., Any]:
     where, sep, func = target.rpartition(":")
     if not sep or not where or not func:
@@ -45,11 +49,17 @@ def _load_function(target: str) -> Callable[..., Any]:
             raise InvalidInputError(f"cannot load {where} as a Python file")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        sys.path.insert(0, str(path.resolve().parent))
+        # the file's folder, for its own imports; removed afterwards by identity, not position: a file that puts
+        # a folder of its own first (sys.path.insert(0, ...)) keeps it (issue #36)
+        entry = _PathEntry(path.resolve().parent)
+        sys.path.insert(0, entry)
         try:
             spec.loader.exec_module(module)
         finally:
-            sys.path.pop(0)
+            for i, p in enumerate(sys.path):
+                if p is entry:
+                    del sys.path[i]
+                    break
     else:
         try:
             module = importlib.import_module(where)

@@ -196,3 +196,30 @@ def test_tradeoff_of_the_compiled_step(capsys, tmp_path):
     mine = [r for r in rows if r["strategy"] == "remat-op"]
     assert len(mine) == 2 and all(r["budget_met"] and r["measured_peak_bytes"] <= r["budget_bytes"] for r in mine)
     assert mine[-1]["budget_bytes"] == rows[0]["measured_peak_bytes"]  # the sweep ends at the compiled plain peak
+
+
+def test_a_target_that_puts_its_own_folder_first_keeps_it(tmp_path, capsys, monkeypatch):
+    """Issue #36.3: the loader put the target file's folder first on ``sys.path`` and popped ``sys.path[0]``
+    afterwards, which removed the target's own entry instead of remat's when the file inserts a folder first
+    itself; a model module its function imports lazily was then not found (this test failed with
+    ModuleNotFoundError). Exactly the entry remat added is removed."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "lazy_model_36.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))\n")
+    (tmp_path / "target.py").write_text(
+        "import sys\n"
+        "from pathlib import Path\n"
+        "here = Path(__file__).resolve().parent\n"
+        "sys.path.insert(0, str(here / 'models'))\n"
+        "def build():\n"
+        "    import torch\n"
+        "    from lazy_model_36 import build as make\n"
+        "    return make(), torch.randn(4, 8)\n")
+    before = list(sys.path)
+    code, out, err = run(capsys, "profile", f"{tmp_path / 'target.py'}:build")
+    assert code == 0, err
+    assert sys.path == [str(tmp_path / "models")] + before
