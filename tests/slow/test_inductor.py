@@ -134,7 +134,7 @@ def test_conv_net_compiled_per_block_is_predicted_from_its_blocks_programs():
 
 
 def test_gpt_compiled_per_block_is_predicted_from_its_blocks_programs_and_trains_alike():
-    """The 2-block GPT with dropout, each block compiled in place with inductor, AdamW: the plan for 80% of the
+    """The 2-block GPT with dropout, each block compiled in place with inductor, AdamW: the plan for 90% of the
     compiled plain step's peak measures within the budget, was predicted from its blocks' programs composed
     with the eager code between them within 5% (benchmarks/compile_prediction.py: 0.0% on this plan, from the
     eager peak it was -2.7% to 0.0% over the budgets), and trains like the compiled plain model."""
@@ -146,7 +146,9 @@ def test_gpt_compiled_per_block_is_predicted_from_its_blocks_programs_and_trains
             block.compile()
     opt = torch.optim.AdamW(model.parameters())
     roomy = remat.optimize_checkpointing(model, 1.0, inputs, loss_fn=loss_fn, optimizer=opt, granularity="op")
-    budget = int(roomy.checked_peak_bytes * 0.8) - 1
+    # (90%: since random operators' outputs are kept under compile, issue #36, 80% gets "every block", an anchor
+    # plan measured rather than predicted)
+    budget = int(roomy.checked_peak_bytes * 0.9) - 1
     plan = remat.optimize_checkpointing(model, budget / 2**30, inputs, loss_fn=loss_fn, optimizer=opt, granularity="op")
     assert plan.checkpointed and plan.checked_peak_bytes <= budget and "2 submodules in place" in plan.compiled
     assert abs(plan.predicted_peak_bytes - plan.checked_peak_bytes) <= 0.05 * plan.checked_peak_bytes, \
