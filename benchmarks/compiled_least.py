@@ -1,0 +1,135 @@
+"""The least compiled peak: remat's against the hand rule's and torch.compile's own (issue #36), measured in one run.
+
+    python benchmarks/compiled_least.py [--models gpt2,convnet,gpt,llama] [--random inductor|eager] [--out FILE]
+                                                                     # ~5-10 min on 2 CPU cores
+
+For each model, compiled whole with inductor, AdamW, every peak measured on compiled steps with the same meter
+(the profiler's allocator-level events on CPU, benchmarks/compiled.py's ``measure_compiled``):
+
+  remat least       the least compiled peak ``optimize_checkpointing(..., compile=True)`` promises (the lower
+                    of its "every block" and least-memory anchors, measured: the figure a refusal reports)
+  every block, by hand   each block's forward under ``torch.utils.checkpoint(..., use_reentrant=False)``, then
+                    ``torch.compile`` (the hand rule; dropout recomputed as torch does it)
+  every block, remat     the same blocks checkpointed by remat (dropout kept under compile: Note [Random
+                    operators under compile] in remat.rewrite)
+  AMB 0             the plain model compiled with ``activation_memory_budget = 0`` (compile's own least)
+
+Models: the tests' 2-block GPT (tests/integration/test_compile.py) and conv net with BatchNorm, and
+benchmarks/compiled.py's GPT (4 x 128, dropout 0.1, 8 x 128 tokens) and Hugging Face Llama (4 x 128,
+attention dropout 0.1). ``--random eager`` sets ``torch._inductor.config.fallback_random`` (as the tests do).
+Writes benchmarks/results/compiled-least-<device>-<random>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+import compiled as bench  # noqa: E402  (benchmarks/compiled.py)
+
+import remat  # noqa: E402
+from remat.plan import fmt_bytes  # noqa: E402
+from remat.rewrite import checkpoint_modules  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def gpt2(device):
+    from test_compile import two_block_gpt
+
+    model, inputs, loss_fn = two_block_gpt()
+    return model.to(device), inputs, loss_fn
+
+
+def convnet(device):
+    from test_compile import conv_net
+
+    model, x, loss_fn = conv_net()
+    return model.to(device), x.to(device), loss_fn
+
+
+#: name -> (factory, the loop keeps the output, the blocks "every block" checkpoints); measure_compiled drops the
+#: output after the loss, so the loops planned for keep it only where it is the loss itself (the GPTs)
+MODELS = {
+    "gpt2": (gpt2, True, lambda m: [f"h.{i}" for i in range(len(m.h))]),
+    "convnet": (convnet, False, lambda m: ["0", "1"]),
+    "gpt": (bench.gpt, True, lambda m: [f"h.{i}" for i in range(len(m.h))]),
+    "llama": (bench.llama, False, lambda m: [f"model.layers.{i}" for i in range(len(m.model.layers))]),
+}
+
+
+def by_hand(model, blocks):
+    """Each block's forward under torch's checkpoint, on the instance (the hand rule)."""
+    mods = dict(model.named_modules())
+    for name in blocks:
+        block = mods[name]
+        block.forward = functools.partial(_checkpointed, type(block).forward.__get__(block))
+    return model
+
+
+def _checkpointed(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def run(name: str, device: torch.device) -> dict:
+    factory, output_alive, blocks_of = MODELS[name]
+    rc = bench.RematCompiled(factory, device, output_alive)
+    try:
+        rc.plan(0)
+        least = None
+    except remat.InfeasibleBudgetError as e:
+        least = e.min_feasible_bytes
+    row = dict(model=name, remat_least=least)
+    m, inp, loss_fn = factory(device)
+    row["hand"] = bench.measure_compiled(by_hand(m, blocks_of(m)), inp, loss_fn or remat.default_loss, device, 1)["peak"]
+    m, inp, loss_fn = factory(device)
+    checkpoint_modules(m, blocks_of(m))
+    row["remat_every"] = bench.measure_compiled(m, inp, loss_fn or remat.default_loss, device, 1)["peak"]
+    m, inp, loss_fn = factory(device)
+    row["amb0"] = bench.measure_compiled(m, inp, loss_fn or remat.default_loss, device, 1, memory_budget=0.0)["peak"]
+    m, inp, loss_fn = factory(device)
+    row["plain"] = bench.measure_compiled(m, inp, loss_fn or remat.default_loss, device, 1)["peak"]
+    print(row, flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="gpt2,convnet,gpt,llama")
+    ap.add_argument("--random", choices=("inductor", "eager"), default="inductor")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    torch._inductor.config.fallback_random = a.random == "eager"
+    rows = [run(n, device) for n in a.models.split(",")]
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.2f}"  # noqa: E731
+    lines = [f"# The least compiled peak ({device.type}, {'eager' if a.random == 'eager' else 'inductor'}'s random numbers)", "",
+             f"`python benchmarks/compiled_least.py --random {a.random}`, {datetime.now(timezone.utc):%Y-%m-%d}, "
+             f"torch {torch.__version__}, {platform.processor() or platform.machine()}; MiB, measured on compiled "
+             "steps (allocator-level events), AdamW.", "",
+             "| model | no checkpointing | every block, by hand | every block, remat | AMB 0 | remat's least | "
+             "remat least / best other |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        best = min(r["hand"], r["amb0"])
+        ratio = "-" if r["remat_least"] is None else f"{r['remat_least'] / best:.3f}"
+        lines.append(f"| {r['model']} | {mib(r['plain'])} | {mib(r['hand'])} | {mib(r['remat_every'])} | "
+                     f"{mib(r['amb0'])} | {mib(r['remat_least'])} | {ratio} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(a.out) if a.out else RESULTS / f"compiled-least-{device.type}-{a.random}.md"
+    out.write_text(text)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
