@@ -27,7 +27,7 @@ from remat.state import fresh_grads, preserved, restore, take_snapshot
 #: ~~~~~~~~~~~~~~~~~~~~~~~~~~
 #: A compiled checkpointed step is another program than the compiled plain step: inductor fuses and reduces
 #: in other orders, so the two differ by rounding even when they compute the same function with the same random
-#: numbers (a U-Net's gradients 1.9e-09 apart, 4e-07 of their largest value; the tests' GPT 9e-10). A
+#: numbers (a U-Net's gradients 1.9e-09 apart, 4e-07 of their largest value). A
 #: compiled model is therefore compared within rtol 1e-4 of each tensor's largest magnitude (atol 1e-7 for
 #: tensors of zeros): 250 times those differences, and four orders of magnitude below what other dropout
 #: masks make (1.4e-02 on gradients of largest value 8e-03). Eager steps are compared exactly.
