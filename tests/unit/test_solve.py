@@ -315,7 +315,6 @@ def test_time_limit_reached_with_a_solution_says_so(monkeypatch):
     plan = planner.plan_for_budget((planner.min_peak_bytes + planner.baseline_peak_bytes) // 2)
     assert plan.solver_status == "feasible (time limit reached)"
     assert plan.predicted_peak_bytes <= plan.budget_bytes
-    assert ilp.EXACT_UNITS  # the module under test
     # with nesting, the search starts from the best flat plan (Note [Warm start]): stopped, it is no worse
     nested = Planner(random_chain_profile(6, seed=4, nested=True))
     budget = (nested.min_peak_bytes + nested.baseline_peak_bytes) // 2
