@@ -28,7 +28,7 @@ from remat.rewrite import check_units, checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
 from remat.solve.calibrated import CompiledReading, plan_compiled
 from remat.state import fresh_grads, preserved
-from remat.verify import check_compiled_plan
+from remat.verify import CompiledComparison, check_compiled_plan
 
 log = logging.getLogger(__name__)
 
@@ -318,12 +318,13 @@ def optimize_checkpointing(
             planner = Planner(profile, time_limit_s=time_limit_s, granularity=granularity,
                               ranks=ranks.gather(profile) if ranks is not None else None, regions=loop is None)
             if check and loop is not None:
+                compare = CompiledComparison(loop) if ranks is None else None
                 with stage("check", model, args, kwargs, loss_fn):
                     plan = plan_compiled(
                         planner, budget_bytes, lambda p: _ranks_reading(ranks, checked_reading(
-                            model, p, args, kwargs, loss_fn, device, profile, loop)),
+                            model, p, args, kwargs, loss_fn, device, profile, loop, compare=compare)),
                         agree=ranks.broadcast if ranks is not None else (lambda p: p), loop=str(loop))
-                    notes += (proved_compiled(model, plan, args, kwargs, loss_fn, loop, ranks),)
+                    notes += (proved_compiled(model, plan, args, kwargs, loss_fn, loop, compare),)
             elif check:
                 with stage("check", model, args, kwargs, loss_fn):
                     plan = plan_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks,
@@ -355,15 +356,18 @@ def optimize_checkpointing(
 
 
 def proved_compiled(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, loop: CompiledLoop,
-                    ranks: Ranks | None) -> str:
+                    compare: CompiledComparison | None) -> str:
     """Note [Compiled plans are proved] in remat.verify: the plan's compiled step against the plain compiled
-    step; the plan's note on success, EquivalenceError where they differ."""
-    if ranks is not None:
+    step (as compared while the plan was measured, where it was and agreed; else compiled again here); the
+    plan's note on success, EquivalenceError where they differ. ``compare`` None: a distributed loop."""
+    if compare is None:
         return ("the compiled planned step was not compared with the plain compiled step (a distributed loop: "
                 "Note [Compiled plans are proved] in remat.verify runs in one process)")
     if not plan.checkpointed:
         return "nothing checkpointed: the compiled step is the plain compiled step"
-    report = check_compiled_plan(model, plan, args, kwargs, loss_fn, loop)
+    report = compare.reports.get(plan.checkpointed)
+    if report is None or not report.equal:  # (the slope check needs the planned step's gradients: run it again)
+        report = check_compiled_plan(model, plan, args, kwargs, loss_fn, loop)
     if report.equal:
         name, diff = report.worst(1)[0] if report.max_abs_diff else ("", 0.0)
         return (f"proved on one compiled step: loss, outputs, gradients and buffers equal the plain compiled "
@@ -484,10 +488,12 @@ def peak_with_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss
 
 def checked_reading(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
                     profile: Profile, loop: CompiledLoop | None = None,
-                    then: Callable[[Callable[..., Any]], None] | None = None) -> CompiledReading:
+                    then: Callable[[Callable[..., Any]], None] | None = None, *,
+                    compare: CompiledComparison | None = None) -> CompiledReading:
     """:func:`peak_with_plan`, and with ``loop`` what the programs inductor generated for the step say of its
     memory, read as they are compiled, before the measured step (Note [Compiled programs] in
-    remat.compiled_memory; None where they cannot be read)."""
+    remat.compiled_memory; None where they cannot be read). ``compare``: the step that compiles the plan is
+    also the one compared with the plain compiled step (Note [Compiled plans are proved] in remat.verify)."""
     remove_checkpointing(model)
     checkpoint_plan(model, plan)
     program = None
@@ -502,7 +508,11 @@ def checked_reading(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, los
                     not loop.blocks or blocks is not None)
                 with preserved(model), torch.random.fork_rng(devices=[]), fresh_grads(trainable_parameters(model)), \
                         inductor_programs() if read else contextlib.nullcontext(None) as programs:
-                    run_step(call, args, kwargs, loss_fn, output_alive=profile.output_alive)
+                    if compare is not None:
+                        compare.step(plan.checkpointed, call, model, args, kwargs, loss_fn,
+                                     output_alive=profile.output_alive)
+                    else:
+                        run_step(call, args, kwargs, loss_fn, output_alive=profile.output_alive)
                 if programs is not None:
                     program = step_program_bytes(programs) if blocks is None else \
                         composed_step_bytes(profile, blocks, programs)

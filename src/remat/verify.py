@@ -135,12 +135,13 @@ def _forked_rng(device: torch.device):
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
-def _run(call: Callable[..., Any], args, kwargs, loss_fn: LossFn, seed: int, device: torch.device):
+def _run(call: Callable[..., Any], args, kwargs, loss_fn: LossFn, seed: int, device: torch.device, *,
+         input_grads: bool = True, output_alive: bool = True):
     with _forked_rng(device):
         torch.manual_seed(seed)
-        a, k = _prepare_inputs(args, kwargs)
-        step = run_step(call, a, k, loss_fn)
-    return step.loss, step.output, input_tensors(a, k)
+        a, k = _prepare_inputs(args, kwargs) if input_grads else (args, kwargs)
+        step = run_step(call, a, k, loss_fn, output_alive=output_alive)
+    return step.loss, step.output, input_tensors(a, k) if input_grads else []
 
 
 def _diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -163,17 +164,20 @@ def _unit_prefix(unit: str) -> str:
 
 
 def slope_check(call: Callable[..., Any], model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, *,
-                seed: int = 0, grads: dict[str, torch.Tensor] | None = None, max_units: int = 4) -> SlopeCheck:
+                seed: int = 0, grads: dict[str, torch.Tensor] | None = None, max_units: int = 4,
+                input_grads: bool = True) -> SlopeCheck:
     """Note [Is the gradient its own loss's?]: the loss's slope along the gradient, and along the gradient of
     the parameter with the largest gradient in each of (at most ``max_units``) checkpointed units, from the
     gradient of one step of ``call`` (``model``'s forward, maybe compiled) and from central differences of its
     loss, every forward with ``seed``. ``grads``: that step's parameter gradients by name, if it has run (else
-    it runs here). ``model``'s parameters, gradients, buffers and the RNG are as before when it returns."""
+    it runs here); ``input_grads``: whether that step differentiated its inputs (the forwards here take them
+    alike, so that a compiled forward is the same program). ``model``'s parameters, gradients, buffers and the
+    RNG are as before when it returns."""
     device = model_device(model)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     with preserved(model), fresh_grads(params.values()):
         if grads is None:
-            _run(call, args, kwargs, loss_fn, seed, device)
+            _run(call, args, kwargs, loss_fn, seed, device, input_grads=input_grads)
             grads = {n: p.grad for n, p in params.items()}
         g = {n: grads[n].detach().double() for n in params if grads.get(n) is not None}
         norms = {n: float(t.norm()) for n, t in g.items()}
@@ -196,7 +200,7 @@ def slope_check(call: Callable[..., Any], model: nn.Module, args: tuple, kwargs:
                     params[n].copy_(start[n].double().add(d, alpha=h).to(start[n].dtype))
             with _forked_rng(device):
                 torch.manual_seed(seed)
-                a, k = _prepare_inputs(args, kwargs)
+                a, k = _prepare_inputs(args, kwargs) if input_grads else (args, kwargs)
                 loss = float(checked_loss(loss_fn, call(*a, **k)).detach().double())
             with torch.no_grad():
                 for n in v:
@@ -226,9 +230,12 @@ class _Taken:
 
 
 def _take(call: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, seed: int,
-          device: torch.device) -> _Taken:
-    """One step of ``call`` (``module``'s forward, maybe compiled), its gradients and buffers copied out."""
-    loss, out, inputs = _run(call, args, kwargs, loss_fn, seed, device)
+          device: torch.device, *, input_grads: bool = True, output_alive: bool = True) -> _Taken:
+    """One step of ``call`` (``module``'s forward, maybe compiled), its gradients and buffers copied out.
+    ``input_grads``: differentiate floating-point inputs too (copies of them); else the inputs as given, as the
+    loop passes them (a compiled step is then the loop's program)."""
+    loss, out, inputs = _run(call, args, kwargs, loss_fn, seed, device, input_grads=input_grads,
+                             output_alive=output_alive)
     return _Taken(loss, [t.detach() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)],
                   [t.grad for t in inputs],
                   {n: None if p.grad is None else p.grad.detach().clone() for n, p in module.named_parameters()},
@@ -279,6 +286,41 @@ def check_equivalence(
     return report
 
 
+class CompiledComparison:
+    """Note [Compiled plans are proved], without compiles of its own: remat compiles each plan it measures for a
+    compiled loop (``remat.api.checked_reading``), and that step, seeded, is also the step compared. The plain
+    step (no checkpointing, measured first) is kept; each later plan's step is compared with it as it runs and
+    only the report is kept (no tensors)."""
+
+    def __init__(self, loop: CompiledLoop, *, seed: int = 0) -> None:
+        self.loop = loop
+        self.seed = seed
+        self.plain: _Taken | None = None
+        #: the report of each plan compared, by its units
+        self.reports: dict[tuple[str, ...], EquivalenceReport] = {}
+
+    def step(self, units: tuple[str, ...], call: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict,
+             loss_fn: LossFn, *, output_alive: bool) -> None:
+        """One training step of ``call`` (``module`` checkpointed as ``units``, compiled as the loop compiles
+        it), seeded; kept (no checkpointing) or compared with the plain one. Leaves ``module``'s gradients set."""
+        taken = _on_cpu(_take(call, module, args, kwargs, loss_fn, self.seed, model_device(module),
+                              input_grads=False, output_alive=output_alive))
+        if not units:
+            self.plain = taken
+        elif self.plain is not None:
+            rtol, atol = _tolerance(self.loop, None, None)
+            self.reports[units] = compare_steps(self.plain, taken, rtol=rtol, atol=atol, checkpointed=units,
+                                                compiled=str(self.loop))
+
+
+def _on_cpu(taken: _Taken) -> _Taken:
+    """``taken`` with its tensors in host memory (kept through planning without holding the device's)."""
+    def cpu(t):
+        return None if t is None else t.detach().cpu()
+    return _Taken(cpu(taken.loss), [cpu(t) for t in taken.outputs], [cpu(t) for t in taken.input_grads],
+                  {n: cpu(g) for n, g in taken.grads.items()}, {n: cpu(b) for n, b in taken.buffers.items()})
+
+
 def check_compiled_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn,
                         loop: CompiledLoop, *, seed: int = 0, deterministic: bool = False) -> EquivalenceReport:
     """Note [Compiled plans are proved]
@@ -288,7 +330,9 @@ def check_compiled_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
     compile] in remat.rewrite). So before ``optimize_checkpointing`` returns a plan for a compiled loop it runs
     one step of the plain model and one of the planned model, both compiled as the loop compiles them, with the
     same seed, and compares losses, outputs, gradients and buffers (:func:`compare_steps`, Note [Compiled
-    tolerance]); where they differ, :func:`slope_check` says whether the planned gradient is its own loss's.
+    tolerance]): the steps that compiled the two plans to measure them (:class:`CompiledComparison`), else two
+    of its own; the inputs as the loop passes them, so that the programs compared are the loop's. Where they
+    differ, :func:`slope_check` says whether the planned gradient is its own loss's.
 
     Inductor orders random kernels that read no activation (dropout masks drawn on fresh tensors) as it
     schedules each program, and the planned program is another than the plain one: they may draw the same
@@ -306,14 +350,14 @@ def check_compiled_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
             model.eval()
         remove_checkpointing(model)
         with loop.step(model) as call:
-            taken_p = _take(call, model, args, kwargs, loss_fn, seed, device)
+            taken_p = _take(call, model, args, kwargs, loss_fn, seed, device, input_grads=False)
         restore(snap)
         for p in model.parameters():
             p.grad = None
         checkpoint_plan(model, plan)
         try:
             with loop.step(model) as call:
-                taken_c = _take(call, model, args, kwargs, loss_fn, seed, device)
+                taken_c = _take(call, model, args, kwargs, loss_fn, seed, device, input_grads=False)
                 report = compare_steps(taken_p, taken_c, rtol=rtol, atol=atol, checkpointed=plan.checkpointed,
                                        compiled=str(loop))
                 if not report.equal:
@@ -321,7 +365,7 @@ def check_compiled_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
                         for b, v in snap.buffers:
                             b.copy_(v)
                     report = dataclasses.replace(report, slope=slope_check(
-                        call, model, args, kwargs, loss_fn, seed=seed, grads=taken_c.grads))
+                        call, model, args, kwargs, loss_fn, seed=seed, grads=taken_c.grads, input_grads=False))
         finally:
             remove_checkpointing(model)
     return report
