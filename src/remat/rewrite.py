@@ -111,7 +111,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from remat._compat import (argument, module_compile_compiles_nothing, outside_dispatch_modes, storage_key, tree_flatten,
+from remat._compat import (argument, cacheable_context_fn, module_compile_compiles_nothing, outside_dispatch_modes, storage_key, tree_flatten,
                            uncompiled, written_arguments)
 from remat.capture import RegionProgram
 from remat.costs import SELECTIVE, is_selective, op_key, parse_region, parse_segment, region_name, segment_name
@@ -189,6 +189,30 @@ def keep_ops_contexts(saved_ops: tuple[str, ...], keep_random: bool = False):
     return create_selective_checkpoint_contexts(policy)
 
 
+def _policy_code() -> str:
+    """A digest of the code that decides what a policy keeps (it keys compiled policies in AOTAutograd's cache)."""
+    import hashlib
+    import inspect
+
+    code = "".join(inspect.getsource(f) for f in (keep_ops_contexts, PolicyNames, draws_random))
+    return hashlib.sha256(code.encode()).hexdigest()[:16]
+
+
+_POLICY_CODE = _policy_code()
+
+
+def compiled_policy(saved_ops: tuple[str, ...]) -> Callable:
+    """The ``context_fn`` under torch.compile: keep ``saved_ops`` and every random operator's output (Note
+    [Random operators under compile]), keyed for AOTAutograd's cache by what it keeps and the code deciding it
+    (``remat._compat.cacheable_context_fn``). Made when a forward is installed, not while Dynamo traces it."""
+    return cacheable_context_fn(functools.partial(keep_ops_contexts, saved_ops, True),
+                                f"remat-policy:{_POLICY_CODE}:{','.join(saved_ops)}:keep-random")
+
+
+#: the policy of whole units, segments and regions under torch.compile: every random operator's output kept
+KEEP_RANDOM = compiled_policy(())
+
+
 def keep_ops(saved_ops: Iterable[str]) -> Callable:
     """The ``context_fn`` that keeps ``saved_ops`` (a function, as torch.compile requires)."""
     return functools.partial(keep_ops_contexts, tuple(saved_ops))
@@ -202,12 +226,13 @@ def parse_unit(name: str) -> tuple[str, tuple[int, int] | None]:
 
 
 def _checkpointed_call(fn: Callable, args: tuple, kwargs: dict, buffers: list[torch.Tensor],
-                       preserve_rng_state: bool, timer, saved_ops: tuple[str, ...] | None = None) -> object:
-    """``fn(*args, **kwargs)`` under non-reentrant checkpoint, replaying ``buffers`` (Note [Buffers replay])."""
+                       preserve_rng_state: bool, timer, saved_ops: tuple[str, ...] | None = None,
+                       compiled: Callable | None = None) -> object:
+    """``fn(*args, **kwargs)`` under non-reentrant checkpoint, replaying ``buffers`` (Note [Buffers replay]);
+    under torch.compile with the policy ``compiled`` (:func:`compiled_policy`; None: ``KEEP_RANDOM``)."""
     if torch.compiler.is_compiling():  # Note [Under torch.compile], Note [Random operators under compile]
-        context = functools.partial(keep_ops_contexts, tuple(saved_ops or ()), True)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, context_fn=context,
-                          **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+                          context_fn=compiled if compiled is not None else KEEP_RANDOM, **kwargs)
     options = {} if saved_ops is None else {"context_fn": keep_ops(saved_ops)}
     before = [b.detach().clone() for b in buffers]
     calls = 0
@@ -277,13 +302,16 @@ class CheckpointedForward(_RematForward):
         self.previous = module.__dict__.get("forward")
         #: a context-manager factory wrapped around each recomputation (set by the profiler only)
         self.recompute_timer = None
+        #: the policy under torch.compile (Note [Random operators under compile])
+        self.compiled = None if self.saved_ops is None else compiled_policy(self.saved_ops)
 
     def __call__(self, *args, **kwargs):
         original = self._original()
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         return _checkpointed_call(original, args, kwargs, _buffers(self.module, self.buffers),
-                                  self.preserve_rng_state, self.recompute_timer, self.saved_ops)
+                                  self.preserve_rng_state, self.recompute_timer, self.saved_ops,
+                                  self.__dict__.get("compiled"))  # (None: pickled before it had one)
 
     def unit_names(self, name: str) -> list[str]:
         return [name + self.policy]
@@ -291,7 +319,8 @@ class CheckpointedForward(_RematForward):
     def __reduce__(self):
         return (_rebuild, (CheckpointedForward, dict(
             module=self.module, preserve_rng_state=self.preserve_rng_state, previous=self.previous,
-            buffers=self.buffers, recompute_timer=None, saved_ops=self.saved_ops, policy=self.policy)))
+            buffers=self.buffers, recompute_timer=None, saved_ops=self.saved_ops, policy=self.policy,
+            compiled=self.compiled)))
 
 
 class SegmentedForward(_RematForward):

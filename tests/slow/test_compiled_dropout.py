@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -118,8 +119,9 @@ def test_a_plan_drawing_other_numbers_is_taken_only_with_its_own_gradient(monkey
     """With random operators recomputed as torch does by itself (``run_and_save_rng_state``, before the fix), the
     planned compiled U-Net draws other masks than the plain compiled step: remat's proof finds the planned
     gradient to be its own loss's and the two steps equal with dropout off, and says so in the plan's note."""
-    keep = remat.rewrite.keep_ops_contexts
-    monkeypatch.setattr(remat.rewrite, "keep_ops_contexts", lambda saved, keep_random=False: keep(saved, False))
+    replay = functools.partial(remat.rewrite.keep_ops_contexts, (), False)
+    replay.cache_hash = "test: random operators replayed"  # (AOTAutograd's cache must not take remat's policy)
+    monkeypatch.setattr(remat.rewrite, "KEEP_RANDOM", replay)
     model, x, loss_fn = dropout_unet()
     compiled = torch.compile(model)
     with random_numbers(True):
