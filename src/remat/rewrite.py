@@ -82,14 +82,14 @@ plain compiled step, and its recomputation is not bound to draw its forward's:
   chose: the same here, by no rule;
 - inductor schedules a plain random kernel that reads no activation (``Dropout2d``'s ``bernoulli_`` on a
   fresh ``[batch, channels, 1, 1]`` tensor) early, with the others, and the wrapped one where it stands, so
-  the draws came in another order (0.72289 against 0.72129);
-- without ``fallback_random`` the plain step draws from inductor's own generator (one seed per step from
-  torch's) and the wrapped operator from torch's: other numbers, and torch's generator ends the step elsewhere.
+  the draws came in another order (0.72289 against 0.72129).
 So under compile remat's policy keeps (``CheckpointPolicy.MUST_SAVE``) the output of every operator that
 draws random numbers inside a checkpointed unit, whole or selective: it runs once, lowered as in the plain
-program, and nothing is drawn again. The compiled planned step then draws what the plain compiled step draws
-(tested: tests/slow/test_inductor.py, whole and per block, with and without ``fallback_random``) and its
-recomputation cannot draw differently. What it costs is measured, not assumed: the kept outputs are in the
+program, and nothing is drawn again. Its recomputation cannot draw differently, and the compiled planned step
+draws what the plain compiled step draws as far as inductor schedules the two programs' random kernels alike
+(tests/slow/test_compiled_dropout.py: whole and per block, ``fallback_random``; with inductor's defaults the
+U-Net's plain program drew its masks in the order 1, 4, 5, 2, 3 and one plan's in order: Note [Compiled plans
+are proved] in remat.verify says what remat checks then). What it costs is measured, not assumed: the kept outputs are in the
 programs remat reads and measures for every compiled plan (Note [Compiled steps] in remat.solve.calibrated).
 Measured on benchmarks/compiled.py's GPT (4 x 128, dropout 0.1, batch 8 x 128), every block checkpointed,
 the step's allocations above its state: with inductor's own random numbers (the default) 29.5 MiB kept
