@@ -91,10 +91,10 @@ draws what the plain compiled step draws as far as inductor schedules the two pr
 U-Net's plain program drew its masks in the order 1, 4, 5, 2, 3 and one plan's in order: Note [Compiled plans
 are proved] in remat.verify says what remat checks then). What it costs is measured, not assumed: the kept outputs are in the
 programs remat reads and measures for every compiled plan (Note [Compiled steps] in remat.solve.calibrated).
-Measured on benchmarks/compiled.py's GPT (4 x 128, dropout 0.1, batch 8 x 128), every block checkpointed,
-the step's allocations above its state: with inductor's own random numbers (the default) 29.5 MiB kept
-against 29.7 MiB replayed; with ``fallback_random``, where ``native_dropout`` stays one kernel whose kept
-output is the dropped-out activation, 29.4 MiB against 25.6 MiB. Eager steps keep replaying from the restored generator state
+Measured (benchmarks/compiled_least.py, whole steps with AdamW) on benchmarks/compiled.py's GPT (4 x 128,
+dropout 0.1, batch 8 x 128), every block checkpointed: with inductor's own random numbers (the default)
+37.55 MiB kept against 37.78 MiB by hand (torch's replay); with ``fallback_random``, where ``native_dropout``
+stays one kernel whose kept output is the dropped-out activation, 37.44 MiB against 33.62 MiB. Eager steps keep replaying from the restored generator state
 (Note [Selective checkpointing]), which draws exactly the forward's numbers.
 """
 
