@@ -230,16 +230,24 @@ class _Taken:
 
 
 def _take(call: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, seed: int,
-          device: torch.device, *, input_grads: bool = True, output_alive: bool = True) -> _Taken:
+          device: torch.device, *, input_grads: bool = True, output_alive: bool = True,
+          host: bool = False) -> _Taken:
     """One step of ``call`` (``module``'s forward, maybe compiled), its gradients and buffers copied out.
     ``input_grads``: differentiate floating-point inputs too (copies of them); else the inputs as given, as the
-    loop passes them (a compiled step is then the loop's program)."""
+    loop passes them (a compiled step is then the loop's program). ``host``: every tensor copied to host memory
+    (kept through planning without holding the device's)."""
     loss, out, inputs = _run(call, args, kwargs, loss_fn, seed, device, input_grads=input_grads,
                              output_alive=output_alive)
-    return _Taken(loss, [t.detach() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)],
-                  [t.grad for t in inputs],
-                  {n: None if p.grad is None else p.grad.detach().clone() for n, p in module.named_parameters()},
-                  {n: b.detach().clone() for n, b in module.named_buffers()})
+
+    def kept(t: torch.Tensor | None, copy: bool = True) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t.detach()
+        return t.to("cpu", copy=True) if host else t.clone() if copy else t
+
+    return _Taken(kept(loss, False), [kept(t, False) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)],
+                  [kept(t.grad, False) for t in inputs], {n: kept(p.grad) for n, p in module.named_parameters()},
+                  {n: kept(b) for n, b in module.named_buffers()})
 
 
 def check_equivalence(
@@ -265,9 +273,9 @@ def check_equivalence(
     """
     loss_fn = loss_fn or default_loss
     args, kwargs = split_inputs(example_inputs)
-    loop = compiled_loop(model, uncompiled(model), None)
-    rtol, atol = _tolerance(loop, rtol, atol)
     inner = uncompiled(model)
+    loop = compiled_loop(model, inner, None)
+    rtol, atol = _tolerance(loop, rtol, atol)
     device = model_device(inner)
     ckpt = copy.deepcopy(inner)
     plain = copy.deepcopy(uncompiled(reference) if reference is not None else inner)
@@ -303,22 +311,14 @@ class CompiledComparison:
              loss_fn: LossFn, *, output_alive: bool) -> None:
         """One training step of ``call`` (``module`` checkpointed as ``units``, compiled as the loop compiles
         it), seeded; kept (no checkpointing) or compared with the plain one. Leaves ``module``'s gradients set."""
-        taken = _on_cpu(_take(call, module, args, kwargs, loss_fn, self.seed, model_device(module),
-                              input_grads=False, output_alive=output_alive))
+        taken = _take(call, module, args, kwargs, loss_fn, self.seed, model_device(module), input_grads=False,
+                      output_alive=output_alive, host=True)
         if not units:
             self.plain = taken
         elif self.plain is not None:
             rtol, atol = _tolerance(self.loop, None, None)
             self.reports[units] = compare_steps(self.plain, taken, rtol=rtol, atol=atol, checkpointed=units,
                                                 compiled=str(self.loop))
-
-
-def _on_cpu(taken: _Taken) -> _Taken:
-    """``taken`` with its tensors in host memory (kept through planning without holding the device's)."""
-    def cpu(t):
-        return None if t is None else t.detach().cpu()
-    return _Taken(cpu(taken.loss), [cpu(t) for t in taken.outputs], [cpu(t) for t in taken.input_grads],
-                  {n: cpu(g) for n, g in taken.grads.items()}, {n: cpu(b) for n, b in taken.buffers.items()})
 
 
 def check_compiled_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn,

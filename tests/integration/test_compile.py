@@ -1,7 +1,8 @@
 """torch.compile over remat's plans (Note [Under torch.compile] in remat.rewrite): block, selective and
 segment plans compile without graph breaks, whole-model and per block (torchtitan's order: checkpoint,
-then compile each block), train with gradients equal to the compiled plain model's, dropout masks drawn
-again identically in the recomputation, and the compiled forward saves fewer tensors for backward.
+then compile each block), train with gradients equal to the compiled plain model's, dropout's outputs kept
+under compile (drawn again in the eager recomputation: Note [Random operators under compile] in remat.rewrite),
+and the compiled forward saves fewer tensors for backward.
 
 Inductor's code generation costs 10-60 s per model on the 2-core CPU here when its cache is cold (every fresh
 virtual environment: its compile commands name the environment's include paths), so the tests here compile
