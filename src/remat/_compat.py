@@ -75,6 +75,45 @@ def storage_key(t: torch.Tensor) -> int:
     return local_tensor(t).untyped_storage()._cdata
 
 
+def untyped_storage_key(st: torch.UntypedStorage) -> int:
+    """The identity :func:`storage_key` gives a tensor, for the storage itself: ``UntypedStorage._cdata``
+    (checked on 2.11, 2.13)."""
+    return st._cdata
+
+
+def compiled_call(m: torch.nn.Module) -> Callable | None:
+    """The call ``m.compile()`` set on module ``m`` (``Module._compiled_call_impl``; checked on 2.11, 2.13), None
+    where it was not compiled in place."""
+    return m.__dict__.get("_compiled_call_impl")
+
+
+def set_compiled_call(m: torch.nn.Module, impl: Callable | None, *, absent: bool = False) -> None:
+    """Make ``impl`` module ``m``'s compiled call (None: its eager call is in effect). ``absent`` removes the
+    attribute instead, as a module never compiled has it (``Module._compiled_call_impl``; checked on 2.11,
+    2.13)."""
+    if absent:
+        m.__dict__.pop("_compiled_call_impl", None)
+    else:
+        m._compiled_call_impl = impl
+
+
+def module_call(m: torch.nn.Module) -> Callable:
+    """Module ``m``'s own call, hooks included, that ``m.compile()`` compiles (``Module._call_impl``; checked on
+    2.11, 2.13)."""
+    return m._call_impl
+
+
+def lightning_compiled(module: Any) -> tuple[Callable, Callable, Any] | None:
+    """For a LightningModule that ``trainer.fit(torch.compile(module))`` unwrapped and compiled in place, its
+    original ``forward`` and ``training_step`` and the Dynamo context it was compiled with; None when it was not
+    (Lightning's private ``_compiler_ctx``: ``{"compiler": "dynamo", "dynamo_ctx": ..., "original_forward": ...,
+    "original_training_step": ...}``, checked on Lightning 2.6)."""
+    ctx = getattr(module, "_compiler_ctx", None)
+    if isinstance(ctx, dict) and ctx.get("compiler") == "dynamo":
+        return ctx["original_forward"], ctx["original_training_step"], ctx["dynamo_ctx"]
+    return None
+
+
 def fake_mode() -> FakeTensorMode:
     """A FakeTensorMode that lets real tensors (constants a model creates) mix with fake ones
     (``torch._subclasses.fake_tensor``, checked on 2.11, 2.13)."""
@@ -467,7 +506,7 @@ def compiled_submodules(model: torch.nn.Module) -> list[str]:
     ``_compiled_call_impl`` is set; checked on 2.11, 2.13), outermost only."""
     out: list[str] = []
     for name, m in model.named_modules():
-        if getattr(m, "_compiled_call_impl", None) is not None and not any(
+        if compiled_call(m) is not None and not any(
                 name.startswith(o + ".") or o == "" for o in out):
             out.append(name)
     return out

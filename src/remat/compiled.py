@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from remat._compat import (compile_fn, compile_settings, compiled_submodules, module_compile_compiles_nothing,
+from remat._compat import (compile_fn, compile_settings, compiled_call, module_call, compiled_submodules, module_compile_compiles_nothing,
                            submodules_called)
 from remat.errors import InvalidInputError
 from remat.rewrite import keep_compiled_nothing_eager, left_eager
@@ -51,7 +51,7 @@ class CompiledLoop:
         if not self.blocks:
             yield compile_fn(model, settings)
             return
-        with submodules_called(model, list(self.blocks), lambda m: compile_fn(m._call_impl, settings)):
+        with submodules_called(model, list(self.blocks), lambda m: compile_fn(module_call(m), settings)):
             yield model
 
 
@@ -99,7 +99,7 @@ def compiled_loop(model: nn.Module, inner: nn.Module, compile: bool | dict | Det
             source, read = "the model is wrapped by torch.compile", compile_settings(model)
         else:
             source = f"Module.compile() was called on {len(blocks)} submodules"
-            found = [compile_settings(mods[b]._compiled_call_impl) for b in blocks]
+            found = [compile_settings(compiled_call(mods[b])) for b in blocks]
             read = found[0] if all(f is not None and f == found[0] for f in found) else None
         if read is None:
             source += (" (its settings could not be read" + ("" if wrapped else ", or differ between them") +

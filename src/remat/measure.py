@@ -43,6 +43,7 @@ from remat._compat import (
     is_dtensor_class,
     local_tensor,
     storage_key,
+    untyped_storage_key,
     rng_states_reported,
     storage_resizes_reported,
     leaves_with_paths,
@@ -169,7 +170,7 @@ class StorageTracker(TorchDispatchMode):
             self._patches.__exit__(*exc)
 
     def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
-        key = st._cdata
+        key = untyped_storage_key(st)
         rec = self.by_key.get(key)
         if rec is not None:
             self._freed(rec)

@@ -111,7 +111,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from remat._compat import (argument, cacheable_context_fn, module_compile_compiles_nothing, outside_dispatch_modes, storage_key, tree_flatten,
+from remat._compat import (argument, cacheable_context_fn, compiled_call, module_compile_compiles_nothing, set_compiled_call, outside_dispatch_modes, storage_key, tree_flatten,
                            uncompiled, written_arguments)
 from remat.capture import RegionProgram
 from remat.costs import SELECTIVE, is_selective, op_key, parse_region, parse_segment, region_name, segment_name
@@ -559,12 +559,12 @@ def keep_compiled_nothing_eager(model: nn.Module) -> None:
     """Set aside the compiled call of every block of ``model`` that ``Module.compile()`` compiles nothing for and
     that holds a forward of remat's (Note [Blocks Module.compile() leaves eager]; mutates ``model``)."""
     for m in uncompiled(model).modules():
-        if m in _LEFT_EAGER or getattr(m, "_compiled_call_impl", None) is None:
+        if m in _LEFT_EAGER or compiled_call(m) is None:
             continue
         if any(isinstance(sub.__dict__.get("forward"), _RematForward) for sub in m.modules()) \
                 and module_compile_compiles_nothing(m):
-            _LEFT_EAGER[m] = m._compiled_call_impl
-            m._compiled_call_impl = None
+            _LEFT_EAGER[m] = compiled_call(m)
+            set_compiled_call(m, None)
 
 
 def set_aside(m: nn.Module) -> Callable | None:
@@ -605,5 +605,5 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
             undone += f.unit_names(name)
             f = m.__dict__.get("forward")
         if m in _LEFT_EAGER:
-            m._compiled_call_impl = _LEFT_EAGER.pop(m)
+            set_compiled_call(m, _LEFT_EAGER.pop(m))
     return undone

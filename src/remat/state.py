@@ -10,6 +10,8 @@ from typing import Callable, Iterable, Iterator, ParamSpec, TypeVar
 import torch
 from torch import nn
 
+from remat._compat import compiled_call, set_compiled_call
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -37,7 +39,7 @@ def take_snapshot(model: nn.Module) -> Snapshot:
         buffers=[(b, b.detach().clone()) for b in model.buffers()],
         grads=[(p, p.grad) for p in model.parameters()],
         forwards=[(m, m.__dict__.get("forward")) for m in model.modules()],
-        compiled_calls=[(m, m.__dict__.get("_compiled_call_impl"), set_aside(m)) for m in model.modules()],
+        compiled_calls=[(m, compiled_call(m), set_aside(m)) for m in model.modules()],
     )
 
 
@@ -56,10 +58,7 @@ def restore(snap: Snapshot) -> None:
         else:
             m.forward = f
     for m, impl, aside in snap.compiled_calls:
-        if impl is None:
-            m.__dict__.pop("_compiled_call_impl", None)
-        else:
-            m._compiled_call_impl = impl
+        set_compiled_call(m, impl, absent=impl is None)
         restore_set_aside(m, aside)
     torch.set_rng_state(snap.cpu_rng)
     if snap.cuda_rng is not None:

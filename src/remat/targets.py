@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from remat._compat import tree_map
 
 from remat.errors import InvalidInputError
 from remat.examples import EXAMPLES

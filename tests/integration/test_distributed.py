@@ -140,11 +140,12 @@ def test_tensor_parallel_gets_one_plan_within_budget_and_exact(ranks, case):
         # were 8 KiB over the budget by the allocator and 23% above the usual by MemTracker, and a profile read
         # 192 KiB more than usual; docs/limits.md)
         assert max(r["checked"], r["measured"], r["allocated"]) <= r["budget"], r
-        # and the prediction is not below the allocator's reading by more than 5%. (It is within 3% of it
-        # usually; it was 5-6% above while remat planned for a loop that keeps the output, the logits, and the
-        # meters ran one that drops it. Above it by any amount is possible under gloo: once a profile read 176 KiB
-        # of late frees, 12% of the peak, in CI; docs/limits.md)
-        assert r["predicted"] >= 0.95 * r["allocated"], r
+        # and the prediction is within 3% of each meter's reading, either way (docs/limits.md). (It was 5-6% above
+        # them while remat planned for a loop that keeps the output, the logits, and the meters ran one that drops
+        # it; under gloo a single profile once read 176 KiB of late frees, 12% of the peak, in CI: the least of
+        # five readings is compared)
+        for meter in ("measured", "allocated"):
+            assert abs(r["predicted"] - r[meter]) <= 0.03 * r[meter], (meter, r)
         assert r["grad_mismatches"] == []
         # remat's check read three steps by the allocator's events, keeping the largest: under gloo one step's peak
         # is not the next one's (Note [Steps under gloo]; one dispatch-level step missed budgets by up to 9.1% in

@@ -32,7 +32,7 @@ import logging
 
 from torch import nn
 
-from remat._compat import compile_settings
+from remat._compat import compile_settings, lightning_compiled
 from remat.compiled import DetectedCompile
 from remat.errors import UnsupportedError
 from remat.integrations.first_step import RematCallbackBase, missing_framework
@@ -122,14 +122,14 @@ class _RematLightning(RematCallbackBase):
             # Note [Compiled LightningModule]: trainer.fit(torch.compile(module)) unwraps it and compiles the
             # module's forward and training_step in place (lightning's from_compiled: _compiler_ctx holds the
             # originals): remat profiles the originals and plans for the compiled training step
-            ctx = getattr(pl_module, "_compiler_ctx", None)
-            compiled = isinstance(ctx, dict) and ctx.get("compiler") == "dynamo"
+            originals = lightning_compiled(pl_module)
+            compiled = originals is not None
             if compiled:
                 names += ("forward", "training_step")
             quiet = {name: pl_module.__dict__.get(name) for name in names}
             pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None
             if compiled:
-                pl_module.forward, pl_module.training_step = ctx["original_forward"], ctx["original_training_step"]
+                pl_module.forward, pl_module.training_step, _ = originals
             try:
                 with kept_attributes(pl_module):  # Note [Attributes kept] in remat.state
                     plan = self.first.run(step, (batch,), optimizer=optimizers[0] if len(optimizers) == 1 else None,
@@ -140,7 +140,7 @@ class _RematLightning(RematCallbackBase):
                                           ddp=type(trainer.strategy).__name__ == "DDPStrategy",
                                           # the settings it was compiled with, read from Dynamo's context
                                           compile=DetectedCompile(
-                                              compile_settings(ctx["dynamo_ctx"]),
+                                              compile_settings(originals[2]),
                                               "Lightning compiled the module (torch.compile(module) passed to "
                                               "fit)") if compiled else None)
             finally:
