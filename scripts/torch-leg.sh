@@ -28,4 +28,8 @@ fi
 PIP_CONSTRAINT=$PIN quiet "$VENV/bin/python" -m pip install -q -e ".[dev]"
 "$VENV/bin/python" -c "import torch, remat, sys; assert remat.__file__.startswith(sys.argv[1]), remat.__file__; \
 print(f'remat from {sys.argv[1]} with torch {torch.__version__} in $VENV')" "$PWD/src"
-exec "$VENV/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider "$@"
+set +e
+"$VENV/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider "$@"
+rc=$?
+echo "torch $V leg: ${SECONDS} s in all (install and suite), pytest exit $rc"
+exit $rc

@@ -35,3 +35,4 @@ def pytest_collection_modifyitems(config, items):
 # cover inputs that once failed), and no example database carries state between runs.
 settings.register_profile("remat", derandomize=True, database=None, deadline=None)
 settings.load_profile("remat")
+

@@ -25,7 +25,11 @@ Entry points: :func:`optimize_checkpointing` (all of it, in place), :func:`make_
 :func:`check_equivalence` and :func:`measure_step` (prove it). Every error is a :class:`RematError`.
 """
 
-from remat.api import apply_plan, checked_plan, make_profile, optimize_checkpointing
+from remat._compat import TORCH_FLOOR as _TORCH_FLOOR, require_torch as _require_torch
+
+_require_torch("remat", _TORCH_FLOOR, "the least release remat is tested on")
+
+from remat.api import apply_plan, checked_plan, make_profile, optimize_checkpointing  # noqa: E402
 from remat.costs import Profile, UnitCost
 from remat.errors import (
     EquivalenceError,

@@ -1,7 +1,9 @@
 """Private torch APIs remat relies on, in one place.
 
-Each entry names the torch versions it was checked on. When a new torch moves one of them, it
-breaks here with a message that says which, instead of deep inside a stage.
+Each entry names the torch versions it was checked on: CI runs the suite on every release in ``CHECKED_ON``
+(``.ci/run``), so each entry was run on those; 2.11 is the lent GPU's image; an entry used only for compiled steps
+(from ``COMPILED_FLOOR`` on) says so. When a new torch moves one of them, it breaks here with a message that says
+which, instead of deep inside a stage.
 """
 
 from __future__ import annotations
@@ -13,20 +15,49 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import torch
-from torch import _guards  # checked on 2.11, 2.13
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401 - checked on 2.11, 2.13
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 - checked on 2.11, 2.13
-from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401 - checked on 2.11, 2.13
+from torch import _guards  # checked on 2.8, 2.11, 2.13, 2.15
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401 - checked on 2.8, 2.11, 2.13, 2.15
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 - checked on 2.8, 2.11, 2.13, 2.15
+from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401 - checked on 2.8, 2.11, 2.13, 2.15
 from torch.utils._pytree import keystr as _keystr, tree_flatten_with_path as _tree_flatten_with_path
 
-#: torch versions the entries below were run on
-CHECKED_ON = ("2.11", "2.13")
+#: the torch releases remat's suite runs on in CI (``.ci/run``: scripts/test.sh on 2.13, scripts/torch-leg.sh on
+#: the others), so every entry below was run on each; an entry says where it was also checked (2.11: the lent
+#: GPU's image) or where it needs more than the floor. Named in remat's report of its own failures.
+CHECKED_ON = ("2.8", "2.13", "2.15")
+
+#: the least torch remat supports (pyproject.toml's ``torch>=``; README); features that need a later one check
+#: with :func:`require_torch`
+TORCH_FLOOR = (2, 8)
+
+#: the least torch on which remat plans a torch.compile'd step (remat.compiled.compiled_loop); why older ones fail
+COMPILED_FLOOR = (2, 13)
+COMPILED_FLOOR_WHY = ("on torch 2.8-2.12 torch's selective checkpointing under torch.compile fails on remat's plans: "
+                      "'Tensor cached during selective activation checkpoint has been mutated'")
+
+
+def torch_release(version: str | None = None) -> tuple[int, int]:
+    """``(major, minor)`` of the running torch, or of ``version`` (``"2.15.0+cu132"`` -> ``(2, 15)``)."""
+    major, minor = (version or torch.__version__).split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def require_torch(feature: str, least: tuple[int, int], why: str = "") -> None:
+    """Refuse ``feature`` (UnsupportedError) on a torch older than ``least``, naming both versions and what to do;
+    ``why`` says what the older torch lacks."""
+    if torch_release() < least:
+        from remat.errors import UnsupportedError
+
+        need = f"{least[0]}.{least[1]}"
+        raise UnsupportedError(
+            f"{feature} needs torch >= {need}; this is torch {torch.__version__}" + (f" ({why})" if why else "") +
+            f". Upgrade torch (pip install 'torch>={need}'), or plan without it.")
 
 
 def default_foreach(params: list[torch.Tensor], differentiable: bool) -> bool:
     """Whether ``torch.optim`` picks its foreach (multi-tensor) implementation for ``params`` when a
     group leaves ``foreach`` and ``fused`` unset. ``torch.optim.optimizer._default_to_fused_or_foreach``
-    (checked on 2.11, 2.13)."""
+    (checked on 2.8, 2.11, 2.13, 2.15)."""
     try:
         from torch.optim.optimizer import _default_to_fused_or_foreach
     except ImportError:  # a torch that moved it: assume the per-tensor loop (its temporaries are the smaller)
@@ -39,7 +70,7 @@ def global_optimizer_hooks_paused() -> Iterator[None]:
     """Run ``torch.optim`` steps without the hooks registered for *every* optimizer
     (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook``): remat's own
     steps on shadow copies must not reach the user's hooks. ``_global_optimizer_pre_hooks`` and
-    ``_global_optimizer_post_hooks`` (checked on 2.11, 2.13)."""
+    ``_global_optimizer_post_hooks`` (checked on 2.8, 2.11, 2.13, 2.15)."""
     import torch.optim.optimizer as optim_module
 
     tables = [getattr(optim_module, n, None) for n in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")]
@@ -60,7 +91,7 @@ def global_optimizer_hooks_paused() -> Iterator[None]:
 def outside_dispatch_modes() -> Iterator[None]:
     """Run a few operators unseen by the active ``TorchDispatchMode``s, e.g. selective checkpointing's
     caching mode during a recomputation, which refuses operators the forward did not run.
-    ``torch.utils._python_dispatch._disable_current_modes`` (checked on 2.11, 2.13)."""
+    ``torch.utils._python_dispatch._disable_current_modes`` (checked on 2.8, 2.11, 2.13, 2.15)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
@@ -71,26 +102,26 @@ def outside_dispatch_modes() -> Iterator[None]:
 
 def storage_key(t: torch.Tensor) -> int:
     """An identity for the storage behind ``t``, equal for views and aliases and stable while it lives:
-    ``UntypedStorage._cdata`` (checked on 2.11, 2.13)."""
+    ``UntypedStorage._cdata`` (checked on 2.8, 2.11, 2.13, 2.15)."""
     return local_tensor(t).untyped_storage()._cdata
 
 
 def untyped_storage_key(st: torch.UntypedStorage) -> int:
     """The identity :func:`storage_key` gives a tensor, for the storage itself: ``UntypedStorage._cdata``
-    (checked on 2.11, 2.13)."""
+    (checked on 2.8, 2.11, 2.13, 2.15)."""
     return st._cdata
 
 
 def compiled_call(m: torch.nn.Module) -> Callable | None:
-    """The call ``m.compile()`` set on module ``m`` (``Module._compiled_call_impl``; checked on 2.11, 2.13), None
+    """The call ``m.compile()`` set on module ``m`` (``Module._compiled_call_impl``; checked on 2.8, 2.11, 2.13, 2.15), None
     where it was not compiled in place."""
     return m.__dict__.get("_compiled_call_impl")
 
 
 def set_compiled_call(m: torch.nn.Module, impl: Callable | None, *, absent: bool = False) -> None:
     """Make ``impl`` module ``m``'s compiled call (None: its eager call is in effect). ``absent`` removes the
-    attribute instead, as a module never compiled has it (``Module._compiled_call_impl``; checked on 2.11,
-    2.13)."""
+    attribute instead, as a module never compiled has it (``Module._compiled_call_impl``; checked on 2.8, 2.11, 2.13,
+    2.15)."""
     if absent:
         m.__dict__.pop("_compiled_call_impl", None)
     else:
@@ -99,7 +130,7 @@ def set_compiled_call(m: torch.nn.Module, impl: Callable | None, *, absent: bool
 
 def module_call(m: torch.nn.Module) -> Callable:
     """Module ``m``'s own call, hooks included, that ``m.compile()`` compiles (``Module._call_impl``; checked on
-    2.11, 2.13)."""
+    2.8, 2.11, 2.13, 2.15)."""
     return m._call_impl
 
 
@@ -116,14 +147,14 @@ def lightning_compiled(module: Any) -> tuple[Callable, Callable, Any] | None:
 
 def fake_mode() -> FakeTensorMode:
     """A FakeTensorMode that lets real tensors (constants a model creates) mix with fake ones
-    (``torch._subclasses.fake_tensor``, checked on 2.11, 2.13)."""
+    (``torch._subclasses.fake_tensor``, checked on 2.8, 2.11, 2.13, 2.15)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def flop_count(func, args: tuple, kwargs: dict, out) -> int:
     """Floating-point operations of one operator call by ``torch.utils.flop_counter``'s formulas; 0 for
-    operators without one (``flop_registry`` keyed by ``OpOverload._overloadpacket``, checked on 2.11,
-    2.13)."""
+    operators without one (``flop_registry`` keyed by ``OpOverload._overloadpacket``, checked on 2.8, 2.11, 2.13,
+    2.15)."""
     from torch.utils.flop_counter import flop_registry
 
     count = flop_registry.get(func._overloadpacket)
@@ -137,7 +168,7 @@ def flop_count(func, args: tuple, kwargs: dict, out) -> int:
 
 def written_arguments(func, args: tuple, kwargs: dict) -> list:
     """The arguments operator ``func`` writes to in place, by its schema (``OpOverload._schema``'s
-    ``alias_info.is_write``, checked on 2.11, 2.13)."""
+    ``alias_info.is_write``, checked on 2.8, 2.11, 2.13, 2.15)."""
     schema = func._schema
     if not schema.is_mutable:
         return []
@@ -150,7 +181,7 @@ def written_arguments(func, args: tuple, kwargs: dict) -> list:
 
 def argument(func, args: tuple, kwargs: dict, name: str, missing=None):
     """The value of operator ``func``'s argument ``name`` in this call (its default when not passed),
-    or ``missing`` when it has no such argument (``OpOverload._schema``, checked on 2.11, 2.13)."""
+    or ``missing`` when it has no such argument (``OpOverload._schema``, checked on 2.8, 2.11, 2.13, 2.15)."""
     for i, a in enumerate(func._schema.arguments):
         if a.name == name:
             return kwargs.get(name, args[i] if i < len(args) else a.default_value)
@@ -159,7 +190,7 @@ def argument(func, args: tuple, kwargs: dict, name: str, missing=None):
 
 def module_stack(node: torch.fx.Node) -> list[str]:
     """Qualified names of the modules an fx/export graph node ran inside, outermost first: the
-    ``nn_module_stack`` node metadata that fx tracing and torch.export write (checked on 2.11, 2.13)."""
+    ``nn_module_stack`` node metadata that fx tracing and torch.export write (checked on 2.8, 2.11, 2.13, 2.15)."""
     stack = node.meta.get("nn_module_stack") or {}
     names = [v[0] if isinstance(v, tuple) else str(v) for v in stack.values()]
     if node.op == "call_module":
@@ -174,7 +205,7 @@ _IS_DTENSOR: dict[type, bool] = {torch.Tensor: False, torch.nn.Parameter: False,
 
 
 def is_dtensor_class(cls: type) -> bool:
-    """Whether ``cls`` is ``torch.distributed.tensor.DTensor`` (or a subclass) (checked on 2.11, 2.13)."""
+    """Whether ``cls`` is ``torch.distributed.tensor.DTensor`` (or a subclass) (checked on 2.8, 2.11, 2.13, 2.15)."""
     known = _IS_DTENSOR.get(cls)
     if known is not None:
         return known
@@ -188,13 +219,13 @@ def is_dtensor_class(cls: type) -> bool:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding this rank's memory: a DTensor's local shard (``DTensor._local_tensor``, read
-    without dispatching an operator; checked on 2.11, 2.13), any other tensor itself."""
+    without dispatching an operator; checked on 2.8, 2.11, 2.13, 2.15), any other tensor itself."""
     return t._local_tensor if is_dtensor_class(type(t)) else t
 
 
 def active_fake_mode():
     """The FakeTensorMode in effect, or None. DTensor's sharding propagation runs operators on fake tensors
-    of its own (they allocate nothing) (``torch._guards.active_fake_mode``, checked on 2.11, 2.13)."""
+    of its own (they allocate nothing) (``torch._guards.active_fake_mode``, checked on 2.8, 2.11, 2.13, 2.15)."""
     return _guards.active_fake_mode()
 
 
@@ -202,7 +233,7 @@ def active_fake_mode():
 def storage_resizes_reported(callback) -> Iterator[None]:
     """Call ``callback(storage, nbytes)`` after every ``UntypedStorage.resize_``: FSDP2 frees and re-allocates
     its all-gather buffers by resizing their storages (``free_storage``/``alloc_storage``), which no
-    dispatch mode sees (the same patch as ``torch.distributed._tools.mem_tracker``; checked on 2.11, 2.13)."""
+    dispatch mode sees (the same patch as ``torch.distributed._tools.mem_tracker``; checked on 2.8, 2.11, 2.13, 2.15)."""
     original = torch.UntypedStorage.resize_
 
     def resize_(st, size):
@@ -221,7 +252,7 @@ def storage_resizes_reported(callback) -> Iterator[None]:
 def rng_states_reported(callback) -> Iterator[None]:
     """Call ``callback(state)`` with every tensor ``torch.get_rng_state()`` returns: the CPU RNG state that
     ``torch.utils.checkpoint`` saves per checkpointed call (5 KB) is made outside the dispatcher, where no
-    dispatch mode sees it (``torch.get_rng_state`` patched for the duration; checked on 2.11, 2.13)."""
+    dispatch mode sees it (``torch.get_rng_state`` patched for the duration; checked on 2.8, 2.11, 2.13, 2.15)."""
     original = torch.get_rng_state
 
     def get_rng_state():
@@ -239,7 +270,7 @@ def rng_states_reported(callback) -> Iterator[None]:
 def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, bool]]:
     """The modules ``fully_shard`` manages, by qualified name, with whether each reshards its parameters
     after forward (``FSDPModule._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info``; checked on
-    2.11, 2.13)."""
+    2.8, 2.11, 2.13, 2.15)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
@@ -254,14 +285,14 @@ def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, bool]]:
 
 def default_store():
     """The key-value store of the default process group (``distributed_c10d._get_default_store``, checked
-    on 2.11, 2.13)."""
+    on 2.8, 2.11, 2.13, 2.15)."""
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
 
 
 def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
-    """The module ``torch.compile(model)`` wraps (``OptimizedModule._orig_mod``; checked on 2.11, 2.13), or
+    """The module ``torch.compile(model)`` wraps (``OptimizedModule._orig_mod``; checked on 2.8, 2.11, 2.13, 2.15), or
     ``model`` itself. remat profiles and rewrites that module; the compiled wrapper recompiles on its next
     call (its guards see the new ``forward`` attributes), so plans work however the user compiled."""
     from torch._dynamo.eval_frame import OptimizedModule
@@ -280,7 +311,7 @@ def profiler_memory_peak(work: Callable[[], object], device: torch.device) -> in
 class ProfilerSession:
     """The profiler's allocator-level memory events on ``device`` between ``__enter__`` and ``__exit__``
     (``torch.profiler.profile(profile_memory=True)``, read from ``prof.profiler.kineto_results``; checked on
-    2.11, 2.13): ``peak_bytes``, the most allocated above what was allocated when it began, and ``marked``,
+    2.8, 2.11, 2.13, 2.15): ``peak_bytes``, the most allocated above what was allocated when it began, and ``marked``,
     the bytes allocated above that when each :meth:`mark` was made. It sees what compiled kernels and code
     outside the dispatcher allocate, which a dispatch-level tracker cannot. Frees of memory allocated before
     it started are not reported: allocate what the work frees inside it, or :meth:`follow` it (its free is
@@ -377,7 +408,7 @@ def _stderr_silenced() -> Iterator[None]:
 
 def compile_fn(fn, settings: dict):
     """``torch.compile(fn, **settings)`` in a compile region of its own (``isolate_recompiles=True``, torch
-    2.13; checked on 2.13) with a recompile limit of 64 (``recompile_limit``): remat's checks compile plans
+    2.13; compiled steps only: checked on 2.13, 2.15) with a recompile limit of 64 (``recompile_limit``): remat's checks compile plans
     the loop will never run, and must not count against the limit of the user's own compiled code (past it,
     Dynamo silently runs the frame eagerly). On a torch without these options, the plain compile."""
     import inspect
@@ -391,7 +422,7 @@ def cacheable_context_fn(context_fn: functools.partial, key: str) -> functools.p
     """``context_fn`` (a checkpoint's selective policy, passed under torch.compile) marked with ``key`` as its
     ``cache_hash``, which AOTAutograd's cache takes as what identifies the policy; without it the cache is
     bypassed for every graph holding the checkpoint, and each compile of a plan traces it again (the tests' GPT
-    with AdamW: 9.6 s per warm ``optimize_checkpointing`` against 2.6 s; checked on 2.13, where the attribute is
+    with AdamW: 9.6 s per warm ``optimize_checkpointing`` against 2.6 s; compiled steps only: checked on 2.13, 2.15, where the attribute is
     read by ``autograd_cache._get_context_fn_cache_hash``; elsewhere it is an unread attribute). ``key`` must
     change whenever the policy would decide otherwise. Returns ``context_fn``."""
     context_fn.cache_hash = key
@@ -406,7 +437,7 @@ def compile_settings(compiled: Any) -> dict | None:
     ``mode`` expands into), ``fullgraph``, ``dynamic``; None where they cannot be read. Read from Dynamo's
     ``OptimizeContext`` (``OptimizedModule.dynamo_ctx``, or the compiled function's closure): ``fullgraph``,
     ``_dynamic``, and ``callback._torchdynamo_orig_backend._torchdynamo_orig_backend``, the backend wrapper with
-    its ``_compiler_name`` and, for inductor, ``config`` (checked on 2.13)."""
+    its ``_compiler_name`` and, for inductor, ``config`` (compiled steps only: checked on 2.13, 2.15)."""
     try:
         from torch._dynamo.backends.registry import list_backends
         from torch._dynamo.eval_frame import OptimizeContext
@@ -478,7 +509,7 @@ def _unwrapped_forward(m: torch.nn.Module) -> Callable:
 def module_compile_compiles_nothing(module: torch.nn.Module) -> bool:
     """Whether ``module.compile()`` compiles nothing in this torch: Dynamo captures no frame of ``module``'s own
     (:func:`_module_compile_skips_torch_modules`) and none under it, because every forward in its subtree is one
-    Dynamo's trace rules skip (torch.nn's modules: ``trace_rules.check``, checked on 2.13) and no module hooks (a
+    Dynamo's trace rules skip (torch.nn's modules: ``trace_rules.check``, checked on 2.13, 2.15) and no module hooks (a
     hook is a frame Dynamo would capture) are registered. A module of the user's own class, or one with a
     submodule of one, compiles its frames: False."""
     if not _module_compile_skips_torch_modules():
@@ -503,7 +534,7 @@ def module_compile_compiles_nothing(module: torch.nn.Module) -> bool:
 
 def compiled_submodules(model: torch.nn.Module) -> list[str]:
     """Qualified names of the submodules compiled in place with ``Module.compile()`` (their
-    ``_compiled_call_impl`` is set; checked on 2.11, 2.13), outermost only."""
+    ``_compiled_call_impl`` is set; checked on 2.8, 2.11, 2.13, 2.15), outermost only."""
     out: list[str] = []
     for name, m in model.named_modules():
         if compiled_call(m) is not None and not any(
@@ -517,7 +548,7 @@ def submodules_called(model: torch.nn.Module, names: list[str], call: Callable |
     """Within the block, the submodules ``names`` (compiled in place by ``Module.compile()``) run
     ``call(module)`` as their compiled call: ``None`` runs them eagerly (for profiling: a dispatch-level
     recorder must see their operators); afterwards their own compiled calls are back
-    (``Module._compiled_call_impl``; checked on 2.11, 2.13)."""
+    (``Module._compiled_call_impl``; checked on 2.8, 2.11, 2.13, 2.15)."""
     mods = dict(model.named_modules())
     saved = [(mods[n], mods[n]._compiled_call_impl) for n in names]
     try:
@@ -567,7 +598,7 @@ def inductor_programs() -> Iterator[list[tuple[str, dict[str, int | None]] | Non
     guards pass); a graph whose only entry was cached without its sizes kept (by a process that did not read it)
     is a miss within the block (``FxGraphCache._lookup_graph``), so it is lowered again and its sizes kept.
     A symbolic size counts by its hint; a multi-output kernel's buffer, without a layout of its own, counts all
-    its outputs (its FX node's value), also those the program never names. Checked on 2.13."""
+    its outputs (its FX node's value), also those the program never names. Compiled steps only: checked on 2.13, 2.15."""
     import json
     import os
 

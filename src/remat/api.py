@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from remat._compat import inductor_programs, profiler_memory_trace, uncompiled
+from remat._compat import CHECKED_ON, inductor_programs, profiler_memory_trace, uncompiled
 from remat.capture import ModelGraph, capture
 from remat.compiled import CompiledLoop, compiled_loop, compiled_nothing_note, eager_submodules
 from remat.compiled_memory import composed_step_bytes, eager_blocks, step_program_bytes
@@ -158,7 +158,8 @@ def stage(name: str, model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossF
         raise InternalError(
             f"remat failed in its {name} stage ({type(e).__name__}: {_first_line(e)}), while your training step "
             f"runs without remat on the same inputs. This is remat's failure, not your inputs': please report it "
-            f"with the traceback (the cause is chained below) and remat {_version()}, torch {torch.__version__}. "
+            f"with the traceback (the cause is chained below) and remat {_version()}, torch {torch.__version__} "
+            f"(remat is tested on torch {', '.join(CHECKED_ON)}). "
             "Your model and training state are as they were.",
             stage=name,
         ) from e

@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 from torch import nn
 
-from remat._compat import (compile_fn, compile_settings, compiled_call, module_call, compiled_submodules, module_compile_compiles_nothing,
+from remat._compat import (COMPILED_FLOOR, COMPILED_FLOOR_WHY, compile_fn, compile_settings, compiled_call, module_call,
+                           require_torch, compiled_submodules, module_compile_compiles_nothing,
                            submodules_called)
 from remat.errors import InvalidInputError
 from remat.rewrite import keep_compiled_nothing_eager, left_eager
@@ -71,7 +72,15 @@ def compiled_loop(model: nn.Module, inner: nn.Module, compile: bool | dict | Det
     """How the loop compiles ``model`` (as the user passed it; ``inner``: the module it wraps, if compiled):
     ``compile`` True or a dict of ``torch.compile`` settings says so; None detects it (a model wrapped by
     ``torch.compile``, or submodules compiled in place with ``Module.compile()``); False plans the eager
-    step. Returns None for an eager loop."""
+    step. Returns None for an eager loop. A compiled loop on a torch older than ``COMPILED_FLOOR`` is refused
+    (UnsupportedError): remat reads the programs inductor compiled through APIs of later releases."""
+    loop = _compiled_loop(model, inner, compile)
+    if loop is not None:
+        require_torch(f"planning a torch.compile'd training step ({loop.source})", COMPILED_FLOOR, COMPILED_FLOOR_WHY)
+    return loop
+
+
+def _compiled_loop(model: nn.Module, inner: nn.Module, compile: bool | dict | DetectedCompile | None) -> CompiledLoop | None:
     if compile is False:
         return None
     if isinstance(compile, DetectedCompile):

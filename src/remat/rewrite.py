@@ -103,6 +103,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import types
 import weakref
 from collections import defaultdict
 from typing import Callable, Iterable
@@ -276,7 +277,8 @@ class _RematForward:
     def _original(self):
         if self.previous is not None:
             return self.previous
-        return type(self.module).forward.__get__(self.module)
+        # a bound method made as Dynamo traces it on every release (torch 2.5 and 2.6 failed on ``__get__``)
+        return types.MethodType(type(self.module).forward, self.module)
 
     def unit_names(self, name: str) -> list[str]:
         raise NotImplementedError

@@ -6,6 +6,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import pytest
 import torch
 from torch import nn
 
@@ -140,3 +141,18 @@ def dropout_unet(dropout: type = nn.Dropout2d, level: type = nn.Sequential):
     x = torch.randn(4, 3, 32, 32, generator=g)
     y = torch.randint(0, 2, (4, 32, 32), generator=g)
     return model, x, lambda out: nn.functional.cross_entropy(out, y)
+
+
+def _compiled_floor_mark():
+    from remat._compat import COMPILED_FLOOR, torch_release
+
+    need = f"{COMPILED_FLOOR[0]}.{COMPILED_FLOOR[1]}"
+    return pytest.mark.skipif(
+        torch_release() < COMPILED_FLOOR,
+        reason=f"planning or running a checkpointed step under torch.compile needs torch >= {need} (this is torch "
+               f"{torch.__version__}); the refusal is tested in tests/integration/test_torch_features.py")
+
+
+#: for tests of compiled steps: skipped on releases older than remat._compat.COMPILED_FLOOR, where remat refuses
+#: to plan them (docs/limits.md)
+needs_compiled_floor = _compiled_floor_mark()

@@ -12,6 +12,7 @@ import torch
 
 from remat import Plan
 from remat.cli import main
+from helpers import needs_compiled_floor
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_GPT = ["gpt", "--layers", "2", "--batch-size", "4", "--seq-len", "64", "--d-model", "32", "--device", "cpu"]
@@ -170,6 +171,7 @@ def test_maxbatch_needs_a_sized_target(capsys, tmp_path):
     assert code == 2 and "takes no batch_size= argument" in err
 
 
+@needs_compiled_floor
 def test_plan_for_the_compiled_step(capsys, tmp_path):
     """remat plan --compile BACKEND: the plan (saved and printed) is the compiled step's, checked on it."""
     code, out, err = run(capsys, "plan", *TINY_UNET, "--budget", "1", "--compile", "aot_eager",
@@ -182,6 +184,7 @@ def test_plan_for_the_compiled_step(capsys, tmp_path):
     assert code == 2 and "--compile-mode goes with --compile" in err
 
 
+@needs_compiled_floor
 def test_tradeoff_of_the_compiled_step(capsys, tmp_path):
     """remat tradeoff --compile: every row's peak measured on a compiled step, remat's rows within their budgets,
     in the memory of one model (timed in place)."""

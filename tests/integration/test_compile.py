@@ -25,6 +25,7 @@ import remat
 from helpers import case
 from remat.examples import make_gpt
 from remat.rewrite import checkpoint_modules
+from helpers import needs_compiled_floor
 
 STEPS = 3
 #: torch.compile's backend for the tests that are about tracing, not kernels (see above)
@@ -121,6 +122,7 @@ def graph_breaks(model, inputs) -> int:
 # decompositions and its min-cut partitioner, which honours the selective policy's tags, without generating
 # kernels; inductor itself is tested on remat's plans below (the GPT compiled whole, the conv net per block),
 # and this case with inductor cost 17-30 s of the suite (cold compile cache in a fresh clone)
+@needs_compiled_floor
 @pytest.mark.parametrize("make,backend", [(gpt_with_mixed_plan, "aot_eager_decomp_partition"),
                                           (sequential_with_batchnorm, TRACE_ONLY)],
                          ids=["gpt-mixed-plan", "sequential-bn"])
@@ -185,6 +187,7 @@ def compiled_baseline(model, inputs, loss_fn, **kw) -> int:
     return plan.checked_peak_bytes
 
 
+@needs_compiled_floor
 def test_optimize_checkpointing_on_a_compiled_model():
     """A model already wrapped by torch.compile is planned on the module it wraps (profiled eagerly) for its
     compiled step, and recompiles with the plan; names stay those of the user's model. (A batch large enough
@@ -234,6 +237,7 @@ def compiled_step_peak(model, inputs, loss_fn, optimizer=None) -> int:
     return tensor_bytes(state) + profiler_memory_peak(step, torch.device("cpu"))
 
 
+@needs_compiled_floor
 def test_blocks_compiled_in_place_are_planned_compiled_and_keep_their_compile():
     """torchtitan's order: ``Module.compile()`` on each block, then remat (detected, with the settings the blocks
     were compiled with, read from them): profiled eagerly, planned on compiled steps of the blocks, and the blocks
@@ -321,6 +325,7 @@ def kept_operators(model, inputs, loss_fn, backend=None, randoms: list | None = 
     return passes if randoms is None else (passes, randoms)
 
 
+@needs_compiled_floor
 def test_selective_policy_keeps_the_same_operators_under_compile():
     """A selective unit keeps, under torch.compile, the operators its plan names in the eager forward: the
     GPT attention's every-keepable-operator option, with a dropout between the softmax and the second matmul
@@ -369,6 +374,7 @@ def conv_net(batch: int = 8, block_class: type = Layers):
 
 
 
+@needs_compiled_floor
 def test_the_settings_a_model_was_compiled_with_are_read_back():
     """remat measures a detected compiled step with the settings the loop compiled it with, read from Dynamo's
     objects (torch.compile is lazy: nothing is compiled here); None where there is nothing to read."""

@@ -11,8 +11,10 @@ from torch._inductor.codecache import FxGraphCache
 
 from remat import _compat
 from remat._compat import inductor_programs
+from helpers import needs_compiled_floor
 
 
+@needs_compiled_floor
 def test_an_entry_with_kept_sizes_is_found_before_an_older_one_without(tmp_path, monkeypatch):
     """Inductor reads one graph's entries in name order and takes the first whose guards pass. An entry cached by
     a process that did not read it (no sizes kept) found first made every remat compile of that step lower it

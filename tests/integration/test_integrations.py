@@ -16,6 +16,7 @@ from torch import nn
 import remat
 from remat._compat import profiler_memory_peak
 from remat.measure import tensor_bytes
+from helpers import needs_compiled_floor
 
 CPU = torch.device("cpu")
 VOCAB = 256
@@ -115,6 +116,7 @@ def test_hf_trainer_callback(tmp_path, accumulate, bf16):
     assert entry[0]["remat/measured_peak_gb"] == callback.measured_peak_bytes / 2**30
 
 
+@needs_compiled_floor
 def test_hf_trainer_callback_with_torch_compile(tmp_path):
     """``TrainingArguments(torch_compile=True)``: the callback plans (eagerly, inside the compiled call's hook)
     for the step compiled with the Trainer's backend; the Trainer's own compiled step measures within the
@@ -306,6 +308,7 @@ def test_lightning_callback(tmp_path, accumulate, bf16):
     assert logged_gb["remat/measured_peak_gb"].item() == pytest.approx(callback.measured_peak_bytes / 2**30)
 
 
+@needs_compiled_floor
 def test_lightning_callback_with_a_compiled_module():
     """``trainer.fit(torch.compile(module))``: Lightning compiles the module's training_step in place; the
     callback plans for that compiled step (its backend read from Dynamo's context, which Lightning keeps), the Trainer's own step measures

@@ -207,6 +207,7 @@ def test_unsupported_optimizer_is_a_clear_remat_error():
     assert remat.checkpointed_modules(model) == []
 
 
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason=f"torch {torch.__version__} has no torch.optim.Muon")
 def test_muon_on_matrices():
     """Muon (matrices only) in its usual set-up: Muon for the 2-D weights, AdamW for the rest."""
     with torch.random.fork_rng():
