@@ -103,7 +103,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import types
 import weakref
 from collections import defaultdict
 from typing import Callable, Iterable
@@ -277,8 +276,7 @@ class _RematForward:
     def _original(self):
         if self.previous is not None:
             return self.previous
-        # a bound method made as Dynamo traces it on every release (torch 2.5 and 2.6 failed on ``__get__``)
-        return types.MethodType(type(self.module).forward, self.module)
+        return type(self.module).forward.__get__(self.module)
 
     def unit_names(self, name: str) -> list[str]:
         raise NotImplementedError

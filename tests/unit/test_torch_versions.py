@@ -86,3 +86,17 @@ def test_lightnings_compiled_module_is_read_or_none():
     compiled._compiler_ctx = {"compiler": "dynamo", "dynamo_ctx": "ctx", "original_forward": "f",
                               "original_training_step": "s"}
     assert _compat.lightning_compiled(compiled) == ("f", "s", "ctx")
+
+
+def test_remat_refuses_a_torch_below_the_floor_when_imported():
+    """On a torch older than the floor ``import remat`` stops with an UnsupportedError naming both releases, not
+    with an ImportError or InternalError from deep inside a stage (torch 2.4.1's quick start did before)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.__version__ = '2.7.1'\n"
+            "try:\n    import remat\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    floor = f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}"
+    assert out.startswith(f"UnsupportedError remat needs torch >= {floor}; this is torch 2.7.1"), out
+    assert f"pip install 'torch>={floor}'" in out
