@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 
 import remat  # noqa: E402
 from remat import Planner, make_profile  # noqa: E402
-from remat.plan import MiB  # noqa: E402
+from remat.solve.plan import MiB  # noqa: E402
 from test_reused_modules import Albert, SharedMLP, make  # noqa: E402
 from zoo import ZOO  # noqa: E402
 

@@ -43,11 +43,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import remat  # noqa: E402
 from remat import Planner, make_profile  # noqa: E402
-from remat.costs import is_selective  # noqa: E402
+from remat.costs.unit_costs import is_selective  # noqa: E402
 from remat.examples import make_gpt, make_unet  # noqa: E402
 from compiled import measure_compiled  # noqa: E402
-from remat.plan import fmt_bytes  # noqa: E402
-from remat.report import TradeoffRow, budget_sweep, plot_rows, tradeoff  # noqa: E402
+from remat.solve.plan import fmt_bytes  # noqa: E402
+from remat.sweeps.report import TradeoffRow, budget_sweep, plot_rows, tradeoff  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 

@@ -19,7 +19,7 @@ interpolated in the memory the plan holds at the end of the forward (12 of 20 pl
 peak, 8 of 20 by it; it lives here, not in remat); and by what remat predicts a model compiled by inductor
 from (a whole model since session 15, blocks compiled one by one since session 16), interpolating in what the
 step's compiled programs allocate (Note [Compiled programs], Note [Blocks compiled one by one] in
-remat.compiled_memory).
+remat.costs.compiled_memory).
 
 With ``--saved-set``, instead: what the partitioner saves, against the measured compiled peak, on the same plans
 of the conv net and the 4-block GPT compiled whole. Each plan is traced with inductor's decompositions and its
@@ -102,7 +102,7 @@ def run(name: str, make, how: str, fractions: list[float]) -> list[float]:
 
 def forward_end_bytes(sim, units) -> int:
     """The eager prediction of the memory held at the end of the forward with ``units`` checkpointed (the
-    simulator's rows at the last forward operator; private fields of remat.simulate.MemoryModel)."""
+    simulator's rows at the last forward operator; private fields of remat.costs.simulate.MemoryModel)."""
     p = sim.profile
     i = max(p.backward_start - 1, 0)
     chosen = sim.assignment(units)
@@ -137,8 +137,8 @@ def anchors_and_ilp_plans(planner, fractions) -> dict[str, tuple[str, ...]]:
 def same_plans(name: str, make, how: str) -> None:
     """remat's predictor and the candidate on the same measured plans (``--same-plans``)."""
     from remat.api import checked_reading
-    from remat.compiled import compiled_loop
-    from remat.measure import split_inputs
+    from remat.runtime.compiled import compiled_loop
+    from remat.runtime.measure import split_inputs
     from remat.solve.calibrated import PeakCalibration
 
     torch._dynamo.reset()
@@ -191,8 +191,8 @@ def saved_set(name: str, make) -> None:
     from torch._inductor.decomposition import select_decomp_table
 
     from remat.api import peak_with_plan
-    from remat.compiled import compiled_loop
-    from remat.measure import split_inputs
+    from remat.runtime.compiled import compiled_loop
+    from remat.runtime.measure import split_inputs
     from remat.rewrite import checkpoint_plan, remove_checkpointing
 
     model, batch, loss_fn, optim, _, granularity = make()

@@ -39,10 +39,10 @@ import torch
 import remat
 from remat._compat import profiler_memory_peak
 from remat.api import checked_reading
-from remat.compiled import compiled_loop
+from remat.runtime.compiled import compiled_loop
 from remat.examples import make_gpt
-from remat.measure import outside_autocast, split_inputs, tensor_bytes
-from remat.plan import fmt_bytes
+from remat.runtime.measure import outside_autocast, split_inputs, tensor_bytes
+from remat.solve.plan import fmt_bytes
 from remat.solve.calibrated import plan_compiled
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -109,7 +109,7 @@ def measure_compiled(model, inputs, loss_fn, device: torch.device, repeats: int,
         compile_s = time.perf_counter() - t0
         step(record=True)
         step()
-        state = [*model.parameters(), *model.buffers(), *remat.measure.input_tensors(args, kwargs),
+        state = [*model.parameters(), *model.buffers(), *remat.runtime.measure.input_tensors(args, kwargs),
                  *(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t))]
         if device.type == "cuda":
             sync()

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 import compiled as bench  # noqa: E402  (benchmarks/compiled.py)
 
 import remat  # noqa: E402
-from remat.plan import fmt_bytes  # noqa: E402
+from remat.solve.plan import fmt_bytes  # noqa: E402
 from remat.rewrite import checkpoint_modules  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"

@@ -91,7 +91,7 @@ def measure(model, batch, opt, device: torch.device, steps: int) -> tuple[int, i
     """(per-rank peak bytes: the least and the largest of three steps, median step seconds), the worst over
     ranks. On CPU the peaks are the profiler's allocator-level events plus the parameters, batch and optimizer
     state alive before each step: they see gloo's buffers and when they are really freed, which under gloo
-    differs from step to step (Note [Steps under gloo] in remat.distributed; remat's check keeps the largest
+    differs from step to step (Note [Steps under gloo] in remat.runtime.distributed; remat's check keeps the largest
     of three such steps). On CUDA the allocator's."""
     def step():
         model(*batch).backward()
@@ -108,7 +108,7 @@ def measure(model, batch, opt, device: torch.device, steps: int) -> tuple[int, i
             readings.append(torch.cuda.max_memory_allocated(device))
         else:
             from remat._compat import profiler_memory_peak
-            from remat.measure import tensor_bytes
+            from remat.runtime.measure import tensor_bytes
 
             state = [*model.parameters(), *(t for t in batch if torch.is_tensor(t))]
             state += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]

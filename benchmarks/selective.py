@@ -37,11 +37,11 @@ sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 import remat  # noqa: E402
 from remat import Planner, make_profile  # noqa: E402
-from remat.costs import is_selective  # noqa: E402
+from remat.costs.unit_costs import is_selective  # noqa: E402
 from remat.examples import make_gpt  # noqa: E402
-from remat.plan import fmt_bytes  # noqa: E402
+from remat.solve.plan import fmt_bytes  # noqa: E402
 from remat import TradeoffRow, tradeoff  # noqa: E402
-from remat.report import budget_sweep  # noqa: E402
+from remat.sweeps.report import budget_sweep  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 

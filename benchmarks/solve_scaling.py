@@ -18,7 +18,7 @@ import time
 
 import pulp
 
-from remat.simulate import MemoryModel
+from remat.costs.simulate import MemoryModel
 from remat.solve import Planner
 from remat.solve.synthetic import random_chain_profile
 

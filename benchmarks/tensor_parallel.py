@@ -11,7 +11,7 @@ tensor-parallel plan) on CPU with gloo, three meshes, each in its own spawned gr
   mesh and tensor parallel over "tp", each dp rank its own batch.
 
 Per mesh: the per-rank peak (the profiler's allocator-level events, the least and the largest of three
-steps: under gloo identical steps differ, Note [Steps under gloo] in remat.distributed) and median step time (the
+steps: under gloo identical steps differ, Note [Steps under gloo] in remat.runtime.distributed) and median step time (the
 slowest rank's) of the plain model, of "every layer" (torchtitan's full AC) and of torchtitan's selective op
 AC (each layer checkpointed keeping every other matrix product, attention and reduce_scatter outputs); then
 remat's plan at each rule's largest peak and halfway between remat's least peak and no checkpointing, each measured
@@ -77,7 +77,7 @@ def measure(model, idx, loss_fn, opt, two_d: bool, steps: int) -> tuple[int, int
     included, which torch's MemTracker does not (adding all of a step's RNG states to its reading, as the tests
     do, over-counts those already freed at the peak: it read remat's plan at torchtitan's peak 11 KiB over that
     budget where these events read it 9 KiB under). Under gloo identical steps differ (Note [Steps under gloo]
-    in remat.distributed): the largest is what the loop reaches, and what remat's check keeps."""
+    in remat.runtime.distributed): the largest is what the loop reaches, and what remat's check keeps."""
     readings = w.allocator_peak(model, (idx,), loss_fn, opt, keep=list)
     least, largest = min(readings), max(readings)
     times = []

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 import remat  # noqa: E402
 from remat import InfeasibleBudgetError, Planner, checked_plan, make_profile  # noqa: E402
 from remat.api import prepare_hf_for_training  # noqa: E402
-from remat.costs import is_selective  # noqa: E402
-from remat.plan import MiB  # noqa: E402
+from remat.costs.unit_costs import is_selective  # noqa: E402
+from remat.solve.plan import MiB  # noqa: E402
 from third_party import THIRD_PARTY  # noqa: E402
 
 

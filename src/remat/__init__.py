@@ -1,22 +1,22 @@
 """remat: choose which activations to keep and which to recompute so a PyTorch training step
 fits a memory budget at the least extra time.
 
-The pipeline, one module (or package) per stage, each handing a frozen dataclass to the next::
+The pipeline, one package (or module) per stage in the order data flows, each handing a frozen dataclass
+to the next::
 
     capture    nn.Module + batch        -> ModelGraph   candidate units, capture path (fx/export/hooks)
-    profile/   one recorded step        -> Recording    storages, saved tensors, unit spans (remat.recording)
+    profile/   one recorded step        -> Recording    storages, saved tensors, unit spans (costs/recording.py)
                + timed real steps, optimizer accounting on shadows
-    effects    Recording + times        -> UnitCost     what checkpointing each unit frees/holds/recomputes
-    costs                                  Profile      every UnitCost + the step's fixed memory and times
-    simulate   Profile + plan           -> predicted peak (the one definition), rows for the ILP
+    costs/     Recording + times        -> Profile      every UnitCost (effects) + the step's fixed memory and
+               Profile + plan           -> predicted peak (simulate: the one definition), rows for the ILP;
+                                                        compiled programs' memory, extrapolation (no torch)
     solve/     Profile + budget         -> Plan         ILP (PuLP/CBC) and the hand rules
     rewrite    Plan                     -> the model, checkpointed in place (reversible)
-    measure    one training step, one clock, one peak meter, used by every stage that runs the model
-    steps      real steps measured (peak, step time) on one copy, or in place for sharded models
-    distributed  one plan for every rank under FSDP2 / DDP
-    verify     plain vs checkpointed    -> EquivalenceReport
-    extrapolate  profiles at a few sizes -> profiles fitted at any size (no torch)
-    sizing     budget + make_batch(n)   -> BatchSizeReport  the largest / fastest size, confirmed on real steps
+    check/     plain vs checkpointed    -> measured steps, EquivalenceReport
+
+The front doors: ``api`` (below), ``cli/``, ``integrations/``. Built on the pipeline: ``sweeps/`` (the tradeoff
+table, the largest batch). Shared ground: ``runtime/`` (one training step, one clock, one peak meter; snapshots;
+compiled and distributed loops), ``errors``, ``_compat`` (private torch APIs), ``examples``.
 
 Entry points: :func:`optimize_checkpointing` (all of it, in place), :func:`make_profile` with
 :class:`Planner` (profile once, plan many budgets and hand rules), :func:`apply_plan` (a saved plan),
@@ -30,7 +30,7 @@ from remat._compat import TORCH_FLOOR as _TORCH_FLOOR, require_torch as _require
 _require_torch("remat", _TORCH_FLOOR, "the least release remat is tested on")
 
 from remat.api import apply_plan, checked_plan, make_profile, optimize_checkpointing  # noqa: E402
-from remat.costs import Profile, UnitCost
+from remat.costs.unit_costs import Profile, UnitCost
 from remat.errors import (
     EquivalenceError,
     InfeasibleBudgetError,
@@ -42,15 +42,15 @@ from remat.errors import (
     SolverError,
     UnsupportedError,
 )
-from remat.measure import default_loss
-from remat.steps import StepMeasurement, measure_step
-from remat.plan import Plan
-from remat.report import TradeoffRow, tradeoff
+from remat.runtime.measure import default_loss
+from remat.check.steps import StepMeasurement, measure_step
+from remat.solve.plan import Plan
+from remat.sweeps.report import TradeoffRow, tradeoff
 from remat.rewrite import checkpointed_modules, remove_checkpointing
-from remat.simulate import PeakBreakdown
-from remat.sizing import BatchSizeReport, SizeRow, max_batch
+from remat.costs.simulate import PeakBreakdown
+from remat.sweeps.sizing import BatchSizeReport, SizeRow, max_batch
 from remat.solve import Planner
-from remat.verify import EquivalenceReport, assert_equivalent, check_equivalence
+from remat.check.verify import EquivalenceReport, assert_equivalent, check_equivalence
 
 __version__ = "0.1.0"
 

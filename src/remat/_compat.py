@@ -30,7 +30,7 @@ CHECKED_ON = ("2.8", "2.13", "2.15")
 #: with :func:`require_torch`
 TORCH_FLOOR = (2, 8)
 
-#: the least torch on which remat plans a torch.compile'd step (remat.compiled.compiled_loop); why older ones fail
+#: the least torch on which remat plans a torch.compile'd step (remat.runtime.compiled.compiled_loop); why older ones fail
 COMPILED_FLOOR = (2, 13)
 COMPILED_FLOOR_WHY = ("on torch 2.8-2.12 torch's selective checkpointing under torch.compile fails on remat's plans: "
                       "'Tensor cached during selective activation checkpoint has been mutated'")
@@ -588,7 +588,7 @@ def inductor_programs() -> Iterator[list[tuple[str, dict[str, int | None]] | Non
     """Within the block, each call of a graph inductor compiled (``CompiledFxGraph.__call__``, which
     AOTAutograd's runtime calls per forward and backward) appends (its wrapper's source, the bytes of each of its
     buffers and inputs by name) to the list yielded, in the order run (Note [Compiled programs] in
-    remat.compiled_memory): a graph that runs twice, twice (two blocks of one shape share it); None for one
+    remat.costs.compiled_memory): a graph that runs twice, twice (two blocks of one shape share it); None for one
     whose sizes are not known. Sizes are read where a graph is lowered
     (``GraphLowering.compile_to_module``: its ``name_to_buffer`` and ``graph_inputs``) and kept by the
     program's key (``GraphLowering.cache_key``, a hash of its source) in this process and next to inductor's

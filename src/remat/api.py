@@ -15,20 +15,20 @@ from torch import nn
 
 from remat._compat import CHECKED_ON, inductor_programs, profiler_memory_trace, uncompiled
 from remat.capture import ModelGraph, capture
-from remat.compiled import CompiledLoop, compiled_loop, compiled_nothing_note, eager_submodules
-from remat.compiled_memory import composed_step_bytes, eager_blocks, step_program_bytes
-from remat.costs import Profile
-from remat.distributed import Ranks, Wrapping, ranks_for, steps_checked, wrapping_of
+from remat.runtime.compiled import CompiledLoop, compiled_loop, compiled_nothing_note, eager_submodules
+from remat.costs.compiled_memory import composed_step_bytes, eager_blocks, step_program_bytes
+from remat.costs.unit_costs import Profile
+from remat.runtime.distributed import Ranks, Wrapping, ranks_for, steps_checked, wrapping_of
 from remat.errors import EquivalenceError, InternalError, InvalidInputError, PlanMismatchError, RematError
-from remat.measure import DefaultLoss, LossFn, default_loss, found_storages_are_fresh, input_tensors, measure_peak, model_device, run_step, split_inputs, \
+from remat.runtime.measure import DefaultLoss, LossFn, default_loss, found_storages_are_fresh, input_tensors, measure_peak, model_device, run_step, split_inputs, \
     tensor_bytes, trainable_parameters
-from remat.plan import GiB, Plan, fmt_bytes
+from remat.solve.plan import GiB, Plan, fmt_bytes
 from remat.profile import profile_model
 from remat.rewrite import check_units, checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
 from remat.solve.calibrated import CompiledReading, plan_compiled
-from remat.state import fresh_grads, preserved
-from remat.verify import CompiledComparison, check_compiled_plan
+from remat.runtime.state import fresh_grads, preserved
+from remat.check.verify import CompiledComparison, check_compiled_plan
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def _make_profile(
 
 
 def loop_grads(profile: Profile, grad_accumulation: bool, zero_grad_after_forward: bool) -> Profile:
-    """``profile`` for the loop's gradients (Note [Accumulated gradients] in remat.costs)."""
+    """``profile`` for the loop's gradients (Note [Accumulated gradients] in remat.costs.unit_costs)."""
     if grad_accumulation:
         return profile.with_held_grads()
     return profile.with_held_grads(through_backward=False) if zero_grad_after_forward else profile
@@ -223,7 +223,7 @@ def optimize_checkpointing(
     language models the output (logits) is often the largest single tensor. ``grad_accumulation``: the
     loop accumulates gradients over several micro-batches before each optimizer step, so every micro-step
     but the first starts with all gradients allocated; the plan is made and checked for that micro-step
-    (Note [Accumulated gradients] in remat.costs). ``zero_grad_after_forward``: the loop calls
+    (Note [Accumulated gradients] in remat.costs.unit_costs). ``zero_grad_after_forward``: the loop calls
     ``zero_grad()`` between the forward and the backward (Lightning's automatic optimization), so the
     previous step's gradients are alive through the forward.
 
@@ -251,13 +251,13 @@ def optimize_checkpointing(
     profiler's allocator-level memory events (CPU) on compiled steps of 1-7 plans (one compile each, the cost
     of compiled planning: 1 when the budget needs no checkpointing, 3 to refuse one below the least peak); a
     whole model compiled by inductor is predicted from what its generated program allocates (Note [Compiled
-    programs] in remat.compiled_memory). Regions (Note [Regions] in remat.capture) are not offered for a compiled loop. The
+    programs] in remat.costs.compiled_memory). Regions (Note [Regions] in remat.capture) are not offered for a compiled loop. The
     model is profiled eagerly (the module ``torch.compile`` wraps) and recompiles on its next call (Note
     [Under torch.compile] in remat.rewrite).
 
     Distributed training (FSDP2 ``fully_shard``, DDP): call it on every rank, on the model as it will
     train; ``budget_gb`` is per rank. Every rank gets the same plan (Note [One plan for every rank] in
-    remat.distributed); ``timeout_s`` bounds the wait for the other ranks (default 300 s).
+    remat.runtime.distributed); ``timeout_s`` bounds the wait for the other ranks (default 300 s).
     """
     given, model = model, uncompiled(model)
     budget_bytes, args, kwargs, device = validate(model, budget_gb, example_inputs)
@@ -358,12 +358,12 @@ def optimize_checkpointing(
 
 def proved_compiled(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, loop: CompiledLoop,
                     compare: CompiledComparison | None) -> str:
-    """Note [Compiled plans are proved] in remat.verify: the plan's compiled step against the plain compiled
+    """Note [Compiled plans are proved] in remat.check.verify: the plan's compiled step against the plain compiled
     step (as compared while the plan was measured, where it was and agreed; else compiled again here); the
     plan's note on success, EquivalenceError where they differ. ``compare`` None: a distributed loop."""
     if compare is None:
         return ("the compiled planned step was not compared with the plain compiled step (a distributed loop: "
-                "Note [Compiled plans are proved] in remat.verify runs in one process)")
+                "Note [Compiled plans are proved] in remat.check.verify runs in one process)")
     if not plan.checkpointed:
         return "nothing checkpointed: the compiled step is the plain compiled step"
     report = compare.reports.get(plan.checkpointed)
@@ -373,7 +373,7 @@ def proved_compiled(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, los
         name, diff = report.worst(1)[0] if report.max_abs_diff else ("", 0.0)
         return (f"proved on one compiled step: loss, outputs, gradients and buffers equal the plain compiled "
                 f"step's within rtol {report.rtol:g} ({len(report.max_abs_diff)} tensors; largest difference "
-                f"{diff:.2e}, {name}; Note [Compiled plans are proved] in remat.verify)")
+                f"{diff:.2e}, {name}; Note [Compiled plans are proved] in remat.check.verify)")
     own = report.slope is not None and report.slope.consistent
     alike = check_compiled_plan(model, plan, args, kwargs, loss_fn, loop, deterministic=True) if own else None
     if alike is not None and alike.equal:
@@ -381,14 +381,14 @@ def proved_compiled(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, los
                 f"compiled step (rtol {alike.rtol:g}, {len(alike.max_abs_diff)} tensors); in training it draws "
                 f"other random numbers than the plain compiled step (inductor orders the two programs' random "
                 f"kernels as it schedules each; loss {float(report.max_abs_diff.get('loss', 0.0)):.2e} apart), and "
-                f"{report.slope} (Note [Compiled plans are proved] in remat.verify)")
+                f"{report.slope} (Note [Compiled plans are proved] in remat.check.verify)")
     raise EquivalenceError(
         f"{report if alike is None else alike}\nUnder {loop}, the planned step does not compute what the plain "
         f"compiled step computes (checkpointed: {list(plan.checkpointed)}"
         f"{'' if alike is None else ', compared with every module in eval mode'}); the model is as it was. " + (
             "Its gradient is not its own loss's: do not train with this plan. " if not own else "") +
         "Plan the eager step with compile=False, and report this with the printout (Note [Compiled plans are "
-        "proved] in remat.verify).")
+        "proved] in remat.check.verify).")
 
 
 @contextlib.contextmanager
@@ -435,10 +435,10 @@ def measure_checked_peak(
     top of what is alive once backward has returned. With ``grads_held`` (gradient accumulation) every
     trainable parameter has a gradient (zeros) when the step starts and backward adds into it; with
     ``grads_held_in_forward`` (zero_grad after the forward) they are set to None once the loss exists
-    (Note [Accumulated gradients] in remat.costs). ``call``: what runs the forward (the compiled model; default
+    (Note [Accumulated gradients] in remat.costs.unit_costs). ``call``: what runs the forward (the compiled model; default
     ``model``); ``allocator_level``: meter every allocation, as compiled code needs (the profiler's memory
     events on CPU; on CUDA the allocator always is). ``steps``: read that many steps by the allocator's
-    events and keep the largest peak; None: as many as ``model`` needs (:func:`remat.distributed.steps_checked`:
+    events and keep the largest peak; None: as many as ``model`` needs (:func:`remat.runtime.distributed.steps_checked`:
     3 for a tensor-parallel model on CPU, under gloo, Note [Steps under gloo]; else one).
 
     The model's gradients (``.grad`` objects and values), buffers and the RNG state are as they were."""
@@ -466,7 +466,7 @@ def measure_checked_peak(
     with preserved(model), fresh_grads(leaves):
         if (allocator_level or steps) and device.type != "cuda":  # Note [Compiled steps] in remat.solve.calibrated
             base, peaks = tensor_bytes(state, device), []
-            for _ in range(max(steps, 1)):  # Note [Steps under gloo] in remat.distributed: the largest
+            for _ in range(max(steps, 1)):  # Note [Steps under gloo] in remat.runtime.distributed: the largest
                 for t in leaves:  # every step starts as the first (the previous one's gradients dropped)
                     t.grad = None
                 peak, at = profiler_memory_trace(lambda mark: work(lambda: mark("backward")), device, marks=True)
@@ -493,8 +493,8 @@ def checked_reading(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, los
                     compare: CompiledComparison | None = None) -> CompiledReading:
     """:func:`peak_with_plan`, and with ``loop`` what the programs inductor generated for the step say of its
     memory, read as they are compiled, before the measured step (Note [Compiled programs] in
-    remat.compiled_memory; None where they cannot be read). ``compare``: the step that compiles the plan is
-    also the one compared with the plain compiled step (Note [Compiled plans are proved] in remat.verify)."""
+    remat.costs.compiled_memory; None where they cannot be read). ``compare``: the step that compiles the plan is
+    also the one compared with the plain compiled step (Note [Compiled plans are proved] in remat.check.verify)."""
     remove_checkpointing(model)
     checkpoint_plan(model, plan)
     program = None
@@ -564,7 +564,7 @@ def plan_checked(
     call.
 
     With ``ranks`` (distributed training), every plan is rank 0's and every checked peak the largest over
-    ranks (Note [One plan for every rank] in remat.distributed). ``checked``: peaks already measured, by the
+    ranks (Note [One plan for every rank] in remat.runtime.distributed). ``checked``: peaks already measured, by the
     plan's units (shared with :func:`least_checked`; filled in). ``more_fallbacks``: other plans to check
     before refusing a budget below the promise (the least-memory plan chosen on memory alone, whose checked
     peak an early refusal reports: Note [Memory before time]).
@@ -580,7 +580,7 @@ def plan_checked(
     def done(plan: Plan, measured: int, why: str) -> Plan:
         note = f"checked on {each}: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}"
         if steps:
-            note += " (Note [Steps under gloo] in remat.distributed: under gloo one step's peak is not the next one's)"
+            note += " (Note [Steps under gloo] in remat.runtime.distributed: under gloo one step's peak is not the next one's)"
         if len(checked) > 1:
             label = {fallbacks[1].checkpointed: "every block", fallbacks[0].checkpointed: "the least-memory plan"}
             names = [label.get(units, "the least-memory plan chosen on memory alone") for units in checked
@@ -621,7 +621,7 @@ def plan_checked(
 def _checker(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
              ranks: Ranks | None, checked: dict[tuple[str, ...], int]) -> Callable[[Plan], int]:
     """A plan's checked peak (one real step, the largest over ranks), measured once per set of units."""
-    fsdp2 = wrapping_of(model).kind == "fsdp2"  # Note [Memory found] in remat.measure
+    fsdp2 = wrapping_of(model).kind == "fsdp2"  # Note [Memory found] in remat.runtime.measure
 
     def check(plan: Plan) -> int:
         if plan.checkpointed not in checked:

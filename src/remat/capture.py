@@ -168,7 +168,7 @@ def graph_cuts(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node
     where the residual stream is the one value alive: ``h.2[ln_1:ln_2]`` is the layer norm, the attention
     and the residual add, checkpointed as one (its attention, a unit of its own, can nest inside it). Those
     regions were measured up to 0.6% above their prediction until a recomputation's growth stopped counting
-    a free the plain forward makes as the region starts (Note [Growth of a recomputation] in remat.effects).
+    a free the plain forward makes as the region starts (Note [Growth of a recomputation] in remat.costs.effects).
     Blocks that take more than one argument (Hugging Face's, with masks and caches) offer none. Regions
     are not offered inside another unit (a block's MLP): plans
     nest two levels deep, and on the 24-block GPT the MLPs' regions added 288 variables and took op-level

@@ -89,7 +89,7 @@ program, and nothing is drawn again. Its recomputation cannot draw differently, 
 draws what the plain compiled step draws as far as inductor schedules the two programs' random kernels alike
 (tests/slow/test_compiled_dropout.py: whole and per block, ``fallback_random``; with inductor's defaults the
 U-Net's plain program drew its masks in the order 1, 4, 5, 2, 3 and one plan's in order: Note [Compiled plans
-are proved] in remat.verify says what remat checks then). What it costs is measured, not assumed: the kept outputs are in the
+are proved] in remat.check.verify says what remat checks then). What it costs is measured, not assumed: the kept outputs are in the
 programs remat reads and measures for every compiled plan (Note [Compiled steps] in remat.solve.calibrated).
 Measured (benchmarks/compiled_least.py, whole steps with AdamW) on benchmarks/compiled.py's GPT (4 x 128,
 dropout 0.1, batch 8 x 128), every block checkpointed: with inductor's own random numbers (the default)
@@ -114,9 +114,9 @@ from torch.utils.checkpoint import checkpoint
 from remat._compat import (argument, cacheable_context_fn, compiled_call, module_compile_compiles_nothing, set_compiled_call, outside_dispatch_modes, storage_key, tree_flatten,
                            uncompiled, written_arguments)
 from remat.capture import RegionProgram
-from remat.costs import SELECTIVE, is_selective, op_key, parse_region, parse_segment, region_name, segment_name
+from remat.costs.unit_costs import SELECTIVE, is_selective, op_key, parse_region, parse_segment, region_name, segment_name
 from remat.errors import InvalidInputError, PlanMismatchError
-from remat.plan import Plan
+from remat.solve.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -521,7 +521,7 @@ def checkpoint_modules(
     for module, f in region_forwards.items():
         mods[module].forward = f
     # segments first: a Sequential checkpointed as a whole with segments nested inside (Note [Nested
-    # checkpoints] in remat.simulate) wraps its SegmentedForward
+    # checkpoints] in remat.costs.simulate) wraps its SegmentedForward
     for container, segs in segments.items():
         m = mods[container]
         if is_checkpointed(m):
@@ -568,7 +568,7 @@ def keep_compiled_nothing_eager(model: nn.Module) -> None:
 
 
 def set_aside(m: nn.Module) -> Callable | None:
-    """The compiled call remat set aside for module ``m``, None where none (for a snapshot: remat.state)."""
+    """The compiled call remat set aside for module ``m``, None where none (for a snapshot: remat.runtime.state)."""
     return _LEFT_EAGER.get(m)
 
 

@@ -18,9 +18,9 @@ from torch.distributed.fsdp import fully_shard
 
 import remat
 from remat.api import plan_checked
-from remat.distributed import ranks_for
+from remat.runtime.distributed import ranks_for
 from remat.examples import make_gpt
-from remat.measure import split_inputs
+from remat.runtime.measure import split_inputs
 from zoo import ResNet
 
 WRAPPINGS = ("fsdp2", "fsdp2-keep", "ddp")  # fsdp2-keep: reshard_after_forward=False
@@ -328,7 +328,7 @@ def tensor_parallel(sp: bool, parallel_loss: bool = False, mesh=None, batch_seed
 
 def loss_parallel_case() -> dict:
     """``loss_parallel()``: the loss is a DTensor whose backward must run inside the context (Note [Loss
-    parallel] in remat.measure). remat plans it, and one step with the plan, the backward inside the context,
+    parallel] in remat.runtime.measure). remat plans it, and one step with the plan, the backward inside the context,
     gives the plain model's loss and full gradients bitwise."""
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -424,9 +424,9 @@ def allocator_peak(model, inputs, loss_fn, opt, readings: int = 3, keep=min):
     closer to the step's own peak: on the test decoder it read the same in every run but one (+32 KiB); on
     benchmarks/tensor_parallel.py's larger one, 99.08 and 100.08 MiB in two runs (docs/limits.md). ``keep``: what is
     kept of the readings, the least (the default); ``max`` keeps the largest (as remat's own check does: Note
-    [Steps under gloo] in remat.distributed), ``list`` all of them."""
+    [Steps under gloo] in remat.runtime.distributed), ``list`` all of them."""
     from remat._compat import profiler_memory_peak
-    from remat.measure import tensor_bytes
+    from remat.runtime.measure import tensor_bytes
 
     def step():
         loss = loss_fn(model(*inputs))

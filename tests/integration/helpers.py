@@ -12,7 +12,7 @@ from torch import nn
 
 import remat
 from remat.api import _make_profile, make_profile, split_inputs
-from remat.costs import Profile, parse_region
+from remat.costs.unit_costs import Profile, parse_region
 from remat.rewrite import parse_unit
 from remat.solve import Planner
 from zoo import ZOO

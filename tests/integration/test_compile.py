@@ -82,7 +82,7 @@ def sequential_with_batchnorm(batch: int = 8):
 
 def train(model, inputs, loss_fn, steps=STEPS):
     """``steps`` SGD steps from seed 0; the losses and the last step's gradients by parameter name."""
-    args, kwargs = remat.measure.split_inputs(inputs)
+    args, kwargs = remat.runtime.measure.split_inputs(inputs)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(0)
     losses = []
@@ -98,7 +98,7 @@ def train(model, inputs, loss_fn, steps=STEPS):
 
 def saved_bytes(model, inputs, loss_fn) -> int:
     """Bytes the forward saves for backward (the compiled forward's outputs kept for its backward)."""
-    args, kwargs = remat.measure.split_inputs(inputs)
+    args, kwargs = remat.runtime.measure.split_inputs(inputs)
     storages = {}
 
     def pack(t):
@@ -114,7 +114,7 @@ def saved_bytes(model, inputs, loss_fn) -> int:
 
 
 def graph_breaks(model, inputs) -> int:
-    args, kwargs = remat.measure.split_inputs(inputs)
+    args, kwargs = remat.runtime.measure.split_inputs(inputs)
     return torch._dynamo.explain(model)(*args, **kwargs).graph_break_count
 
 
@@ -217,9 +217,9 @@ def compiled_step_peak(model, inputs, loss_fn, optimizer=None) -> int:
     the batch and the optimizer state alive before it, plus what the step allocates (the profiler's
     allocator-level memory events), measured independently of remat's own meter."""
     from remat._compat import profiler_memory_peak
-    from remat.measure import tensor_bytes
+    from remat.runtime.measure import tensor_bytes
 
-    args, kwargs = remat.measure.split_inputs(inputs)
+    args, kwargs = remat.runtime.measure.split_inputs(inputs)
 
     def step():
         loss = loss_fn(model(*args, **kwargs))
@@ -231,7 +231,7 @@ def compiled_step_peak(model, inputs, loss_fn, optimizer=None) -> int:
 
     torch.manual_seed(0)
     step()  # compiles; the optimizer state exists from here on
-    state = [*model.parameters(), *model.buffers(), *remat.measure.input_tensors(args, kwargs)]
+    state = [*model.parameters(), *model.buffers(), *remat.runtime.measure.input_tensors(args, kwargs)]
     if optimizer is not None:
         state += [t for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
     return tensor_bytes(state) + profiler_memory_peak(step, torch.device("cpu"))
@@ -317,7 +317,7 @@ def kept_operators(model, inputs, loss_fn, backend=None, randoms: list | None = 
 
     ckpt.create_selective_checkpoint_contexts = spying
     try:
-        args, kwargs = remat.measure.split_inputs(inputs)
+        args, kwargs = remat.runtime.measure.split_inputs(inputs)
         run = model if backend is None else torch.compile(model, backend=backend)
         loss_fn(run(*args, **kwargs)).backward()
     finally:

@@ -1,4 +1,4 @@
-"""One plan for every rank under FSDP2 and DDP (Note [One plan for every rank] in remat.distributed):
+"""One plan for every rank under FSDP2 and DDP (Note [One plan for every rank] in remat.runtime.distributed):
 two CPU processes with gloo, a GPT-style model with dropout and a ResNet with BatchNorm."""
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def test_tensor_parallel_gets_one_plan_within_budget_and_exact(ranks, case):
                        f"{size} in all (layers.0: " + (
                            "all_reduce x1" if case == "tp" else "all_gather_into_tensor x2, reduce_scatter_tensor x1")
                        + f", {size}); their time is in the predicted step time (each recomputation was timed for "
-                         "real, collectives included: Note [Recomputed communication] in remat.effects)"], by_hand
+                         "real, collectives included: Note [Recomputed communication] in remat.costs.effects)"], by_hand
     # selective options under tensor parallelism (Note [Tracing without module hooks]): the decoder traces
     # with fx, its module hooks left out (with them, SequenceParallel's refused a proxy), and its layers' menus
     # hold the hand policy, which keeps the output of the collective closing the attention (the Rowwise all_reduce;

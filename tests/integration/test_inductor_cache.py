@@ -1,4 +1,4 @@
-"""remat's reading of inductor's cache (Note [Compiled programs] in remat.compiled_memory): an entry with the sizes
+"""remat's reading of inductor's cache (Note [Compiled programs] in remat.costs.compiled_memory): an entry with the sizes
 remat kept is found before an older one without them. No compile: entries written by hand."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from torch import nn
 
 import remat
 from remat._compat import profiler_memory_peak
-from remat.measure import tensor_bytes
+from remat.runtime.measure import tensor_bytes
 from helpers import needs_compiled_floor
 
 CPU = torch.device("cpu")

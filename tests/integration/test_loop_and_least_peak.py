@@ -12,7 +12,7 @@ import remat
 from helpers import adam, case
 from remat._compat import profiler_memory_peak
 from remat.api import make_profile, split_inputs
-from remat.measure import input_tensors, tensor_bytes
+from remat.runtime.measure import input_tensors, tensor_bytes
 from remat.examples import make_gpt
 from remat.solve import Planner
 from zoo import ZOO

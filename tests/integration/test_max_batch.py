@@ -1,4 +1,4 @@
-"""remat.max_batch: the largest and the fastest batch under a budget (Note [Max batch] in remat.sizing)."""
+"""remat.max_batch: the largest and the fastest batch under a budget (Note [Max batch] in remat.sweeps.sizing)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 import remat
 from remat.examples import make_gpt
-from remat.extrapolate import ProfileFit
+from remat.costs.extrapolate import ProfileFit
 from remat.solve import Planner
 
 MiB = 2**20

@@ -1,4 +1,4 @@
-"""The measurement layer: one training step, one clock, one peak meter (remat.measure)."""
+"""The measurement layer: one training step, one clock, one peak meter (remat.runtime.measure)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 import remat
 from remat.examples import GPT, make_gpt
-from remat.measure import Clock, measure_peak, run_step, tensor_bytes
+from remat.runtime.measure import Clock, measure_peak, run_step, tensor_bytes
 
 
 def mlp():
@@ -73,10 +73,10 @@ def test_measure_step_peak_is_the_meter_on_a_real_step():
 def test_the_clock_measures_intervals_on_cpu(monkeypatch):
     """On CPU a mark is ``time.perf_counter()``: an interval is the difference of two marks, and ``time(fn)`` the
     time ``fn`` took (a stand-in counter that ``fn`` advances, so nothing here depends on the machine's speed)."""
-    import remat.measure
+    import remat.runtime.measure
 
     now = [10.0]
-    monkeypatch.setattr(remat.measure.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(remat.runtime.measure.time, "perf_counter", lambda: now[0])
     clock = Clock("cpu")
     a = clock.mark()
     now[0] = 12.5
@@ -92,7 +92,7 @@ def test_memory_allocated_before_and_written_during_the_work_counts_from_the_sta
     """Note [Memory found]: a storage the work writes in place that the tracker never saw allocated, and that
     outlives the work (DDP's gradient buckets), was alive all along; under FSDP2 (found_storages_are_fresh)
     it counts from when it is seen."""
-    from remat.measure import found_storages_are_fresh
+    from remat.runtime.measure import found_storages_are_fresh
 
     held = torch.zeros(1024)  # 4 KiB, allocated before the work and not passed as state
 
@@ -127,7 +127,7 @@ def test_measure_step_takes_the_optimizer_optimize_checkpointing_takes():
                                  optimizer_factory=same_groups)
     assert given.peak_bytes == factory.peak_bytes > 0
     assert not opt.state and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
-    from remat.steps import as_factory
+    from remat.check.steps import as_factory
 
     copy = as_factory(opt, model)(list(mlp().parameters()))
     assert type(copy) is torch.optim.AdamW and [g["weight_decay"] for g in copy.param_groups] == [0.1, 0.0]
@@ -257,7 +257,7 @@ def test_the_allocator_meter_sees_a_followed_tensor_freed_during_the_step():
     forward: counted all along, they read a compiled 1-block GPT's step 257,788 bytes (13%) above its own
     peak, over the budget its plan met (test_integrations' compiled Lightning test). A followed tensor's
     free is now marked where it happens."""
-    from remat.measure import AllocatorMeter
+    from remat.runtime.measure import AllocatorMeter
 
     n = 1 << 18  # floats: 1 MiB
     state = torch.zeros(16)
@@ -303,7 +303,7 @@ def test_a_busy_machines_timings_never_make_the_backward_free(monkeypatch):
 
 class EverySecondCall(nn.Module):
     """A module whose second forward of every three holds a 4 MiB buffer while it runs: identical steps
-    whose peaks differ, as steps under gloo do (Note [Steps under gloo] in remat.distributed)."""
+    whose peaks differ, as steps under gloo do (Note [Steps under gloo] in remat.runtime.distributed)."""
 
     def __init__(self) -> None:
         super().__init__()

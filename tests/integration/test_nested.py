@@ -1,4 +1,4 @@
-"""Nested plans: units checkpointed inside checkpointed units (Note [Nested checkpoints] in remat.simulate)."""
+"""Nested plans: units checkpointed inside checkpointed units (Note [Nested checkpoints] in remat.costs.simulate)."""
 
 from __future__ import annotations
 

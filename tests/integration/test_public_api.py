@@ -17,8 +17,10 @@ def test_every_exported_name_exists_and_help_shows_the_pipeline():
     for name in remat.__all__:
         assert getattr(remat, name) is not None, name
     doc = remat.__doc__
-    for stage in ("capture", "profile/", "effects", "simulate", "solve/", "rewrite", "measure", "verify"):
+    for stage in ("capture", "profile/", "costs/", "solve/", "rewrite", "check/"):  # the stages, in order
         assert stage in doc, stage
+    assert [doc.index(s) for s in ("capture", "profile/", "costs/", "solve/", "rewrite", "check/")] == sorted(
+        doc.index(s) for s in ("capture", "profile/", "costs/", "solve/", "rewrite", "check/"))
 
 
 def test_make_profile_planner_and_checked_plan_leave_the_model_as_it_was():

@@ -178,7 +178,7 @@ def _amp_loop_peak(model, inputs, plan=None) -> int:
     """Peak of one step of the usual AMP loop, measured independently of remat's step helpers:
     ``with autocast(): loss = model(**batch).loss``, then ``loss.backward()`` and the optimizer step
     outside it (exiting the region clears the autocast cache of bf16 weight copies)."""
-    from remat.measure import StorageTracker, tensor_bytes
+    from remat.runtime.measure import StorageTracker, tensor_bytes
 
     if plan is not None:
         remat.apply_plan(model, plan)

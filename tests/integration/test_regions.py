@@ -92,7 +92,7 @@ def test_regions_are_profiled_and_predicted(unet):
     assert "up.2[conv1:conv2]" in regions and "up.2[conv2:]" in regions and "up.2[conv1:]" not in regions
     planner = Planner(profile, granularity="op")
     least = planner.least_memory()
-    assert any(remat.costs.parse_region(u) for u in least.checkpointed), least.checkpointed
+    assert any(remat.costs.unit_costs.parse_region(u) for u in least.checkpointed), least.checkpointed
     modules_only = Planner(dataclasses.replace(profile, units=tuple(u for u in profile.units if not u.is_region)),
                            granularity="op")
     assert least.predicted_peak_bytes < modules_only.min_peak_bytes
@@ -188,12 +188,12 @@ def test_transformer_block_regions_are_never_predicted_low(zoo_gpt):
     were not offered because plans with them measured up to 0.6% above their prediction. The cause: a
     recomputation's growth was read off the plain forward from the operator before the unit, and there the
     previous residual's addend dies as the layer norm starts, a free no recomputation makes (Note [Growth of
-    a recomputation] in remat.effects): ``h.2[ln_1:ln_2]`` alone measured 6,208 bytes over. Every plan of
+    a recomputation] in remat.costs.effects): ``h.2[ln_1:ln_2]`` alone measured 6,208 bytes over. Every plan of
     one region alone, the last block's regions with a module unit of another block, each attention region with
     its attention nested, and two regions of one block measure at most their prediction, within 1%."""
     model, inputs, profile = zoo_gpt
     planner = Planner(profile, granularity="op")
-    names = [u.name for u in profile.units if not remat.costs.is_selective(u.name)]
+    names = [u.name for u in profile.units if not remat.costs.unit_costs.is_selective(u.name)]
     regions = [n for n in names if "[" in n]
     assert regions == ["h.0[ln_1:ln_2]", "h.0[ln_2:]", "h.1[ln_1:ln_2]", "h.1[ln_2:]", "h.2[ln_1:ln_2]", "h.2[ln_2:]"]
     others = [n for n in names if "[" not in n and not n.startswith("h.2")]

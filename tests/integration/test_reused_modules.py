@@ -1,4 +1,4 @@
-"""A module called more than once per forward is a candidate (Note [Reused modules] in remat.effects)."""
+"""A module called more than once per forward is a candidate (Note [Reused modules] in remat.costs.effects)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import remat
 import remat.rewrite
 from helpers import adam, case, descendant_calls, step_runner
 from remat.api import make_profile
-from remat.plan import Plan
+from remat.solve.plan import Plan
 from remat.solve import Planner
 
 
@@ -207,7 +207,7 @@ def test_no_selective_options_without_a_graph():
 
 def test_the_same_model_gets_the_same_options_and_twin_costs_when_profiled_twice():
     # issue #24.4: menus ranked by measured times and twin blocks costed by their own noisy times gave two
-    # plans for one model in two runs (Note [Policy menus], Note [Twins share their times] in remat.recording)
+    # plans for one model in two runs (Note [Policy menus], Note [Twins share their times] in remat.costs.recording)
     c = case("gpt")
     model, inputs, loss_fn = c.fresh()
     again = Planner(make_profile(model, inputs, loss_fn=loss_fn, optimizer=adam(model.parameters())))

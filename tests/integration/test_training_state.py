@@ -12,7 +12,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import remat
 from remat.profile.optimizer import optimizer_costs
-from remat.measure import tensor_bytes
+from remat.runtime.measure import tensor_bytes
 from optimizers import OPTIMIZERS, SCHEDULERS
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import remat
-from remat.costs import parse_region
+from remat.costs.unit_costs import parse_region
 from helpers import adam, case, descendant_calls, step_runner
-from remat.measure import StorageTracker, tensor_bytes
+from remat.runtime.measure import StorageTracker, tensor_bytes
 from zoo import ZOO
 
 NAMES = list(ZOO)
@@ -57,7 +57,7 @@ def test_budgets_met_predictions_close_gradients_equal(name):
         # proof of recomputation: the first module inside every checkpointed unit runs twice per call of the
         # unit (a module called twice per forward, the kwargs model's ``shared``, runs 4 times); inside another
         # checkpointed unit, also in that unit's recomputation unless it stops early before it (Note [Nested
-        # checkpoints] in remat.simulate)
+        # checkpoints] in remat.costs.simulate)
         counts = descendant_calls(model, plan.checkpointed, step_runner(model, inputs, loss_fn))
         # (an outer unit's first module runs a third time when an inner unit starts with it: a region
         # ``h.0.mlp[fc:proj]`` inside ``h.0.mlp``)

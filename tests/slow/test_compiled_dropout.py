@@ -4,7 +4,7 @@ remat.rewrite): the planned compiled step draws what the plain compiled step dra
 other masks (these tests failed before: loss 0.72289 against 0.72129 with Dropout2d, 0.72287 against 0.72533
 with Dropout); where inductor orders the two programs' random kernels otherwise, the recomputation still draws
 its forward's numbers; and remat proves its plan on compiled steps before it returns it (Note [Compiled plans
-are proved] in remat.verify), a proof that can fail."""
+are proved] in remat.check.verify), a proof that can fail."""
 
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ def test_conv_net_compiled_whole_is_predicted_from_its_compiled_program():
     (plans of eager peaks 1,437,512 and 1,568,576 bytes measured 1,361,872 and 1,362,000 compiled), and the
     interpolation in the eager peak predicted these three budgets' plans 3.7%, 7.1% and 11.5% low. remat now
     predicts a plan from what inductor's programs for its step allocate (Note [Compiled programs] in
-    remat.compiled_memory), calibrated on the other plans measured, without its own measured step: each within
+    remat.costs.compiled_memory), calibrated on the other plans measured, without its own measured step: each within
     5% (benchmarks/compile_prediction.py: -1.4% to +0.3% over seven budgets), and each measured within the
     budget."""
     model, inputs, loss_fn = conv_net()
@@ -116,7 +116,7 @@ def test_conv_net_compiled_per_block_is_predicted_from_its_blocks_programs():
     eager code between the blocks is not in their programs, and a compiled convolution block saves a
     channels-last copy of its input where the eager block saved the input. remat now composes the blocks'
     programs with the eager step's timeline between them (Note [Blocks compiled one by one] in
-    remat.compiled_memory), calibrated on the other plans measured, without the plan's own measured step: each
+    remat.costs.compiled_memory), calibrated on the other plans measured, without the plan's own measured step: each
     within 5% (the benchmark: -1.3% to 0.0% over seven budgets), and each measured within the budget."""
     model, inputs, loss_fn = conv_net()
     for block in model[:2]:
@@ -167,7 +167,7 @@ def test_a_plan_inductor_loads_from_its_cache_is_read_as_when_it_was_lowered(tmp
     the eager peak.) An inductor cache of its own: the first compile lowers, whatever this machine's cache
     holds."""
     from remat._compat import inductor_programs
-    from remat.compiled_memory import step_program_bytes
+    from remat.costs.compiled_memory import step_program_bytes
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     model, inputs, loss_fn = conv_net()

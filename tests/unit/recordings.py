@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from remat.effects import UnitSpec
-from remat.recording import ForwardOp, Recording, SavedTensor, Storage
+from remat.costs.effects import UnitSpec
+from remat.costs.recording import ForwardOp, Recording, SavedTensor, Storage
 
 
 def chain(**changes) -> Recording:

@@ -1,10 +1,10 @@
-"""Reading a program inductor generated (remat.compiled_memory): hand-written wrappers in inductor's form."""
+"""Reading a program inductor generated (remat.costs.compiled_memory): hand-written wrappers in inductor's form."""
 
 from __future__ import annotations
 
 import pytest
 
-from remat.compiled_memory import ProgramMemory, UnreadableProgram, program_memory, step_program_bytes, step_rise_bytes
+from remat.costs.compiled_memory import ProgramMemory, UnreadableProgram, program_memory, step_program_bytes, step_rise_bytes
 
 FORWARD = '''
 class Runner:
@@ -187,7 +187,7 @@ STEP = [  # (alloc index, free index, bytes)
 
 
 def step_profile():
-    from remat.costs import Made, Profile, UnitCost
+    from remat.costs.unit_costs import Made, Profile, UnitCost
 
     n = 13
     live = tuple(sum(b for a, f, b in STEP if a <= t < f) for t in range(n))
@@ -232,7 +232,7 @@ BLOCK_BACKWARD = ("""
 
 
 def test_programs_that_do_what_the_eager_blocks_did_compose_to_the_eager_peak():
-    from remat.compiled_memory import composed_step_bytes, eager_blocks
+    from remat.costs.compiled_memory import composed_step_bytes, eager_blocks
 
     profile = step_profile()
     blocks = eager_blocks(profile, ["B", "A"], [])
@@ -246,7 +246,7 @@ def test_a_blocks_output_lives_as_long_as_the_next_compiled_block_saves_it():
     """A convolution block compiled saves a channels-last copy of its input, not the input: the block before's
     output is then freed once that forward has run, where the eager step kept it for the backward (the tests'
     conv net compiled per block: 131,072 bytes over on every plan before this was read)."""
-    from remat.compiled_memory import composed_step_bytes, eager_blocks
+    from remat.costs.compiled_memory import composed_step_bytes, eager_blocks
 
     profile = step_profile()
     blocks = eager_blocks(profile, ["A", "B"], [])
@@ -262,7 +262,7 @@ def test_a_blocks_output_lives_as_long_as_the_next_compiled_block_saves_it():
 
 
 def test_what_the_composition_cannot_say_is_none():
-    from remat.compiled_memory import composed_step_bytes, eager_blocks
+    from remat.costs.compiled_memory import composed_step_bytes, eager_blocks
 
     profile = step_profile()
     blocks = eager_blocks(profile, ["A", "B"], [])

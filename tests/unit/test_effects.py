@@ -1,5 +1,5 @@
-"""remat.effects.unit_costs on hand-written recordings: what checkpointing a unit frees, holds and
-recomputes, rule by rule (Note [Memory model] in remat.simulate). No torch, milliseconds."""
+"""remat.costs.effects.unit_costs on hand-written recordings: what checkpointing a unit frees, holds and
+recomputes, rule by rule (Note [Memory model] in remat.costs.simulate). No torch, milliseconds."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from remat.costs import CallSpan, Drop, Keep
-from remat.effects import UnitSpec, unit_costs
-from remat.recording import CheckpointOverhead, ForwardOp, SavedTensor, Storage, UnitTimes, Write
+from remat.costs.unit_costs import CallSpan, Drop, Keep
+from remat.costs.effects import UnitSpec, unit_costs
+from remat.costs.recording import CheckpointOverhead, ForwardOp, SavedTensor, Storage, UnitTimes, Write
 
 from recordings import A, chain
 

@@ -1,10 +1,10 @@
-"""Profiles fitted across sizes (remat.extrapolate), on synthetic profiles: no torch, milliseconds."""
+"""Profiles fitted across sizes (remat.costs.extrapolate), on synthetic profiles: no torch, milliseconds."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from remat.extrapolate import ProfileFit
+from remat.costs.extrapolate import ProfileFit
 from remat.solve.synthetic import chain_profile
 
 

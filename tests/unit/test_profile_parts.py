@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from remat.effects import unit_costs, UnitSpec
+from remat.costs.effects import unit_costs, UnitSpec
 from remat.profile.calibrate import LoggedOp, calibrate_sizes, diverged
 from remat.profile.units import op_keys, policy_menu, segments, selective_specs
-from remat.recording import ForwardOp, Storage, UnitTimes, Write, shared_by_twins, twin_groups
+from remat.costs.recording import ForwardOp, Storage, UnitTimes, Write, shared_by_twins, twin_groups
 
 from recordings import A, chain
 

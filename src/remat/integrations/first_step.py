@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from remat.api import apply_plan, optimize_checkpointing
-from remat.compiled import DetectedCompile
+from remat.runtime.compiled import DetectedCompile
 from remat.errors import InvalidInputError, MissingDependencyError
-from remat.measure import AllocatorMeter, StepMeter, input_tensors, model_device, tensor_bytes
-from remat.plan import GiB, Plan, fmt_bytes, policy_summary
+from remat.runtime.measure import AllocatorMeter, StepMeter, input_tensors, model_device, tensor_bytes
+from remat.solve.plan import GiB, Plan, fmt_bytes, policy_summary
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class FirstStep:
         """Note [The first step measured]: the framework's second optimizer step (the first that starts with
         the optimizer's state, as the budget assumes; the first creates it) runs, with the plan applied, every
         micro-batch of it and the optimizer step, under remat's memory meter
-        (``remat.measure.StepMeter``: the same count as remat's checked step; the previous step's gradients
+        (``remat.runtime.measure.StepMeter``: the same count as remat's checked step; the previous step's gradients
         followed until the loop frees them); its peak, with what was alive when it began (parameters,
         buffers, gradients, optimizer state, the batch), is ``measured_peak_bytes``: the loop's own step,
         measured, next to the prediction (None when training stops after one step)."""

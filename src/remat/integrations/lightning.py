@@ -13,7 +13,7 @@ is planned for its compiled training step, with the settings it was compiled wit
 which Lightning keeps; ``compile={...}`` overrides them). While remat profiles, ``self.log``/``self.log_dict`` of the module do nothing (a
 profiling step is not a training step), and what its ``training_step`` calls (11 on a 2-block GPT; 6 when the
 step's times are in remat's timing cache, Note [Timing cache] in remat.profile.cache) did to the
-module's attributes is undone afterwards (Note [Attributes kept] in remat.state: tensors, lists, dicts, sets,
+module's attributes is undone afterwards (Note [Attributes kept] in remat.runtime.state: tensors, lists, dicts, sets,
 numbers, torchmetrics metrics); other side effects (prints, your own loggers, files) are not, and the plan's
 notes give the count of calls. The plan is logged (``remat/*`` metrics and an info line) and kept
 in ``callback.plan``, with the measured peak of the second optimizer step (the first with the optimizer's state) in
@@ -33,11 +33,11 @@ import logging
 from torch import nn
 
 from remat._compat import compile_settings, lightning_compiled
-from remat.compiled import DetectedCompile
+from remat.runtime.compiled import DetectedCompile
 from remat.errors import UnsupportedError
 from remat.integrations.first_step import RematCallbackBase, missing_framework
-from remat.plan import Plan
-from remat.state import kept_attributes
+from remat.solve.plan import Plan
+from remat.runtime.state import kept_attributes
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class _RematLightning(RematCallbackBase):
             if compiled:
                 pl_module.forward, pl_module.training_step, _ = originals
             try:
-                with kept_attributes(pl_module):  # Note [Attributes kept] in remat.state
+                with kept_attributes(pl_module):  # Note [Attributes kept] in remat.runtime.state
                     plan = self.first.run(step, (batch,), optimizer=optimizers[0] if len(optimizers) == 1 else None,
                                           output_alive=True, grad_accumulation=trainer.accumulate_grad_batches > 1,
                                           # Lightning's closure: training_step, zero_grad, backward

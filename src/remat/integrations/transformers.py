@@ -17,7 +17,7 @@ micro-batches and the optimizer step, measured as remat measures its checked ste
 ``callback.measured_peak_bytes``; ``plan=`` applies a saved plan instead (``plan.save(path)``).
 
 Under distributed training (accelerate's DDP: ``torchrun ... train.py``) every rank plans on its own
-first batch and all ranks agree on one plan (Note [One plan for every rank] in remat.distributed); the
+first batch and all ranks agree on one plan (Note [One plan for every rank] in remat.runtime.distributed); the
 plan is made on the unwrapped model with DDP's gradient buckets set aside from the budget (Note [DDP
 buckets reserved] in remat.integrations.first_step).
 """

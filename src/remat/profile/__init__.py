@@ -3,15 +3,15 @@
 The stage in five parts, one module each:
 
 * ``recorder``: one step recorded (fake tensors when possible) into an immutable
-  :class:`remat.recording.Recording` (Note [Timeline]);
+  :class:`remat.costs.recording.Recording` (Note [Timeline]);
 * ``calibrate``: the recording checked against a real forward (Note [Fake sizes], Note [Fake paths]);
 * ``units``: the candidate units (modules, Note [Segments], Note [Regions], Note [Policy menus]);
 * ``timing``: real timed steps per unit and checkpoint's own bookkeeping (Note [Checkpoint overhead]);
 * ``optimizer``: the optimizer's state and step, on shadow copies (Note [Never call the user's optimizer]);
 * ``cache``: the times of a step already measured on this machine, kept on disk (Note [Timing cache]).
 
-``profile_model`` puts them together; ``remat.effects.unit_costs`` turns the recording and the times
-into a :class:`remat.costs.UnitCost` per unit.
+``profile_model`` puts them together; ``remat.costs.effects.unit_costs`` turns the recording and the times
+into a :class:`remat.costs.unit_costs.UnitCost` per unit.
 
 Note [Loop style]
 ~~~~~~~~~~~~~~~~~
@@ -19,15 +19,15 @@ The training loop decides part of the peak, so remat records the loop the user r
 ``loss.backward()`` (not ``torch.autograd.grad``: a real backward lays gradients out as
 ``.grad`` does, e.g. channels-last copies for convolution weights) into gradients that start as
 None (``zero_grad(set_to_none=True)``), backward outside autocast (Note [Autocast] in
-remat.measure), and the model's output either kept until the step ends (``output_alive=True``:
+remat.runtime.measure), and the model's output either kept until the step ends (``output_alive=True``:
 ``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``) or dropped once the loss
 is computed (``output_alive=False``: Hugging Face Trainer's ``compute_loss``, torchtitan's
 ``del pred``). The optimizer step starts from what is alive once backward has returned
 (``Profile.after_backward_bytes``): the last backward operator's incoming gradient is gone by
-then. The user's own ``.grad`` objects are set aside and given back (``remat.state.fresh_grads``).
+then. The user's own ``.grad`` objects are set aside and given back (``remat.runtime.state.fresh_grads``).
 
 Nothing here mutates the model, its gradients, its buffers or the optimizer; RNG state is
-restored (see ``remat.state``).
+restored (see ``remat.runtime.state``).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ import torch
 from torch import nn
 
 from remat.capture import ModelGraph, quiet_loggers, unit_parent
-from remat.costs import Profile
-from remat.effects import largest_tensors, unit_costs
+from remat.costs.unit_costs import Profile
+from remat.costs.effects import largest_tensors, unit_costs
 from remat.errors import InvalidInputError
-from remat.measure import LossFn, input_tensors, tensor_bytes, trainable_parameters
+from remat.runtime.measure import LossFn, input_tensors, tensor_bytes, trainable_parameters
 from remat.profile import cache
 from remat.profile.calibrate import align_forward, calibrate_sizes, diverged, ops_summary, plain_forward_ops, \
     plain_step_fits
@@ -50,8 +50,8 @@ from remat.profile.optimizer import optimizer_costs
 from remat.profile.recorder import record_step
 from remat.profile.timing import checkpoint_overhead, time_units
 from remat.profile.units import module_and_segment_specs, region_specs, selective_specs
-from remat.recording import UnitTimes, shared_by_twins
-from remat.state import preserved
+from remat.costs.recording import UnitTimes, shared_by_twins
+from remat.runtime.state import preserved
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def profile_model(
         times, op_seconds, note = hit
         notes.append(note)
     rec = rec.with_op_seconds(op_seconds)
-    rec, times = shared_by_twins(rec, times, timed)  # Note [Twins share their times] in remat.recording
+    rec, times = shared_by_twins(rec, times, timed)  # Note [Twins share their times] in remat.costs.recording
     units = unit_costs(rec, specs, times=times, overhead=overhead, buffer_bytes=buffer_bytes)
     # the timed steps checkpointed the top-level units: take their recomputation and bookkeeping out. Each is
     # timed separately, so on a busy machine they can add up to more than the backward timed around them: the

@@ -7,7 +7,7 @@ run. Where two plans cost nearly alike (a transformer's `h.2.attn` + `h.3[ln_1:l
 `h.2[ln_1:ln_2]` + `h.3.attn`; an MLP against the region that also holds its layer norm), that noise
 decided which one the solver took: three profiles of the built-in GPT gave one plan at 2 of 10 budgets
 (issue #24). Stable menus (Note [Policy menus]) and twins' shared times (Note [Twins share their times] in
-remat.recording) remove the noise *within* one profile; this removes it *between* profiles, the way
+remat.costs.recording) remove the noise *within* one profile; this removes it *between* profiles, the way
 autotuners do (cuDNN's benchmark cache, Inductor's autotuning cache): the first profile of a step stores
 what its timed steps measured, and a later profile of the same step on the same machine reads them
 instead of timing again. So the same model, batch and loop on the same machine get the same costs, hence
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from remat.recording import CheckpointOverhead, Recording, UnitTimes
+from remat.costs.recording import CheckpointOverhead, Recording, UnitTimes
 
 log = logging.getLogger(__name__)
 

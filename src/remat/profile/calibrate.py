@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from remat._compat import outside_dispatch_modes
-from remat.measure import Clock, LossFn, StorageTracker, input_tensors, new_step
+from remat.runtime.measure import Clock, LossFn, StorageTracker, input_tensors, new_step
 from remat.profile.recorder import new_records
-from remat.recording import Recording
-from remat.state import preserved
+from remat.costs.recording import Recording
+from remat.runtime.state import preserved
 
 
 @dataclass(frozen=True)

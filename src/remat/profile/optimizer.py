@@ -27,7 +27,7 @@ import torch
 
 from remat._compat import default_foreach, global_optimizer_hooks_paused
 from remat.errors import UnsupportedError
-from remat.measure import Clock, StorageTracker, tensor_bytes
+from remat.runtime.measure import Clock, StorageTracker, tensor_bytes
 
 #: optimizers whose step is not a function of (parameters, gradients, state): they cannot be stepped on
 #: shadows, and remat does not predict them (class name -> why)

@@ -1,13 +1,13 @@
-"""Record one training step into a :class:`remat.recording.Recording`.
+"""Record one training step into a :class:`remat.costs.recording.Recording`.
 
 Note [Timeline]
 ~~~~~~~~~~~~~~~
 Memory is recorded by running forward, loss and backward once under a
-:class:`remat.measure.StorageTracker` that numbers every dispatched operator (the
+:class:`remat.runtime.measure.StorageTracker` that numbers every dispatched operator (the
 *timeline index*) and follows every storage created. Module hooks say which units are
 running; ``saved_tensors_hooks`` say which storages autograd saves for backward, from
 inside which units, and when backward first reads them back. That is all
-``remat.effects`` needs (Note [Memory model] in ``remat.simulate``).
+``remat.costs.effects`` needs (Note [Memory model] in ``remat.costs.simulate``).
 
 The recording runs under ``FakeTensorMode`` when it can: same operators, same storage
 sizes, same frees, no device memory -- so profiling works when the plain step does not
@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from remat._compat import fake_mode, flop_count, storage_key, tree_flatten, tree_map, written_arguments
-from remat.measure import LossFn, StorageRecord, StorageTracker, input_tensors, run_step
-from remat.recording import ForwardOp, Recording, SavedTensor, Storage, Write
+from remat.runtime.measure import LossFn, StorageRecord, StorageTracker, input_tensors, run_step
+from remat.costs.recording import ForwardOp, Recording, SavedTensor, Storage, Write
 from remat.rewrite import PolicyNames, draws_random
-from remat.state import fresh_grads
+from remat.runtime.state import fresh_grads
 
 
 @dataclass
@@ -53,7 +53,7 @@ class _Recorder(StorageTracker):
         self.stack_calls: list[int] = []
         self.backward = False
         self.calls: dict[str, int] = defaultdict(int)
-        #: forward span of every call of each unit, in call order (Note [Reused modules] in remat.effects)
+        #: forward span of every call of each unit, in call order (Note [Reused modules] in remat.costs.effects)
         self.spans: dict[str, list[list[int]]] = defaultdict(list)
         self.last_use: dict[int, int] = {}  # id(record) -> index of last forward operator reading it
         self.packs: list[_Pack] = []
@@ -129,7 +129,7 @@ class _Recorder(StorageTracker):
 
         return Recording(
             n_ops=n_ops, backward_start=backward_start, after_backward_bytes=after_backward_bytes,
-            # a storage held from before the step counts from its start (Note [Memory found] in remat.measure)
+            # a storage held from before the step counts from its start (Note [Memory found] in remat.runtime.measure)
             storages=tuple(Storage(r.nbytes, 0 if id(r) in held else r.alloc_index, r.free_index,
                                    id(r) in grads, r.shape, r.dtype) for r in self.records),
             saved=tuple(SavedTensor(idx(p.rec), p.stack, p.calls, p.at, p.unpacked_at) for p in self.packs),
@@ -186,7 +186,7 @@ def record_step(
     style] in remat.profile): ``loss.backward()`` into gradients that start as None, the output dropped
     after the loss unless ``output_alive``; on fake tensors (``fake``) or for real. ``units``: the modules
     to follow (those that do not run have no span). Leaves the model's ``.grad`` as it was; the caller
-    restores buffers and RNG (``remat.state.preserved``)."""
+    restores buffers and RNG (``remat.runtime.state.preserved``)."""
     rec = _Recorder(device)
     named_params = dict(model.named_parameters(remove_duplicate=False))
     named_buffers = dict(model.named_buffers(remove_duplicate=False))

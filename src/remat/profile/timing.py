@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from remat._compat import outside_dispatch_modes
-from remat.costs import op_key
-from remat.measure import Clock, LossFn, input_tensors, median_time, new_step, run_step, trainable_parameters
+from remat.costs.unit_costs import op_key
+from remat.runtime.measure import Clock, LossFn, input_tensors, median_time, new_step, run_step, trainable_parameters
 from remat.profile.calibrate import LoggedOp, ForwardLog, log_forward
 from remat.profile.recorder import grad_targets, hook_units
-from remat.recording import CheckpointOverhead, UnitTimes
+from remat.costs.recording import CheckpointOverhead, UnitTimes
 from remat.rewrite import checkpoint_modules, keep_ops
-from remat.state import fresh_grads
+from remat.runtime.state import fresh_grads
 
 
 # Note [Long steps are timed once]
@@ -50,7 +50,7 @@ def time_units(
     distributed: bool = False, warm_ops: tuple[LoggedOp, ...] | None = None,
 ) -> tuple[UnitTimes, tuple[LoggedOp, ...]]:
     """Real forward + backward with ``checkpointed`` units checkpointed (mutates ``model``'s forwards: run
-    it under ``remat.state.preserved``); per-unit times from hooks on ``units`` (a unit's forward time is
+    it under ``remat.runtime.state.preserved``); per-unit times from hooks on ``units`` (a unit's forward time is
     the sum over its ``forward_calls`` calls, default 1). Also returns the operators of the real forward
     with their sizes and the least of two timings of each (selective checkpointing's recompute cost).
     ``distributed``: the model is wrapped by FSDP2 or DDP, whose hooks expect a backward after every

@@ -15,9 +15,9 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 from remat.capture import unit_parent
-from remat.costs import SELECTIVE, UnitCost, op_key, region_name, segment_name
-from remat.effects import UnitSpec
-from remat.recording import Recording
+from remat.costs.unit_costs import SELECTIVE, UnitCost, op_key, region_name, segment_name
+from remat.costs.effects import UnitSpec
+from remat.costs.recording import Recording
 from remat.solve import chen_segments
 
 
@@ -85,7 +85,7 @@ def region_specs(rec: Recording, ran: Sequence[str], cuts: Mapping[str, Sequence
 #: attention kernels, convolutions (Megatron-LM's "selective recomputation"), and the collectives that close a
 #: tensor-parallel block's attention or MLP (the Rowwise all_reduce; reduce_scatter under sequence parallelism,
 #: which torchtitan's op-level policy saves too), so that its recomputation communicates nothing (Note
-#: [Recomputed communication] in remat.effects); one of the policies remat profiles per unit
+#: [Recomputed communication] in remat.costs.effects); one of the policies remat profiles per unit
 SAVED_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "convolution", "_grouped_mm",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",

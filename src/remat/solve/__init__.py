@@ -1,6 +1,6 @@
 """Strategies that turn a Profile into a Plan. None of them imports torch.
 
-Every strategy returns the same :class:`remat.plan.Plan`, so the hand rules are also
+Every strategy returns the same :class:`remat.solve.plan.Plan`, so the hand rules are also
 test oracles and table rows (as in checkmate). ``plan_for_budget`` is remat's own
 (the ILP); the rest are the baselines users would otherwise reach for.
 """
@@ -12,10 +12,10 @@ import math
 import time
 from typing import Iterable, Sequence
 
-from remat.costs import Profile, is_selective
+from remat.costs.unit_costs import Profile, is_selective
 from remat.errors import InfeasibleBudgetError, InvalidInputError, UnsupportedError
-from remat.plan import Plan, fmt_bytes
-from remat.simulate import MemoryModel, WorstRankModel
+from remat.solve.plan import Plan, fmt_bytes
+from remat.costs.simulate import MemoryModel, WorstRankModel
 from remat.solve.ilp import min_peak, solve_ilp
 
 #: Note [Selective margin]: a selective unit's recompute time is derived (its operators' share of the
@@ -69,8 +69,8 @@ class Planner:
         """``granularity``: "block" plans whole units only; "op" also lets units be checkpointed
         selectively (``name@ops<k>``: option k of the unit's menu of policies, which keep some
         operators' outputs and recompute the rest). ``ranks``: every rank's profile, in rank order, when
-        one plan must fit every rank (Note [One plan for every rank] in remat.distributed). ``nesting``:
-        plans may checkpoint units inside checkpointed units (Note [Nested checkpoints] in remat.simulate).
+        one plan must fit every rank (Note [One plan for every rank] in remat.runtime.distributed). ``nesting``:
+        plans may checkpoint units inside checkpointed units (Note [Nested checkpoints] in remat.costs.simulate).
         ``regions``: plans may checkpoint regions of a module's forward (Note [Regions] in remat.capture); off
         for compiled loops (Note [Compiled steps] in remat.solve.calibrated)."""
         if granularity not in ("block", "op"):
@@ -151,7 +151,7 @@ class Planner:
         ``least_bytes``: the least-memory plan's checked (measured) peak, when known (Note [Least peak
         is a promise] in remat.api); else its prediction. ``compiled``: how the loop compiles the model, when
         ``least_bytes`` was measured on compiled steps (Note [Compiled steps] in remat.solve.calibrated);
-        ``steps``: how many real steps it was the largest of (Note [Steps under gloo] in remat.distributed)."""
+        ``steps``: how many real steps it was the largest of (Note [Steps under gloo] in remat.runtime.distributed)."""
         least = self.make_plan(self._min_units, "least-memory")
         b = least.breakdown
         fixed = self.profile.fixed_bytes
@@ -163,7 +163,7 @@ class Planner:
         every = self.every_nth_block(1)
         rule = " It equals checkpointing every block's prediction:" if every.checkpointed and \
             every.predicted_peak_bytes == self.min_peak_bytes else ""
-        holds = (f"{rule} what holds it, as predicted (Note [What holds the peak] in remat.simulate; "
+        holds = (f"{rule} what holds it, as predicted (Note [What holds the peak] in remat.costs.simulate; "
                  f"no plan frees {fmt_bytes(b.unfreeable_bytes)} of the largest): " +
                  "; ".join(str(h) for h in b.largest[:4]) + ".") if b.largest else ""
         return InfeasibleBudgetError(
@@ -316,7 +316,7 @@ def _ordinal(n: int) -> str:
 
 
 def _communication(profile: Profile, chosen: Sequence[str]) -> tuple[str, ...]:
-    """Note [Recomputed communication] in remat.effects: which units recompute collectives, and how much."""
+    """Note [Recomputed communication] in remat.costs.effects: which units recompute collectives, and how much."""
     per_unit = [(u, profile.unit(u).recomputed_collectives) for u in chosen if profile.unit(u).recomputed_collectives]
     if not per_unit:
         return ()
@@ -332,4 +332,4 @@ def _communication(profile: Profile, chosen: Sequence[str]) -> tuple[str, ...]:
     return (f"recomputes communication in backward: {len(per_unit)} unit(s) run {sum(len(o) for _, o in per_unit)} "
             f"collective(s) again, {total:,} bytes in all (" + "; ".join(f"{u}: {summary(o)}" for u, o in per_unit)
             + "); their time is in the predicted step time (each recomputation was timed for real, collectives "
-              "included: Note [Recomputed communication] in remat.effects)",)
+              "included: Note [Recomputed communication] in remat.costs.effects)",)

@@ -11,7 +11,7 @@ of a checkpointed block holds its recomputed region and the gradients at once) a
 checkpoint little (fused kernels save less). The eager memory model cannot say this; a compiled step can.
 
 So for a compiled loop remat measures compiled steps (the allocator on CUDA, the profiler's
-allocator-level memory events on CPU, remat.compiled) and uses the eager simulator only to *order* plans:
+allocator-level memory events on CPU, remat.runtime.compiled) and uses the eager simulator only to *order* plans:
 
 * anchors are measured first: no checkpointing (a budget above its compiled peak needs no plan), "every
   block", and, for a budget below every block's compiled peak, the least-memory plan (the lower of the two
@@ -22,7 +22,7 @@ allocator-level memory events on CPU, remat.compiled) and uses the eager simulat
   nearest point);
 * a plan's reported prediction is made without its own measured step: where inductor's programs for the
   step can be read (a whole model compiled as one forward and one backward graph: Note [Compiled programs] in
-  remat.compiled_memory; blocks compiled one by one, composed with the eager code between them: Note [Blocks
+  remat.costs.compiled_memory; blocks compiled one by one, composed with the eager code between them: Note [Blocks
   compiled one by one] there), interpolating in what its compiled programs allocate, between the other plans
   measured with theirs; else in its eager peak, as the targets are. The eager peak orders plans but is not
   what the compiled step holds (on the conv net of tests/slow/test_inductor.py compiled whole, plans of eager
@@ -36,7 +36,7 @@ allocator-level memory events on CPU, remat.compiled) and uses the eager simulat
 
 Every returned plan's compiled peak is measured; the cost is one compile per measured plan (counted in
 the plan's notes). Reading a plan's programs costs nothing more where inductor finds them in its cache with
-their sizes kept by remat; one cached without them is lowered again (remat.compiled_memory).
+their sizes kept by remat; one cached without them is lowered again (remat.costs.compiled_memory).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from remat.plan import Plan, fmt_bytes
+from remat.solve.plan import Plan, fmt_bytes
 
 if TYPE_CHECKING:
     from remat.solve import Planner
@@ -106,7 +106,7 @@ class CompiledReading:
     #: the step's measured peak (bytes)
     peak_bytes: int
     #: what the compiled program says of it, before it ran: the simulated rise of its forward and backward
-    #: (``remat.compiled_memory.step_program_bytes``, Note [Compiled programs]); None where not read
+    #: (``remat.costs.compiled_memory.step_program_bytes``, Note [Compiled programs]); None where not read
     program_bytes: int | None = None
 
 
@@ -147,7 +147,7 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
     def predict(plan: Plan, calibration: "PeakCalibration") -> tuple[int, str]:
         """The plan's compiled peak as predicted without its own measured step, and how: from its compiled
         program, calibrated on the other plans measured with theirs (Note [Compiled programs] in
-        remat.compiled_memory), else from its eager peak, calibrated on the plans measured so far."""
+        remat.costs.compiled_memory), else from its eager peak, calibrated on the plans measured so far."""
         own = programs.get(plan.checkpointed)
         others = tuple((programs[u], peak) for u, peak in measured.items()
                        if u != plan.checkpointed and programs.get(u) is not None)

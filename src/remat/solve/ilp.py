@@ -3,10 +3,10 @@
 Decision variables (one per plan variable ``v`` of the memory model, ``MemoryModel.variables``):
     ``x[u]``   = 1 if unit ``u`` is checkpointed at the top level, else 0;
     ``x[u/w]`` = 1 if unit ``w`` is checkpointed inside checkpointed unit ``u`` (Note [Nested
-               checkpoints] in remat.simulate), else 0.
+               checkpoints] in remat.costs.simulate), else 0.
 
 Constraints:
-    ``mem_<row>``   for every row of the memory model (remat.simulate.Row), in units of
+    ``mem_<row>``   for every row of the memory model (remat.costs.simulate.Row), in units of
                      ``scale`` bytes rounded soundly (Note [Sound scaling]):
                      ``ceil(row.const_bytes / scale) + sum(ceil(row.coef_bytes[u] / scale) * x[u])
                      <= floor(budget_bytes / scale)``
@@ -63,9 +63,9 @@ import warnings
 
 import pulp
 
-from remat.costs import nest_key
+from remat.costs.unit_costs import nest_key
 from remat.errors import SolverError
-from remat.simulate import MemoryModel
+from remat.costs.simulate import MemoryModel
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from remat.costs import Drop, Profile, UnitCost
+from remat.costs.unit_costs import Drop, Profile, UnitCost
 
 
 def chain_profile(

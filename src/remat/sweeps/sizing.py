@@ -5,7 +5,7 @@ Note [Max batch]
 "What is the largest batch that fits, and which batch trains fastest?" has an answer per plan: a
 larger batch fits when more is recomputed. ``max_batch`` answers it the way the rest of remat
 answers a budget: profile a few sizes for real, predict the others (fitted profiles, Note [Profiles
-by size] in remat.extrapolate), plan every size predicted, and confirm with real steps:
+by size] in remat.costs.extrapolate), plan every size predicted, and confirm with real steps:
 
 1. search the sizes on fitted profiles, doubling from the profiled ones, then bisecting, for the
    largest whose best plan is predicted within the budget;
@@ -34,15 +34,15 @@ from torch import nn
 from remat._compat import uncompiled
 from remat.api import _make_profile, peak_with_plan, plan_checked, prepare_hf_for_training, stage, validate
 from remat.capture import ModelGraph, capture
-from remat.costs import Profile, is_selective
+from remat.costs.unit_costs import Profile, is_selective
 from remat.errors import InfeasibleBudgetError, InvalidInputError, RematError, UnsupportedError
-from remat.extrapolate import ProfileFit
-from remat.measure import LossFn, default_loss, model_device, split_inputs
-from remat.plan import GiB, Plan, fmt_bytes
+from remat.costs.extrapolate import ProfileFit
+from remat.runtime.measure import LossFn, default_loss, model_device, split_inputs
+from remat.solve.plan import GiB, Plan, fmt_bytes
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
-from remat.state import preserved
-from remat.steps import measure_step
+from remat.runtime.state import preserved
+from remat.check.steps import measure_step
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ class _Search:
                                   "of fitted profiles (kept in real ones), e.g. " + ", ".join(left_out[:3]))
             kind = "linear" if len(profile_sizes) == 2 else f"degree {len(profile_sizes) - 1}"
             self.notes.append(f"memory and time {kind} in the {self.dim} size, fitted from real profiles at sizes "
-                              f"{list(profile_sizes)} (Note [Profiles by size] in remat.extrapolate)")
+                              f"{list(profile_sizes)} (Note [Profiles by size] in remat.costs.extrapolate)")
         except UnsupportedError as e:
             self.notes.append(f"every size profiled for real: {e}")
         first = profile_sizes[0]

@@ -44,12 +44,12 @@ from remat import (
 )
 from remat.api import validate
 from remat.capture import composite_modules
-from remat.costs import is_selective
-from remat.steps import warm_up
-from remat.plan import GiB, fmt_bytes, policy_summary
-from remat.report import plot_rows, plot_sizes, rows_to_json, tradeoff
+from remat.costs.unit_costs import is_selective
+from remat.check.steps import warm_up
+from remat.solve.plan import GiB, fmt_bytes, policy_summary
+from remat.sweeps.report import plot_rows, plot_sizes, rows_to_json, tradeoff
 from remat.rewrite import checkpoint_modules
-from remat.targets import resolve_target
+from remat.cli.targets import resolve_target
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
@@ -214,7 +214,7 @@ def _profile(args, model, inputs, loss_fn, device, status):
     validate(model, 1.0, inputs)  # the user's mistakes before the warm-up runs the model
     warmup_s = getattr(args, "warmup", 0.0)
     if warmup_s > 0 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # (a deep copy: not for sharded models)
-        # Note [Warm-up] in remat.report: a fresh process runs its first steps slow, and profiling
+        # Note [Warm-up] in remat.sweeps.report: a fresh process runs its first steps slow, and profiling
         # measures times too. Warm up with the top-level composite modules checkpointed (little memory).
         status("warming up")
         comp = composite_modules(model)
@@ -271,7 +271,7 @@ def cmd_tradeoff(args, out, err) -> int:
             *([" / ".join(f"{p / 2**20:.2f}" for p in r.measured_peak_per_rank_bytes) or "-"] if per_rank else []),
         )
     out.print(table)
-    if compile:  # Note [Compiled tradeoff] in remat.report
+    if compile:  # Note [Compiled tradeoff] in remat.sweeps.report
         settings = ", ".join(f"{k}={v}" for k, v in compile.items())
         out.print(f"every row compiled with torch.compile ({settings}): peak measured on a "
                   f"compiled step ({'the CUDA allocator' if device.type == 'cuda' else 'the profiler allocator-level memory events'}, "
@@ -346,7 +346,7 @@ def _per_rank_peaks(model, inputs, loss_fn, device: torch.device, plan: Plan, ou
     import torch.distributed as dist
 
     from remat.api import measure_checked_peak
-    from remat.measure import default_loss, split_inputs
+    from remat.runtime.measure import default_loss, split_inputs
 
     a, k = split_inputs(inputs)
     peak = measure_checked_peak(model, a, k, loss_fn or default_loss, device, output_alive=plan.output_alive,
@@ -395,8 +395,8 @@ def cmd_profile(args, out, err) -> int:
 
 
 def cmd_maxbatch(args, out, err) -> int:
-    from remat.sizing import max_batch_of
-    from remat.targets import sized_batches
+    from remat.sweeps.sizing import max_batch_of
+    from remat.cli.targets import sized_batches
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("remat maxbatch runs one process: size the batch per rank without torchrun")

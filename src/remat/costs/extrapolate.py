@@ -10,7 +10,7 @@ two sizes a line (activations, gradients of inputs and step times grow linearly 
 parameters, their gradients and the optimizer state do not change), through three a parabola (attention
 scores grow with the square of the sequence length). ``max_batch`` profiles two sizes for the batch and
 three for the sequence, plans every other size on fitted profiles, and confirms its answer with real
-steps (remat.sizing). Where the structure differs between sizes (data-dependent graphs, a selective menu
+steps (remat.sweeps.sizing). Where the structure differs between sizes (data-dependent graphs, a selective menu
 that changes with the sizes), the unit or the whole fit is refused, never guessed.
 """
 
@@ -20,7 +20,7 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
-from remat.costs import Drop, Keep, Profile, UnitCost
+from remat.costs.unit_costs import Drop, Keep, Profile, UnitCost
 from remat.errors import UnsupportedError
 
 
@@ -92,7 +92,7 @@ class ProfileFit:
             after_backward_bytes=None if None in after else int(num(after, True)),
             tensors=(),  # the measured sizes' tensors, not this size's: a fitted breakdown names none
             notes=ps[0].notes + (f"fitted at size {n} from profiles at sizes {list(self.sizes)} "
-                                 "(Note [Profiles by size] in remat.extrapolate)",))
+                                 "(Note [Profiles by size] in remat.costs.extrapolate)",))
 
     def _unit(self, name: str, num) -> UnitCost:
         us = [b[name] for b in self._by_name]

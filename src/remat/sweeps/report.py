@@ -3,7 +3,7 @@
 ``tradeoff`` profiles once, makes remat's plan at every budget plus the usual hand rules,
 applies each distinct plan to the model, measures real training steps (peak memory and median
 step time) and returns one :class:`TradeoffRow` per (strategy, budget). Predicted figures come
-from the simulator; measured ones from :func:`remat.steps.measure_step`.
+from the simulator; measured ones from :func:`remat.check.steps.measure_step`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from remat.api import checked_reading, plan_checked, prepare_hf_for_training
-from remat.compiled import compiled_loop
-from remat.costs import Profile
+from remat.runtime.compiled import compiled_loop
+from remat.costs.unit_costs import Profile
 from remat.errors import InfeasibleBudgetError
-from remat.distributed import ranks_for
-from remat.measure import OptimizerFactory, default_loss, model_device, split_inputs
-from remat.steps import measure_plans, measure_step_in_place
-from remat.plan import GiB, Plan, fmt_bytes
+from remat.runtime.distributed import ranks_for
+from remat.runtime.measure import OptimizerFactory, default_loss, model_device, split_inputs
+from remat.check.steps import measure_plans, measure_step_in_place
+from remat.solve.plan import GiB, Plan, fmt_bytes
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
 from remat.solve.calibrated import CompiledReading, plan_compiled
@@ -347,8 +347,8 @@ def _compiled_step_times(model, call, args, kwargs, loss_fn, device, profile, wa
     """Seconds of ``repeats`` compiled forward-and-backward passes (``call``: the compiled forward, already
     compiled) after ``warmup`` more, each plus the optimizer step's profiled time (Note [Compiled tradeoff]).
     ``model``'s gradients, buffers and RNG state are as before."""
-    from remat.measure import Clock, run_step, trainable_parameters
-    from remat.state import fresh_grads, preserved
+    from remat.runtime.measure import Clock, run_step, trainable_parameters
+    from remat.runtime.state import fresh_grads, preserved
 
     clock = Clock(device)
     with preserved(model), torch.random.fork_rng(devices=[]):

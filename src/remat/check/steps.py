@@ -2,7 +2,7 @@
 optimizer step), on a deep copy of the model (``measure_step``, ``warm_up``; ``measure_plans`` applies
 each plan in turn to one copy) or, for
 models that cannot be copied (sharded by FSDP2, replicated by DDP), in place (``measure_step_in_place``).
-Built on the one measurement layer in ``remat.measure``."""
+Built on the one measurement layer in ``remat.runtime.measure``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from remat.measure import (
+from remat.runtime.measure import (
     Clock,
     LossFn,
     OptimizerFactory,
@@ -29,7 +29,7 @@ from remat.measure import (
     run_step,
     split_inputs,
 )
-from remat.state import keeps_rng
+from remat.runtime.state import keeps_rng
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class _Trainee:
 
     def peak(self, args: tuple, kwargs: dict, loss_fn: LossFn, output_alive: bool = True) -> int:
         """The peak of one step, all of it (parameters, buffers, inputs, optimizer state, the step's own)."""
-        from remat.distributed import wrapping_of
+        from remat.runtime.distributed import wrapping_of
 
         m, opt = self.model, self.optimizer
         state = [*m.parameters(), *m.buffers(), *input_tensors(args, kwargs)]
@@ -177,7 +177,7 @@ def warm_up(
     optimizer_factory: OptimizerFactory | None = None, seconds: float = 3.0, max_steps: int = 50,
 ) -> int:
     """Run training steps on a deep copy of ``model`` until three consecutive step times agree within
-    5%, ``seconds`` pass or ``max_steps`` run (see Note [Warm-up] in remat.report). Returns the steps run."""
+    5%, ``seconds`` pass or ``max_steps`` run (see Note [Warm-up] in remat.sweeps.report). Returns the steps run."""
     args, kwargs = split_inputs(example_inputs)
     return _warm(_Trainee(model, optimizer_factory), args, kwargs, loss_fn or default_loss, seconds, max_steps)
 
@@ -204,7 +204,7 @@ def measure_plans(
 ) -> list[StepMeasurement]:
     """Each plan's measured peak and step times, every step on one deep copy of ``model`` (plain, each plan
     applied in turn, :class:`_Trainee`; ``model`` itself is not modified). First the copy warms up (Note
-    [Warm-up] in remat.report) for up to ``warmup_s`` seconds under ``warm_with`` (a plan; the least-memory
+    [Warm-up] in remat.sweeps.report) for up to ``warmup_s`` seconds under ``warm_with`` (a plan; the least-memory
     one, so that warming up fits wherever the plans do); then each plan runs one step and one measured step
     (its peak); then the steps are timed: with ``interleave``, ``2 * repeats`` rounds of one step per plan
     in a shuffled order after ``warmup`` such rounds (Note [Interleaved timing]); without, ``warmup`` and

@@ -1,7 +1,7 @@
 """The Recording: one immutable record of a training step, as plain numbers (no torch).
 
 ``remat.profile`` runs forward, loss and backward once under a recorder and returns a
-:class:`Recording`; ``remat.effects`` derives from it what checkpointing each unit does to memory.
+:class:`Recording`; ``remat.costs.effects`` derives from it what checkpointing each unit does to memory.
 A *timeline index* is the position of an operator in the step's sequence of dispatched operators
 (forward first, then backward; Note [Timeline] in ``remat.profile.recorder``). Storages are numbered by
 their position in ``Recording.storages``.

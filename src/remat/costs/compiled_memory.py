@@ -30,7 +30,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from remat.costs import Made, Profile
+from remat.costs.unit_costs import Made, Profile
 
 _ARGS = re.compile(r"^\s+(.*) = args$", re.M)
 _ITEM = re.compile(r"^\s+(\w+) = (\w+)((?:\[\d+\])+)$", re.M)  # (nested: a higher-order op's outputs, buf[1][0])

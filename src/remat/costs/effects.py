@@ -2,7 +2,7 @@
 
 ``unit_costs(recording, specs, ...)`` is the one place where a unit's memory effects are decided:
 which saved storages it frees and until when (``Drop``), which inputs it holds longer (``Keep``),
-where its recomputation runs and how much it adds (Note [Memory model] in ``remat.simulate``).
+where its recomputation runs and how much it adds (Note [Memory model] in ``remat.costs.simulate``).
 The profiler only records; the simulator only adds up.
 """
 
@@ -14,8 +14,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from remat.costs import CallSpan, Drop, Keep, Made, TensorInfo, UnitCost, recompute_growth
-from remat.recording import CheckpointOverhead, Recording, SavedTensor, UnitTimes
+from remat.costs.unit_costs import CallSpan, Drop, Keep, Made, TensorInfo, UnitCost, recompute_growth
+from remat.costs.recording import CheckpointOverhead, Recording, SavedTensor, UnitTimes
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def _call_effects(rec: Recording, spec: UnitSpec, in_call, start: int, end: int,
                   live: tuple[int, ...], saved_as: dict[int, list[SavedTensor]], created_by: dict[int, int],
                   frees: list[tuple[int, int, int, int]], allocs: list[tuple[int, int]], until: bool) -> _CallEffects:
     """What checkpointing one forward call ``start..end`` of a unit does to memory (Note [Memory model]
-    in remat.simulate); ``in_call(t)`` says whether saved tensor ``t`` was saved by that call. ``until``:
+    in remat.costs.simulate); ``in_call(t)`` says whether saved tensor ``t`` was saved by that call. ``until``:
     the unit runs more than once, so each drop says when its own call is recomputed (Note [Reused
     modules])."""
     n = rec.n_ops
@@ -356,7 +356,7 @@ def _recompute_share(rec: Recording, start: int, end: int, keep: frozenset[int])
 
 def largest_tensors(rec: Recording, n: int = 64) -> tuple[TensorInfo, ...]:
     """The ``n`` largest storages of the step with the operator and innermost module that made them (Note
-    [What holds the peak] in remat.simulate)."""
+    [What holds the peak] in remat.costs.simulate)."""
     made_by = {s: i for i, op in enumerate(rec.forward_ops) for s in op.created if s is not None}
     spans = [(a, b, name) for name, ss in rec.spans.items() for a, b in ss]
     out = []

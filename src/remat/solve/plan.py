@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from remat import simulate
-from remat.simulate import HeldTensor, PeakBreakdown
+from remat.costs import simulate
+from remat.costs.simulate import HeldTensor, PeakBreakdown
 
 GiB = 2**30
 MiB = 2**20
@@ -34,7 +34,7 @@ def fmt_bytes(n: int | float | None) -> str:
 @dataclass(frozen=True)
 class Plan:
     """A checkpointing plan and its predictions. Every ``predicted_*`` figure comes from the memory
-    simulator (``remat.simulate``) over a measured profile (for a compiled loop, calibrated on measured
+    simulator (``remat.costs.simulate``) over a measured profile (for a compiled loop, calibrated on measured
     compiled steps: Note [Compiled steps] in remat.solve.calibrated); ``checked_peak_bytes`` is measured on
     a real step with the plan."""
 
@@ -80,13 +80,13 @@ class Plan:
     #: checkpointing] in remat.rewrite)
     saved_ops: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: per unit checkpointed inside another checkpointed unit, that unit (Note [Nested checkpoints] in
-    #: remat.simulate): recomputed within the outer unit's recomputation, and again in its own backward
+    #: remat.costs.simulate): recomputed within the outer unit's recomputation, and again in its own backward
     nested_in: dict[str, str] = field(default_factory=dict)
     #: the training loop it was planned for keeps the model's output until the step ends (False: drops
     #: it after the loss; Note [Loop style] in remat.profile)
     output_alive: bool = True
     #: planned for gradient accumulation: gradients held from the start of every micro-step (Note
-    #: [Accumulated gradients] in remat.costs)
+    #: [Accumulated gradients] in remat.costs.unit_costs)
     grads_held: bool = False
     #: planned for a loop that zeroes gradients after the forward (Lightning): the previous step's gradients
     #: alive through the forward

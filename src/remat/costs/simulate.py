@@ -20,7 +20,7 @@ Checkpointing a unit ``u`` changes that timeline in exactly two ways:
 
 A module called more than once per step is checkpointed call by call: each call's drops last
 until its own recomputation (``Drop.until_index``) and each call adds its own recompute row
-(Note [Reused modules] in remat.effects).
+(Note [Reused modules] in remat.costs.effects).
 
 Units chosen together either are disjoint or nest (Note [Nested checkpoints]); either way their
 effects add up: the predicted memory at every timeline index is a *linear* function of the 0/1
@@ -40,7 +40,7 @@ import functools
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from remat.costs import Profile, UnitCost, inner_unit, is_selective, nest_key, recompute_growth
+from remat.costs.unit_costs import Profile, UnitCost, inner_unit, is_selective, nest_key, recompute_growth
 from remat.errors import InvalidInputError
 
 # Note [Nested checkpoints]
@@ -113,7 +113,7 @@ class HeldTensor:
 
 
 def fmt_bytes(n: int | float) -> str:
-    """Human-readable bytes (GiB above 1 GiB, else MiB); ``remat.plan.fmt_bytes`` for the public one."""
+    """Human-readable bytes (GiB above 1 GiB, else MiB); ``remat.solve.plan.fmt_bytes`` for the public one."""
     return f"{n / 2**30:.3f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
@@ -520,7 +520,7 @@ class MemoryModel:
 
 
 class WorstRankModel(MemoryModel):
-    """The memory model of one plan run on every rank (Note [One plan for every rank] in remat.distributed):
+    """The memory model of one plan run on every rank (Note [One plan for every rank] in remat.runtime.distributed):
     every rank's rows (its own timeline, its own shard and batch), so a plan's predicted peak is the largest
     over ranks and the ILP keeps every rank within the budget; a unit's recompute time is its largest over
     ranks (the slowest rank sets the pace). Candidates are the units every rank has."""

@@ -1,7 +1,7 @@
 """The measured costs of one training step, as plain numbers (no torch).
 
 ``remat.profile`` produces a :class:`Profile` (its :class:`UnitCost` per candidate unit derived from
-the step's Recording by ``remat.effects``); the simulator, the solver and the report read it. Bytes are integers, times are seconds, and a *timeline index*
+the step's Recording by ``remat.costs.effects``); the simulator, the solver and the report read it. Bytes are integers, times are seconds, and a *timeline index*
 is the position of an operator in the step's sequence of dispatched operators
 (forward first, then backward); see Note [Timeline] in ``remat.profile.recorder``.
 
@@ -44,7 +44,7 @@ def op_key(op: str, k: int) -> str:
 
 def nest_key(outer: str, inner: str) -> str:
     """The name of the choice "checkpoint ``inner`` inside checkpointed ``outer``" (Note [Nested
-    checkpoints] in remat.simulate): ``nest_key("h.3", "h.3.mlp") == "h.3/h.3.mlp"``."""
+    checkpoints] in remat.costs.simulate): ``nest_key("h.3", "h.3.mlp") == "h.3/h.3.mlp"``."""
     return f"{outer}/{inner}"
 
 
@@ -89,7 +89,7 @@ def recompute_growth(live: Sequence[int], start: int, end: int,
     """Bytes a recomputation of forward operators ``start..end`` holds after each of them, over what was alive
     before it: the plain forward's growth ``live[t] - live[start - 1]``, with the older storages that forward
     freed meanwhile (``freed_outside``: (index, bytes)) added back, since a recomputation frees none of them
-    (Note [Growth of a recomputation] in remat.effects)."""
+    (Note [Growth of a recomputation] in remat.costs.effects)."""
     base = live[start - 1] if start > 0 else 0
     back = [0] * (end - start + 1)
     for f, b in freed_outside:
@@ -124,7 +124,7 @@ class Drop:
 @dataclass(frozen=True)
 class TensorInfo:
     """One of the step's largest storages, as the recording saw it (Note [What holds the peak] in
-    remat.simulate)."""
+    remat.costs.simulate)."""
 
     #: its index in the recording (``Drop.storage``)
     storage: int
@@ -146,7 +146,7 @@ class TensorInfo:
 @dataclass(frozen=True)
 class CallSpan:
     """A second or later forward call of a unit that runs more than once per step (Note [Reused
-    modules] in remat.effects): each call is checkpointed, and recomputed, on its own."""
+    modules] in remat.costs.effects): each call is checkpointed, and recomputed, on its own."""
 
     forward_start: int
     forward_end: int
@@ -172,7 +172,7 @@ class Keep:
 class Made:
     """A storage a unit's forward makes that outlives it in the plain step (its output, what it saves for
     backward), and what outside the unit holds it: what a block compiled on its own replaces with what its
-    compiled forward returns (Note [Blocks compiled one by one] in remat.compiled_memory)."""
+    compiled forward returns (Note [Blocks compiled one by one] in remat.costs.compiled_memory)."""
 
     nbytes: int
     #: first timeline index at which the plain step no longer holds it; None: alive when the step ends
@@ -239,21 +239,21 @@ class UnitCost:
     #: described by the fields above; ``drops`` and ``keeps`` cover every call)
     later_calls: tuple[CallSpan, ...] = ()
     #: timeline index of the last forward operator a recomputation runs (Note [Early stop] in
-    #: remat.effects); None: ``forward_end``
+    #: remat.costs.effects); None: ``forward_end``
     recompute_end: int | None = None
     #: what a recomputation holds on top of its forward's growth (bytes): checkpoint's copy of the RNG state
-    #: (``fork_rng``) and the copies of the buffers it replays (Note [Recomputation transients] in remat.effects)
+    #: (``fork_rng``) and the copies of the buffers it replays (Note [Recomputation transients] in remat.costs.effects)
     recompute_extra_bytes: int = 0
     #: the collectives its recomputation runs again, as (operator, bytes it makes), e.g. a tensor-parallel
     #: block's all_reduce: communication that checkpointing adds (Note [Recomputed communication] in
-    #: remat.effects); their time is in ``recompute_s``, measured with them
+    #: remat.costs.effects); their time is in ``recompute_s``, measured with them
     recomputed_collectives: tuple[tuple[str, int], ...] = ()
     #: (timeline index, bytes) of storages made before the unit's forward that the plain forward freed during
     #: it, up to ``recompute_end``: a recomputation does not free them (Note [Growth of a recomputation] in
-    #: remat.effects)
+    #: remat.costs.effects)
     freed_outside: tuple[tuple[int, int], ...] = ()
     #: what its first forward call makes that outlives it (Note [Blocks compiled one by one] in
-    #: remat.compiled_memory)
+    #: remat.costs.compiled_memory)
     made: tuple[Made, ...] = ()
     #: timeline index of the last backward operator that reads a tensor saved inside its first call (where its
     #: backward ends); None if it saves nothing or one is never read back
@@ -345,14 +345,14 @@ class Profile:
     #: what profiling found worth saying (paths taken, units left out)
     notes: tuple[str, ...] = field(default_factory=tuple)
     #: bytes allocated during the step alive just before each operator runs (after the frees that follow
-    #: the previous one): where a recomputation starts (Note [Between operators] in remat.recording); None:
+    #: the previous one): where a recomputation starts (Note [Between operators] in remat.costs.recording); None:
     #: ``live_bytes`` of the previous operator
     before_bytes: tuple[int, ...] | None = None
     #: bytes allocated during the step still alive once backward has returned (gradients, the output
     #: when the loop keeps it): what the optimizer step starts from; None: ``live_bytes[-1]``
     after_backward_bytes: int | None = None
     #: processes training the model, and how it is wrapped for that ("" for one process): the profile is
-    #: this rank's (Note [One plan for every rank] in remat.distributed)
+    #: this rank's (Note [One plan for every rank] in remat.runtime.distributed)
     world_size: int = 1
     #: how the model is wrapped for distributed training ("" for one process)
     wrapping: str = ""
@@ -365,7 +365,7 @@ class Profile:
     #: the loop zeroes gradients between forward and backward (Lightning): the previous step's gradients are
     #: alive through the forward (Note [Accumulated gradients])
     grads_held_in_forward: bool = False
-    #: the step's largest storages (Note [What holds the peak] in remat.simulate); empty when not recorded
+    #: the step's largest storages (Note [What holds the peak] in remat.costs.simulate); empty when not recorded
     tensors: tuple[TensorInfo, ...] = ()
     #: every trainable parameter's name and shape, to name a gradient made in backward that is shaped like one
     #: (a contribution to a weight used twice, e.g. a tied embedding, before it is summed into ``.grad``)

@@ -1,6 +1,6 @@
 """Prove it: the equivalence check (one plain and one checkpointed training step, compared exactly).
 
-Measuring real steps (peak memory, step time) is ``remat.measure``'s."""
+Measuring real steps (peak memory, step time) is ``remat.runtime.measure``'s."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from remat._compat import tree_flatten, tree_map, uncompiled
-from remat.compiled import CompiledLoop, compiled_loop
+from remat.runtime.compiled import CompiledLoop, compiled_loop
 from remat.errors import EquivalenceError
-from remat.measure import LossFn, checked_loss, default_loss, input_tensors, model_device, run_step, split_inputs
-from remat.costs import parse_region
-from remat.plan import Plan
+from remat.runtime.measure import LossFn, checked_loss, default_loss, input_tensors, model_device, run_step, split_inputs
+from remat.costs.unit_costs import parse_region
+from remat.solve.plan import Plan
 from remat.rewrite import checkpoint_plan, checkpointed_modules, parse_unit, remove_checkpointing
-from remat.state import fresh_grads, preserved, restore, take_snapshot
+from remat.runtime.state import fresh_grads, preserved, restore, take_snapshot
 
 
 #: Note [Compiled tolerance]
@@ -90,7 +90,7 @@ class EquivalenceReport:
     atol: float
     #: differences that are not numbers: missing gradients, buffers of other shapes, outputs of another structure
     problems: tuple[str, ...] = field(default_factory=tuple)
-    #: how both steps ran: "eager", or the compiled loop (``remat.compiled.CompiledLoop``) both were compiled as
+    #: how both steps ran: "eager", or the compiled loop (``remat.runtime.compiled.CompiledLoop``) both were compiled as
     compiled: str = "eager"
     #: where the steps differ: whether the checkpointed step's gradient is its own loss's (Note [Is the
     #: gradient its own loss's?]); None when they agree

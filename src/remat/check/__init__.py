@@ -1,0 +1,7 @@
+"""The check (the last stage): a plan proved on real steps.
+
+In: the model with a plan applied (:mod:`remat.rewrite`), the plain model, the inputs and the loop. Out: measured
+steps (:mod:`~remat.check.steps`: peak and step time on one copy, or in place for sharded models) and the
+equivalence of checkpointed and plain steps (:mod:`~remat.check.verify`: an ``EquivalenceReport``; gradients,
+buffers and losses compared, exactly or within the compiled tolerance).
+"""
