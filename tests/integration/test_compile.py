@@ -454,19 +454,19 @@ def test_a_failure_after_the_rewrite_gives_the_compiled_calls_back(monkeypatch):
     leaves eager] in remat.rewrite): a failure after the plan was installed leaves each block's compiled call
     and nothing checkpointed. (Before, the snapshot put the forwards back but not the compiled calls: both
     blocks were left with none.)"""
-    import remat.api
+    import remat.api.optimize
 
     model, inputs, loss_fn = conv_net(block_class=nn.Sequential)
     for block in model[:2]:
         block.compile(backend=TRACE_ONLY)
     impls = [block._compiled_call_impl for block in model[:2]]
-    real = remat.api.checkpoint_plan
+    real = remat.api.optimize.checkpoint_plan
 
     def installed_then_failed(m, plan):
         real(m, plan)
         raise RuntimeError("a failure after the rewrite")
 
-    monkeypatch.setattr(remat.api, "checkpoint_plan", installed_then_failed)
+    monkeypatch.setattr(remat.api.optimize, "checkpoint_plan", installed_then_failed)
     planner = remat.Planner(remat.make_profile(model, inputs, loss_fn=loss_fn), granularity="block")
     budget = (planner.min_peak_bytes + planner.baseline_peak_bytes) // 2
     with pytest.raises(remat.InternalError, match="rewrite"):

@@ -195,7 +195,7 @@ def test_inputs_the_model_rejects_say_so_with_the_users_exception():
 @pytest.mark.parametrize("stage, target", [
     ("profile", "remat.profile.record_step"),
     ("profile", "remat.profile.time_units"),
-    ("check", "remat.api.measure_checked_peak"),
+    ("check", "remat.api.checking.measure_checked_peak"),
 ])
 def test_remats_own_failure_is_an_internal_error_not_the_users(trained_resnet, monkeypatch, stage, target):
     """A failure inside remat (seen: an AttributeError from torch's FSDP state while profiling) is not

@@ -104,7 +104,7 @@ def test_least_peak_holds_when_real_steps_measure_above_predictions(monkeypatch)
     (forced here, so that the test does not depend on where the memory model errs). Before, the least
     peak reported was the prediction and a budget equal to it was refused ("no plan is predicted lower");
     now the least peak is the least-memory plan's checked peak, and that budget gets that plan."""
-    import remat.api as api
+    import remat.api.checking as api
 
     real = api.measure_checked_peak
     monkeypatch.setattr(api, "measure_checked_peak", lambda *a, **k: real(*a, **k) + 200 * 1024)

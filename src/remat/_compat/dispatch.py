@@ -1,0 +1,100 @@
+"""Dispatch modes, fake tensors, operator schemas, storages and pytrees: the private torch APIs remat's
+dispatch-level recorders rely on (part of remat._compat: see its docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401 - checked on 2.8, 2.11, 2.13, 2.15
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 - checked on 2.8, 2.11, 2.13, 2.15
+from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401 - checked on 2.8, 2.11, 2.13, 2.15
+from torch.utils._pytree import keystr as _keystr, tree_flatten_with_path as _tree_flatten_with_path
+
+from remat._compat.distributed import local_tensor
+
+
+@contextlib.contextmanager
+def outside_dispatch_modes() -> Iterator[None]:
+    """Run a few operators unseen by the active ``TorchDispatchMode``s, e.g. selective checkpointing's
+    caching mode during a recomputation, which refuses operators the forward did not run.
+    ``torch.utils._python_dispatch._disable_current_modes`` (checked on 2.8, 2.11, 2.13, 2.15)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity for the storage behind ``t``, equal for views and aliases and stable while it lives:
+    ``UntypedStorage._cdata`` (checked on 2.8, 2.11, 2.13, 2.15)."""
+    return local_tensor(t).untyped_storage()._cdata
+
+
+def untyped_storage_key(st: torch.UntypedStorage) -> int:
+    """The identity :func:`storage_key` gives a tensor, for the storage itself: ``UntypedStorage._cdata``
+    (checked on 2.8, 2.11, 2.13, 2.15)."""
+    return st._cdata
+
+
+def fake_mode() -> FakeTensorMode:
+    """A FakeTensorMode that lets real tensors (constants a model creates) mix with fake ones
+    (``torch._subclasses.fake_tensor``, checked on 2.8, 2.11, 2.13, 2.15)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def flop_count(func, args: tuple, kwargs: dict, out) -> int:
+    """Floating-point operations of one operator call by ``torch.utils.flop_counter``'s formulas; 0 for
+    operators without one (``flop_registry`` keyed by ``OpOverload._overloadpacket``, checked on 2.8, 2.11, 2.13,
+    2.15)."""
+    from torch.utils.flop_counter import flop_registry
+
+    count = flop_registry.get(func._overloadpacket)
+    if count is None:
+        return 0
+    try:
+        return int(count(*args, **kwargs, out_val=out))
+    except Exception:  # noqa: BLE001 - a FLOP formula that does not fit these arguments
+        return 0
+
+
+def written_arguments(func, args: tuple, kwargs: dict) -> list:
+    """The arguments operator ``func`` writes to in place, by its schema (``OpOverload._schema``'s
+    ``alias_info.is_write``, checked on 2.8, 2.11, 2.13, 2.15)."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            out.append(args[i] if i < len(args) else kwargs.get(a.name))
+    return out
+
+
+def argument(func, args: tuple, kwargs: dict, name: str, missing=None):
+    """The value of operator ``func``'s argument ``name`` in this call (its default when not passed),
+    or ``missing`` when it has no such argument (``OpOverload._schema``, checked on 2.8, 2.11, 2.13, 2.15)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return kwargs.get(name, args[i] if i < len(args) else a.default_value)
+    return missing
+
+
+def module_stack(node: torch.fx.Node) -> list[str]:
+    """Qualified names of the modules an fx/export graph node ran inside, outermost first: the
+    ``nn_module_stack`` node metadata that fx tracing and torch.export write (checked on 2.8, 2.11, 2.13, 2.15)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    names = [v[0] if isinstance(v, tuple) else str(v) for v in stack.values()]
+    if node.op == "call_module":
+        names.append(str(node.target))
+    return names
+
+
+def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
+    """The leaves of a pytree with their paths written as code (``[1]``, ``['logits']``); a tree whose
+    node types have no keys (a container registered without them) gives ``<leaf i>``."""
+    try:
+        return [(_keystr(path), leaf) for path, leaf in _tree_flatten_with_path(tree)[0]]
+    except Exception:  # noqa: BLE001 - a node type registered without flatten_with_keys
+        return [(f" <leaf {i}>", leaf) for i, leaf in enumerate(tree_flatten(tree)[0])]

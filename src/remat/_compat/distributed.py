@@ -1,0 +1,104 @@
+"""torch.distributed's private APIs remat relies on: DTensor, FSDP2, the default store, and what happens
+outside the dispatcher (storage resizes, RNG states) (part of remat._compat: see its docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import _guards  # checked on 2.8, 2.11, 2.13, 2.15
+from torch._subclasses.fake_tensor import FakeTensor  # checked on 2.8, 2.11, 2.13, 2.15
+
+
+# -- distributed ----------------------------------------------------------------------------------
+#: whether each class seen is DTensor or a subclass (these run on every operator a tracker sees: no import,
+#: no issubclass per call)
+_IS_DTENSOR: dict[type, bool] = {torch.Tensor: False, torch.nn.Parameter: False, FakeTensor: False}
+
+
+def is_dtensor_class(cls: type) -> bool:
+    """Whether ``cls`` is ``torch.distributed.tensor.DTensor`` (or a subclass) (checked on 2.8, 2.11, 2.13, 2.15)."""
+    known = _IS_DTENSOR.get(cls)
+    if known is not None:
+        return known
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    known = _IS_DTENSOR[cls] = isinstance(cls, type) and issubclass(cls, DTensor)
+    return known
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this rank's memory: a DTensor's local shard (``DTensor._local_tensor``, read
+    without dispatching an operator; checked on 2.8, 2.11, 2.13, 2.15), any other tensor itself."""
+    return t._local_tensor if is_dtensor_class(type(t)) else t
+
+
+def active_fake_mode():
+    """The FakeTensorMode in effect, or None. DTensor's sharding propagation runs operators on fake tensors
+    of its own (they allocate nothing) (``torch._guards.active_fake_mode``, checked on 2.8, 2.11, 2.13, 2.15)."""
+    return _guards.active_fake_mode()
+
+
+@contextlib.contextmanager
+def storage_resizes_reported(callback) -> Iterator[None]:
+    """Call ``callback(storage, nbytes)`` after every ``UntypedStorage.resize_``: FSDP2 frees and re-allocates
+    its all-gather buffers by resizing their storages (``free_storage``/``alloc_storage``), which no
+    dispatch mode sees (the same patch as ``torch.distributed._tools.mem_tracker``; checked on 2.8, 2.11, 2.13, 2.15)."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(st, size):
+        result = original(st, size)
+        callback(st, int(size))
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
+
+
+@contextlib.contextmanager
+def rng_states_reported(callback) -> Iterator[None]:
+    """Call ``callback(state)`` with every tensor ``torch.get_rng_state()`` returns: the CPU RNG state that
+    ``torch.utils.checkpoint`` saves per checkpointed call (5 KB) is made outside the dispatcher, where no
+    dispatch mode sees it (``torch.get_rng_state`` patched for the duration; checked on 2.8, 2.11, 2.13, 2.15)."""
+    original = torch.get_rng_state
+
+    def get_rng_state():
+        state = original()
+        callback(state)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, bool]]:
+    """The modules ``fully_shard`` manages, by qualified name, with whether each reshards its parameters
+    after forward (``FSDPModule._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info``; checked on
+    2.8, 2.11, 2.13, 2.15)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            out.append((name, group is not None and group.post_forward_mesh_info is not None))
+    return out
+
+
+def default_store():
+    """The key-value store of the default process group (``distributed_c10d._get_default_store``, checked
+    on 2.8, 2.11, 2.13, 2.15)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()

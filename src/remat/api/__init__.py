@@ -1,0 +1,30 @@
+"""The front door in Python: the pipeline's stages called in order, with the user's model kept as it was on any
+failure.
+
+- ``optimize``   optimize_checkpointing: capture, profile, cost model, solve, check, rewrite, in place -> Plan
+- ``profiling``  make_profile: a training step profiled once, to plan many budgets from -> Profile
+- ``checking``   plans checked on real steps (checked_plan, plan_checked, least_checked): Planner + budget -> Plan
+                 with its checked peak
+- ``apply``      apply_plan: a saved Plan applied to a model, checked against its fingerprint
+- ``inputs``     what the user passed, validated, and whose failure a failure is (InvalidInputError or
+                 InternalError, Note [Whose failure])
+"""
+
+# the names below are importable from remat.api, as they were from the single module it was
+# ruff: noqa: F401
+from remat.api.apply import apply_plan
+from remat.api.checking import (
+    checked_plan,
+    checked_reading,
+    least_checked,
+    measure_checked_peak,
+    peak_with_plan,
+    plan_checked,
+    proved_compiled,
+)
+from remat.api.inputs import model_signature, plain_step_error, stage, validate
+from remat.api.optimize import optimize_checkpointing
+from remat.api.profiling import _make_profile, make_profile, prepare_hf_for_training
+from remat.runtime.measure import split_inputs
+
+__all__ = ["apply_plan", "checked_plan", "make_profile", "optimize_checkpointing"]

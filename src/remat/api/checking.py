@@ -1,0 +1,323 @@
+"""Plans checked on real steps (Note [Checked plans]): a plan's peak measured by the meter of the loop, the plan
+tightened until its checked peak meets the budget, the least peak checked, compiled plans proved.
+
+In: a :class:`~remat.solve.Planner`, a budget, the model and its inputs. Out: a :class:`~remat.solve.plan.Plan`
+with its checked peak, or InfeasibleBudgetError with the least checked peak.
+"""
+
+from __future__ import annotations
+
+import logging
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from remat._compat import inductor_programs, profiler_memory_trace, uncompiled
+from remat.api.inputs import validate
+from remat.api.profiling import prepare_hf_for_training
+from remat.check.verify import CompiledComparison, check_compiled_plan
+from remat.costs.compiled_memory import composed_step_bytes, eager_blocks, step_program_bytes
+from remat.costs.unit_costs import Profile
+from remat.errors import EquivalenceError
+from remat.rewrite import checkpoint_plan, remove_checkpointing
+from remat.runtime.compiled import CompiledLoop, eager_submodules
+from remat.runtime.distributed import Ranks, steps_checked, wrapping_of
+from remat.runtime.measure import (
+    LossFn,
+    default_loss,
+    found_storages_are_fresh,
+    input_tensors,
+    measure_peak,
+    run_step,
+    tensor_bytes,
+    trainable_parameters,
+)
+from remat.runtime.state import fresh_grads, preserved
+from remat.solve import Planner
+from remat.solve.calibrated import CompiledReading
+from remat.solve.plan import GiB, Plan, fmt_bytes
+
+log = logging.getLogger(__name__)
+
+
+def proved_compiled(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, loop: CompiledLoop,
+                    compare: CompiledComparison | None) -> str:
+    """Note [Compiled plans are proved] in remat.check.verify: the plan's compiled step against the plain compiled
+    step (as compared while the plan was measured, where it was and agreed; else compiled again here); the
+    plan's note on success, EquivalenceError where they differ. ``compare`` None: a distributed loop."""
+    if compare is None:
+        return ("the compiled planned step was not compared with the plain compiled step (a distributed loop: "
+                "Note [Compiled plans are proved] in remat.check.verify runs in one process)")
+    if not plan.checkpointed:
+        return "nothing checkpointed: the compiled step is the plain compiled step"
+    report = compare.reports.get(plan.checkpointed)
+    if report is None or not report.equal:  # (the slope check needs the planned step's gradients: run it again)
+        report = check_compiled_plan(model, plan, args, kwargs, loss_fn, loop)
+    if report.equal:
+        name, diff = report.worst(1)[0] if report.max_abs_diff else ("", 0.0)
+        return (f"proved on one compiled step: loss, outputs, gradients and buffers equal the plain compiled "
+                f"step's within rtol {report.rtol:g} ({len(report.max_abs_diff)} tensors; largest difference "
+                f"{diff:.2e}, {name}; Note [Compiled plans are proved] in remat.check.verify)")
+    own = report.slope is not None and report.slope.consistent
+    alike = check_compiled_plan(model, plan, args, kwargs, loss_fn, loop, deterministic=True) if own else None
+    if alike is not None and alike.equal:
+        return (f"proved on compiled steps: with every module in eval mode the planned step equals the plain "
+                f"compiled step (rtol {alike.rtol:g}, {len(alike.max_abs_diff)} tensors); in training it draws "
+                f"other random numbers than the plain compiled step (inductor orders the two programs' random "
+                f"kernels as it schedules each; loss {float(report.max_abs_diff.get('loss', 0.0)):.2e} apart), and "
+                f"{report.slope} (Note [Compiled plans are proved] in remat.check.verify)")
+    raise EquivalenceError(
+        f"{report if alike is None else alike}\nUnder {loop}, the planned step does not compute what the plain "
+        f"compiled step computes (checkpointed: {list(plan.checkpointed)}"
+        f"{'' if alike is None else ', compared with every module in eval mode'}); the model is as it was. " + (
+            "Its gradient is not its own loss's: do not train with this plan. " if not own else "") +
+        "Plan the eager step with compile=False, and report this with the printout (Note [Compiled plans are "
+        "proved] in remat.check.verify).")
+
+
+def _ranks_reading(ranks: Ranks | None, reading: CompiledReading) -> CompiledReading:
+    """The largest reading over ranks (a program read on some ranks only: none)."""
+    if ranks is None:
+        return reading
+    readings = ranks.gather((reading.peak_bytes, reading.program_bytes))
+    programs = [program for _, program in readings]
+    return CompiledReading(max(peak for peak, _ in readings), None if None in programs else max(programs))
+
+
+def measure_checked_peak(
+    model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, *,
+    output_alive: bool = True, optimizer_state_bytes: int = 0, optimizer_step_bytes: int = 0,
+    grads_held: bool = False, grads_held_in_forward: bool = False, call: Callable[..., Any] | None = None,
+    allocator_level: bool = False, steps: int | None = None,
+) -> int:
+    """The peak memory (bytes) of one training step of ``model`` as it is (checkpointed or not): forward,
+    loss and ``loss.backward()`` run for real, as the loop runs them (Note [Loop style] in remat.profile:
+    gradients start as None, the output is dropped after the loss unless ``output_alive``), measured
+    with the parameters, buffers and the batch; the optimizer, which remat never steps (Note [Never call
+    the user's optimizer]), is added as predicted: its state all step long, its step's temporaries on
+    top of what is alive once backward has returned. With ``grads_held`` (gradient accumulation) every
+    trainable parameter has a gradient (zeros) when the step starts and backward adds into it; with
+    ``grads_held_in_forward`` (zero_grad after the forward) they are set to None once the loss exists
+    (Note [Accumulated gradients] in remat.costs.unit_costs). ``call``: what runs the forward (the compiled model; default
+    ``model``); ``allocator_level``: meter every allocation, as compiled code needs (the profiler's memory
+    events on CPU; on CUDA the allocator always is). ``steps``: read that many steps by the allocator's
+    events and keep the largest peak; None: as many as ``model`` needs (:func:`remat.runtime.distributed.steps_checked`:
+    3 for a tensor-parallel model on CPU, under gloo, Note [Steps under gloo]; else one).
+
+    The model's gradients (``.grad`` objects and values), buffers and the RNG state are as they were."""
+    inputs = input_tensors(args, kwargs)
+    state = [*model.parameters(), *model.buffers(), *inputs]
+    trainable = trainable_parameters(model)
+    leaves = trainable + [t for t in inputs if t.requires_grad and t.is_leaf]
+    after_backward: list[int | None] = []
+    call = model if call is None else call
+
+    def on(event: str, live_now: Callable[[], int]) -> None:
+        if event == "loss" and grads_held_in_forward and not grads_held:
+            for p in trainable:
+                p.grad = None
+        if event == "backward":
+            after_backward.append(live_now())
+
+    def work(live_now: Callable[[], int]) -> None:
+        if grads_held or grads_held_in_forward:  # allocated in the work: the meter sees them come and go
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
+        run_step(call, args, kwargs, loss_fn, output_alive=output_alive, on=lambda event: on(event, live_now))
+
+    steps = steps_checked(model, device) if steps is None else steps
+    with preserved(model), fresh_grads(leaves):
+        if (allocator_level or steps) and device.type != "cuda":  # Note [Compiled steps] in remat.solve.calibrated
+            base, peaks = tensor_bytes(state, device), []
+            for _ in range(max(steps, 1)):  # Note [Steps under gloo] in remat.runtime.distributed: the largest
+                for t in leaves:  # every step starts as the first (the previous one's gradients dropped)
+                    t.grad = None
+                peak, at = profiler_memory_trace(lambda mark: work(lambda: mark("backward")), device, marks=True)
+                peaks.append(max(base + peak, base + at["backward"] + optimizer_step_bytes))
+            return max(peaks) + optimizer_state_bytes
+        peak = measure_peak(work, device, state)  # the allocator on CUDA sees compiled code too
+    return max(peak, after_backward[0] + optimizer_step_bytes) + optimizer_state_bytes
+
+
+def peak_with_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
+                   profile: Profile, loop: CompiledLoop | None = None,
+                   then: Callable[[Callable[..., Any]], None] | None = None) -> int:
+    """:func:`measure_checked_peak` of one step of ``model`` checkpointed as ``plan`` says, for the loop and
+    optimizer ``profile`` was made for; with ``loop``, of the step compiled as the loop compiles it (compiled
+    afresh, one warm-up step that compiles, then the measured step, metered at allocator level). ``then(call)``
+    runs afterwards with the plan still applied (and compiled: ``call`` runs the forward), e.g. to time steps
+    without compiling again. Leaves ``model`` without checkpointing."""
+    return checked_reading(model, plan, args, kwargs, loss_fn, device, profile, loop, then).peak_bytes
+
+
+def checked_reading(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
+                    profile: Profile, loop: CompiledLoop | None = None,
+                    then: Callable[[Callable[..., Any]], None] | None = None, *,
+                    compare: CompiledComparison | None = None) -> CompiledReading:
+    """:func:`peak_with_plan`, and with ``loop`` what the programs inductor generated for the step say of its
+    memory, read as they are compiled, before the measured step (Note [Compiled programs] in
+    remat.costs.compiled_memory; None where they cannot be read). ``compare``: the step that compiles the plan is
+    also the one compared with the plain compiled step (Note [Compiled plans are proved] in remat.check.verify)."""
+    remove_checkpointing(model)
+    checkpoint_plan(model, plan)
+    program = None
+    try:
+        with loop.step(model) if loop is not None else contextlib.nullcontext(model) as call:
+            if loop is not None:  # compiles: not measured
+                # (read where they can say the step's memory: a whole model compiled by inductor, one forward and
+                # one backward graph, or blocks compiled one by one, composed with the eager code between them;
+                # reading them costs inductor's cache for these compiles)
+                blocks = eager_blocks(profile, loop.blocks, plan.checkpointed) if loop.blocks else None
+                read = dict(loop.settings).get("backend", "inductor") == "inductor" and (
+                    not loop.blocks or blocks is not None)
+                with preserved(model), torch.random.fork_rng(devices=[]), fresh_grads(trainable_parameters(model)), \
+                        inductor_programs() if read else contextlib.nullcontext(None) as programs:
+                    if compare is not None:
+                        compare.step(plan.checkpointed, call, model, args, kwargs, loss_fn,
+                                     output_alive=profile.output_alive)
+                    else:
+                        run_step(call, args, kwargs, loss_fn, output_alive=profile.output_alive)
+                if programs is not None:
+                    program = step_program_bytes(programs) if blocks is None else \
+                        composed_step_bytes(profile, blocks, programs)
+            peak = measure_checked_peak(
+                model, args, kwargs, loss_fn, device, output_alive=profile.output_alive, grads_held=profile.grads_held,
+                grads_held_in_forward=profile.grads_held_in_forward,
+                optimizer_state_bytes=profile.optimizer_state_bytes, optimizer_step_bytes=profile.optimizer_step_bytes,
+                call=call, allocator_level=loop is not None)
+            if then is not None:
+                then(call)
+            return CompiledReading(peak, program)
+    finally:
+        remove_checkpointing(model)
+
+
+def checked_plan(model: nn.Module, example_inputs: Any, planner: Planner, budget_bytes: int, *,
+                 loss_fn: LossFn | None = None) -> Plan:
+    """The plan :func:`optimize_checkpointing` would choose for ``budget_bytes`` from ``planner`` (made from
+    :func:`make_profile` of this model, with the same ``loss_fn``), checked on one real step (Note [Checked
+    plans]), without applying it: the model, its checkpointing, gradients, buffers and RNG state are left as
+    they were. Raises InfeasibleBudgetError (with the least measured peak) when no plan fits."""
+    model = uncompiled(model)
+    _, args, kwargs, device = validate(model, max(budget_bytes, 1) / GiB, example_inputs)
+    _, undo = prepare_hf_for_training(model)
+    try:
+        with preserved(model), eager_submodules(model):
+            return plan_checked(model, args, kwargs, loss_fn or default_loss, device, planner, budget_bytes)
+    finally:
+        undo()
+
+
+def plan_checked(
+    model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
+    budget_bytes: int, *, ranks: Ranks | None = None, checked: dict[tuple[str, ...], int] | None = None,
+    more_fallbacks: Callable[[], list[Plan]] | None = None,
+) -> Plan:
+    """Note [Checked plans]: the simulator's prediction is close (tests hold it to 5%) but models are
+    many; remat's promise is the measured peak. So a plan runs one real step
+    (``measure_checked_peak``: forward and backward measured, the optimizer added as predicted); if it
+    exceeds the budget, the target shrinks by the excess and the ILP solves again (at most three
+    times).
+
+    Note [Least peak is a promise]: the least peak remat reports (``plan.min_peak_bytes``, and the
+    figure in the infeasible-budget error) is a *checked* peak, not a prediction: the least-memory plan's,
+    measured on one real step, or the hand rule "every block"'s where that is lower (:func:`least_checked`).
+    A budget equal to it always gets a plan (one of those two, if nothing cheaper measures within the
+    budget), and no budget that "every block" meets is refused. That costs one or two more real steps per
+    call.
+
+    With ``ranks`` (distributed training), every plan is rank 0's and every checked peak the largest over
+    ranks (Note [One plan for every rank] in remat.runtime.distributed). ``checked``: peaks already measured, by the
+    plan's units (shared with :func:`least_checked`; filled in). ``more_fallbacks``: other plans to check
+    before refusing a budget below the promise (the least-memory plan chosen on memory alone, whose checked
+    peak an early refusal reports: Note [Memory before time]).
+
+    Leaves ``model`` without checkpointing; raises InfeasibleBudgetError when no plan fits."""
+    agree = ranks.broadcast if ranks is not None else (lambda plan: plan)
+    checked = {} if checked is None else checked
+    check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked)
+
+    steps = steps_checked(model, device)
+    each = "one real step" if not steps else f"{steps} real steps, the largest by the allocator's events"
+
+    def done(plan: Plan, measured: int, why: str) -> Plan:
+        note = f"checked on {each}: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}"
+        if steps:
+            note += " (Note [Steps under gloo] in remat.runtime.distributed: under gloo one step's peak is not the next one's)"
+        if len(checked) > 1:
+            label = {fallbacks[1].checkpointed: "every block", fallbacks[0].checkpointed: "the least-memory plan"}
+            names = [label.get(units, "the least-memory plan chosen on memory alone") for units in checked
+                     if units != plan.checkpointed]
+            note += (f"; {len(checked)} plans measured, {'one real step' if not steps else f'{steps} real steps'} each "
+                     f"({' and '.join(names)}, whose measured least is the least peak promised, and this one)")
+        return dataclasses.replace(plan, budget_bytes=budget_bytes, checked_peak_bytes=measured,
+                                   min_peak_bytes=promise, notes=plan.notes + (note,))
+
+    fallbacks = [agree(planner.least_memory()), agree(planner.every_nth_block(1))]
+    promise = least_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks,
+                            checked=checked, fallbacks=fallbacks)
+    if budget_bytes < promise and more_fallbacks is not None:
+        extra = [agree(p) for p in more_fallbacks() if p.checkpointed not in {f.checkpointed for f in fallbacks}]
+        fallbacks += extra
+        promise = min([promise, *(check(p) for p in extra)])
+    if budget_bytes < promise:
+        raise planner.infeasible(budget_bytes, least_bytes=promise, steps=max(steps, 1))
+    target = budget_bytes
+    for _ in range(3):
+        if target < planner.min_peak_bytes:
+            break
+        plan = agree(planner.plan_for_budget(target))
+        measured = check(plan)
+        if measured <= budget_bytes:
+            return done(plan, measured, "within the budget")
+        excess = measured - budget_bytes
+        log.info("plan measured %d bytes over the budget; solving again with a target %d bytes lower",
+                 excess, excess)
+        target -= excess
+    fits = [p for p in fallbacks if p.checkpointed in checked and check(p) <= budget_bytes]
+    best = min(fits, key=lambda p: p.predicted_recompute_s)
+    return done(dataclasses.replace(best, budget_bytes=budget_bytes), check(best),
+                f"the {'least-memory plan' if best is fallbacks[0] else 'hand rule every block'}: the plans predicted "
+                "cheaper measured over the budget (Note [Least peak is a promise])")
+
+
+def _checker(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
+             ranks: Ranks | None, checked: dict[tuple[str, ...], int]) -> Callable[[Plan], int]:
+    """A plan's checked peak (one real step, the largest over ranks), measured once per set of units."""
+    fsdp2 = wrapping_of(model).kind == "fsdp2"  # Note [Memory found] in remat.runtime.measure
+
+    def check(plan: Plan) -> int:
+        if plan.checkpointed not in checked:
+            with found_storages_are_fresh(fsdp2):
+                peak = peak_with_plan(model, plan, args, kwargs, loss_fn, device, planner.profile)
+            checked[plan.checkpointed] = ranks.max(peak) if ranks is not None else peak
+        return checked[plan.checkpointed]
+
+    return check
+
+
+def least_checked(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
+                  planner: Planner, budget_bytes: int, *, ranks: Ranks | None = None,
+                  checked: dict[tuple[str, ...], int] | None = None, fallbacks: list[Plan] | None = None) -> int:
+    """The least peak remat promises (Note [Least peak is a promise]): the least-memory plan's checked peak,
+    or "every block"'s where that is lower. Checkpointing the last block frees a few bytes no prediction
+    sees, so "every block" can measure 64-128 bytes under the least-memory plan: it is checked too where
+    those bytes can change the answer, that is unless its prediction is above the least-memory plan's
+    checked peak, or ``budget_bytes`` is away from its prediction, by more than the checks' tolerance (Note
+    [Checked plans]: 5%). No budget it meets is refused; a budget far below it (a refusal) or far above it
+    (a roomy plan, issue #23: one real step of 2-3 in such a call) does not wait one more real step for a
+    least-peak figure a few bytes lower.
+    ``fallbacks``: the two plans, when the caller has them (agreed across ranks)."""
+    checked = {} if checked is None else checked
+    agree = ranks.broadcast if ranks is not None else (lambda plan: plan)
+    least, every = fallbacks if fallbacks is not None else \
+        (agree(planner.least_memory()), agree(planner.every_nth_block(1)))
+    check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked)
+    promise = check(least)
+    near = 0.95 * every.predicted_peak_bytes <= budget_bytes <= 1.05 * max(every.predicted_peak_bytes, promise)
+    if every.checkpointed and every.predicted_peak_bytes <= 1.05 * promise and near:
+        promise = min(promise, check(every))
+    return promise
