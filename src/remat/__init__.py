@@ -14,9 +14,10 @@ to the next::
     rewrite    Plan                     -> the model, checkpointed in place (reversible)
     check/     plain vs checkpointed    -> measured steps, EquivalenceReport
 
-The front doors: ``api`` (below), ``cli/``, ``integrations/``. Built on the pipeline: ``sweeps/`` (the tradeoff
+The front doors: ``api/`` (below; ``api/source.py``: where a step's costs come from, measured here), ``cli/``,
+``integrations/``. Built on the pipeline: ``sweeps/`` (the tradeoff
 table, the largest batch). Shared ground: ``runtime/`` (one training step, one clock, one peak meter; snapshots;
-compiled and distributed loops), ``errors``, ``_compat`` (private torch APIs), ``examples``.
+compiled and distributed loops), ``errors``, ``_compat/`` (private torch APIs), ``examples``.
 
 Entry points: :func:`optimize_checkpointing` (all of it, in place), :func:`make_profile` with
 :class:`Planner` (profile once, plan many budgets and hand rules), :func:`apply_plan` (a saved plan),

@@ -1,4 +1,4 @@
-"""Nested plans: units checkpointed inside checkpointed units (Note [Nested checkpoints] in remat.costs.simulate)."""
+"""Nested plans: units checkpointed inside checkpointed units (Note [Nested checkpoints] in remat.costs.memory_rows)."""
 
 from __future__ import annotations
 

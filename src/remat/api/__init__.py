@@ -2,6 +2,9 @@
 failure.
 
 - ``optimize``   optimize_checkpointing: capture, profile, cost model, solve, check, rewrite, in place -> Plan
+- ``request``    one call's arguments checked -> Request (the model, budget, inputs, loss, loop, cost source)
+- ``source``     where a step's costs come from (Note [Where costs come from]): CostSource, and MeasuredHere, the
+                 step recorded, timed and checked on this machine -> Profile, then the Plan for the budget
 - ``profiling``  make_profile: a training step profiled once, to plan many budgets from -> Profile
 - ``checking``   plans checked on real steps (checked_plan, plan_checked, least_checked): Planner + budget -> Plan
                  with its checked peak
@@ -24,6 +27,7 @@ from remat.api.checking import (
 )
 from remat.api.inputs import model_signature, plain_step_error, stage, validate
 from remat.api.optimize import optimize_checkpointing
+from remat.api.source import CostSource, MeasuredHere
 from remat.api.profiling import _make_profile, make_profile, prepare_hf_for_training
 from remat.runtime.measure import split_inputs
 

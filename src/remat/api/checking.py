@@ -287,7 +287,7 @@ def plan_checked(
 def _checker(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
              ranks: Ranks | None, checked: dict[tuple[str, ...], int]) -> Callable[[Plan], int]:
     """A plan's checked peak (one real step, the largest over ranks), measured once per set of units."""
-    fsdp2 = wrapping_of(model).kind == "fsdp2"  # Note [Memory found] in remat.runtime.measure
+    fsdp2 = wrapping_of(model).kind == "fsdp2"  # Note [Memory found] in remat.runtime.tracker
 
     def check(plan: Plan) -> int:
         if plan.checkpointed not in checked:

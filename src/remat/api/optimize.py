@@ -15,19 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._compat import uncompiled
-from remat.api.checking import _ranks_reading, checked_reading, least_checked, plan_checked, proved_compiled
-from remat.api.inputs import loop_grads, model_signature, stage, validate
-from remat.api.profiling import _make_profile, forwards_counted, prepare_hf_for_training
-from remat.check.verify import CompiledComparison
+from remat.api.inputs import loop_grads, model_signature, stage
+from remat.api.profiling import forwards_counted, prepare_hf_for_training
+from remat.api.request import Request, request
 from remat.costs.unit_costs import Profile
 from remat.rewrite import checkpoint_plan, remove_checkpointing
-from remat.runtime.compiled import CompiledLoop, compiled_loop, compiled_nothing_note, eager_submodules
-from remat.runtime.distributed import Ranks, Wrapping, ranks_for, steps_checked
-from remat.runtime.measure import DefaultLoss, LossFn
+from remat.runtime.compiled import compiled_nothing_note, eager_submodules
+from remat.runtime.measure import LossFn
 from remat.runtime.state import preserved
-from remat.solve import Planner
-from remat.solve.calibrated import plan_compiled
 from remat.solve.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -103,7 +98,7 @@ def optimize_checkpointing(
     train; ``budget_gb`` is per rank. Every rank gets the same plan (Note [One plan for every rank] in
     remat.runtime.distributed); ``timeout_s`` bounds the wait for the other ranks (default 300 s).
     """
-    req = _request(model, budget_gb, example_inputs, loss_fn=loss_fn, optimizer=optimizer, time_limit_s=time_limit_s,
+    req = request(model, budget_gb, example_inputs, loss_fn=loss_fn, optimizer=optimizer, time_limit_s=time_limit_s,
                    check=check, granularity=granularity, output_alive=output_alive,
                    grad_accumulation=grad_accumulation, zero_grad_after_forward=zero_grad_after_forward,
                    timeout_s=timeout_s, compile=compile)
@@ -111,18 +106,15 @@ def optimize_checkpointing(
     notes, undo = prepare_hf_for_training(model)
     notes += tuple(n for n in (compiled_nothing_note(model),) if n)
     started = time.perf_counter()
-    first = _MemoryFirst(req)
     try:
         # (not for a compiled loop: Dynamo warns about global module hooks and would trace them)
         with preserved(model, on_success=False), eager_submodules(model), \
                 forwards_counted(model) if req.loop is None else contextlib.nullcontext({}) as runs:
-            profile = _make_profile(model, req.args, req.kwargs, loss_fn=req.loss_fn, optimizer=optimizer,
-                                    device=req.device, output_alive=output_alive, wrapping=req.wrapping,
-                                    memory_known=first if req.loop is None else None)
+            profile = req.source.profile(req)
             profile = loop_grads(profile, grad_accumulation, zero_grad_after_forward)
             profiled = time.perf_counter()
             notes += (req.default.note,) if req.default is not None and req.default.note else ()
-            plan, chosen_notes = _choose(req, req.planner(profile, regions=req.loop is None), profile, first)
+            plan, chosen_notes = req.source.choose(req, req.planner(profile, regions=req.loop is None), profile)
             notes += chosen_notes + _planning_notes(req, profile, started, profiled, runs)
             plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)
             with stage("rewrite", model, req.args, req.kwargs, req.loss_fn):
@@ -136,125 +128,7 @@ def optimize_checkpointing(
     return plan
 
 
-@dataclasses.dataclass(frozen=True)
-class _Request:
-    """One call of :func:`optimize_checkpointing`, its arguments checked: what each of its steps reads."""
-
-    #: the module itself (``torch.compile``'s wrapper looked through)
-    model: nn.Module
-    budget_bytes: int
-    args: tuple
-    kwargs: dict
-    device: torch.device
-    loss_fn: LossFn
-    #: the default loss, when the user gave none (its note goes into the plan)
-    default: DefaultLoss | None
-    #: how the loop compiles the model; None: eager
-    loop: CompiledLoop | None
-    wrapping: Wrapping
-    #: the other ranks, when distributed
-    ranks: Ranks | None
-    time_limit_s: float | None
-    check: bool
-    granularity: str
-    grad_accumulation: bool
-    zero_grad_after_forward: bool
-
-    def planner(self, profile: Profile, **kwargs: Any) -> Planner:
-        """The planner over ``profile`` for this call (every rank's profile gathered, when distributed)."""
-        return Planner(profile, time_limit_s=self.time_limit_s, granularity=self.granularity,
-                       ranks=self.ranks.gather(profile) if self.ranks is not None else None, **kwargs)
-
-
-def _request(given: nn.Module, budget_gb: float, example_inputs: Any, *, loss_fn: LossFn | None,
-             optimizer: torch.optim.Optimizer | None, time_limit_s: float | None, check: bool, granularity: str,
-             output_alive: bool, grad_accumulation: bool, zero_grad_after_forward: bool, timeout_s: float | None,
-             compile: bool | dict | None) -> _Request:
-    """The arguments checked, the loop's compilation found, and the other ranks met (every rank must ask the same)."""
-    model = uncompiled(given)
-    budget_bytes, args, kwargs, device = validate(model, budget_gb, example_inputs)
-    default = DefaultLoss() if loss_fn is None else None
-    loop = compiled_loop(given, model, compile)
-    wrapping, ranks = ranks_for(model, timeout_s, same=dict(
-        budget_gb=budget_gb, granularity=granularity, output_alive=output_alive, check=check,
-        grad_accumulation=grad_accumulation, zero_grad_after_forward=zero_grad_after_forward,
-        time_limit_s=time_limit_s, optimizer=None if optimizer is None else type(optimizer).__name__,
-        compiled=str(loop)))
-    return _Request(model=model, budget_bytes=budget_bytes, args=args, kwargs=kwargs, device=device,
-                    loss_fn=loss_fn or default, default=default, loop=loop, wrapping=wrapping, ranks=ranks,
-                    time_limit_s=time_limit_s, check=check, granularity=granularity,
-                    grad_accumulation=grad_accumulation, zero_grad_after_forward=zero_grad_after_forward)
-
-
-class _MemoryFirst:
-    """Note [Memory before time]
-    ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    Whether a budget is below the least peak is a question of memory, which the recording answers before
-    any timed step runs; a refusal after timing cost 16 training steps' time at GPT-2-small size (issue
-    #23). So profiling hands the profile as memory alone gives it (every recompute 0 s) to this hook
-    first: a budget under its least predicted peak is refused there, with the checked least (the
-    least-memory plan of that profile, or every block where lower: :func:`least_checked`), in the time
-    of the recording, one plain forward and one or two checked steps. Without times, the least-memory
-    plan is one of the plans of least predicted peak, not necessarily the one the timed profile picks, and
-    two such plans can measure a few hundred bytes apart: so the full check, before it refuses a budget,
-    also checks this plan (``more_fallbacks`` of :func:`plan_checked`), and a budget equal to a figure
-    either path reported gets a plan. Peaks checked here are not measured again."""
-
-    def __init__(self, req: _Request) -> None:
-        self.req = req
-        #: checked peaks by plan
-        self.checked: dict[tuple[str, ...], int] = {}
-        #: the planner over the profile as memory alone gave it
-        self.by_memory: list[Planner] = []
-
-    def __call__(self, memory: Profile) -> None:
-        req = self.req
-        memory = loop_grads(memory, req.grad_accumulation, req.zero_grad_after_forward)
-        planner = req.planner(memory)
-        self.by_memory.append(planner)
-        if req.budget_bytes >= planner.min_peak_bytes:
-            return
-        if not req.check:
-            raise planner.infeasible(req.budget_bytes)
-        with stage("check", req.model, req.args, req.kwargs, req.loss_fn):
-            promise = least_checked(req.model, req.args, req.kwargs, req.loss_fn, req.device, planner,
-                                    req.budget_bytes, ranks=req.ranks, checked=self.checked)
-        if req.budget_bytes < promise:
-            raise planner.infeasible(req.budget_bytes, least_bytes=promise,
-                                     steps=max(steps_checked(req.model, req.device), 1))
-
-    def least(self, planner: Planner) -> list[Plan]:
-        """The least-memory plan as memory alone chooses it (its units, timed by the full profile's planner)."""
-        if not self.by_memory:
-            return []
-        return [planner.make_plan(self.by_memory[0].least_memory().checkpointed, "least-memory")]
-
-
-def _choose(req: _Request, planner: Planner, profile: Profile, first: _MemoryFirst) -> tuple[Plan, tuple[str, ...]]:
-    """The plan for the budget: checked on compiled steps and proved (a compiled loop), checked on real steps, or
-    as predicted (``check=False``); one for every rank. Returns it with its notes."""
-    model, args, kwargs, loss_fn, device, ranks = req.model, req.args, req.kwargs, req.loss_fn, req.device, req.ranks
-    notes: tuple[str, ...] = ()
-    if req.check and req.loop is not None:
-        loop = req.loop
-        compare = CompiledComparison(loop) if ranks is None else None
-        with stage("check", model, args, kwargs, loss_fn):
-            plan = plan_compiled(
-                planner, req.budget_bytes, lambda p: _ranks_reading(ranks, checked_reading(
-                    model, p, args, kwargs, loss_fn, device, profile, loop, compare=compare)),
-                agree=ranks.broadcast if ranks is not None else (lambda p: p), loop=str(loop))
-            notes += (proved_compiled(model, plan, args, kwargs, loss_fn, loop, compare),)
-    elif req.check:
-        with stage("check", model, args, kwargs, loss_fn):
-            plan = plan_checked(model, args, kwargs, loss_fn, device, planner, req.budget_bytes, ranks=ranks,
-                                checked=first.checked, more_fallbacks=lambda: first.least(planner))
-    else:
-        plan = planner.plan_for_budget(req.budget_bytes)
-        plan = ranks.broadcast(plan) if ranks is not None else plan
-    return plan, notes
-
-
-def _planning_notes(req: _Request, profile: Profile, started: float, profiled: float, runs: dict) -> tuple[str, ...]:
+def _planning_notes(req: Request, profile: Profile, started: float, profiled: float, runs: dict) -> tuple[str, ...]:
     """What the plan's notes say of how it was made: one plan for every rank, regions left out under compile, where
     the time went."""
     notes: tuple[str, ...] = ()

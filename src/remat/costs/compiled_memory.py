@@ -31,13 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from remat.costs.unit_costs import Made, Profile
-
-_ARGS = re.compile(r"^\s+(.*) = args$", re.M)
-_ITEM = re.compile(r"^\s+(\w+) = (\w+)((?:\[\d+\])+)$", re.M)  # (nested: a higher-order op's outputs, buf[1][0])
-_ALLOC = re.compile(r"^(\w+) = (empty_strided_\w+|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(")
-_RENAME = re.compile(r"^(\w+) = (\w+)$")
-_VIEW = re.compile(r"^(\w+) = reinterpret_tensor\((\w+),")
-_DEL = re.compile(r"^del (\w+(?:, *\w+)*)$")
+from remat.costs.wrapper_statements import (  # noqa: F401 - re-exported: importable from here as before the split
+    _ALLOC, _ARGS, _DEL, _DROPOUT, _ITEM, _RENAME, _RNG_STATE, _VIEW, _inside_bytes, _returned_name, _split_top)
 
 
 @dataclass(frozen=True)
@@ -73,10 +68,10 @@ class UnreadableProgram(ValueError):
     """A wrapper whose statements this reader does not know."""
 
 
-def program_memory(source: str, sizes: dict[str, int | None]) -> ProgramMemory:
-    """The memory of the wrapper ``source`` when it runs (Note [Compiled programs]); ``sizes``: bytes of
-    each buffer and input by name. Raises UnreadableProgram where the source has no ``call(self, args)``
-    or allocates a buffer of unknown size."""
+def _call_body(source: str) -> tuple[str, re.Match[str], list[str], dict[str, list[str]]]:
+    """The wrapper ``source`` from its ``call(self, args)`` on, its ``... = args`` statement, the names of its inputs
+    and, per multi-output kernel's result, the names its outputs are taken as (``bufN = bufM[i]``). Raises
+    UnreadableProgram where the source has no ``call(self, args)`` or does not unpack its args."""
     start = source.find("    def call(self, args):")
     if start < 0:
         raise UnreadableProgram("no 'def call(self, args)' in the wrapper")
@@ -88,38 +83,53 @@ def program_memory(source: str, sizes: dict[str, int | None]) -> ProgramMemory:
     items: dict[str, list[str]] = {}
     for it in _ITEM.finditer(body):
         items.setdefault(it.group(2), []).append(it.group(1))
+    return body, m, inputs, items
 
-    storage_of: dict[str, int] = {}  # name -> storage id
-    nbytes: list[int] = []  # storage id -> bytes
-    names_on: list[int] = []  # storage id -> names referring to it
-    held: set[int] = set()  # storages the program cannot free (primals_*)
+
+class _Buffers:
+    """The storages of a wrapper while it runs: which names refer to each, its bytes, and the bytes alive."""
+
+    def __init__(self) -> None:
+        self.storage_of: dict[str, int] = {}  # name -> storage id
+        self.nbytes: list[int] = []  # storage id -> bytes
+        self.names_on: list[int] = []  # storage id -> names referring to it
+        self.held: set[int] = set()  # storages the program cannot free (primals_*)
+        self.live = 0
+
+    def storage(self, n: int) -> int:
+        self.nbytes.append(n)
+        self.names_on.append(0)
+        return len(self.nbytes) - 1
+
+    def bind(self, name: str, s: int) -> None:
+        if name in self.storage_of:
+            self.drop(name)
+        self.storage_of[name] = s
+        self.names_on[s] += 1
+
+    def drop(self, name: str) -> None:
+        s = self.storage_of.pop(name, None)
+        if s is None:
+            return
+        self.names_on[s] -= 1
+        if self.names_on[s] == 0 and s not in self.held:
+            self.live -= self.nbytes[s]
+
+
+def program_memory(source: str, sizes: dict[str, int | None]) -> ProgramMemory:
+    """The memory of the wrapper ``source`` when it runs (Note [Compiled programs]); ``sizes``: bytes of
+    each buffer and input by name. Raises UnreadableProgram where the source has no ``call(self, args)``
+    or allocates a buffer of unknown size."""
+    body, m, inputs, items = _call_body(source)
+    buffers = _Buffers()
+    storage_of, nbytes, held = buffers.storage_of, buffers.nbytes, buffers.held
+    storage, bind, drop = buffers.storage, buffers.bind, buffers.drop
     pending: dict[str, int] = {}  # outputs of a multi-output kernel, allocated at its call
-    live = 0
 
     def size(name: str) -> int:
         if sizes.get(name) is None:
             raise UnreadableProgram(f"no size for {name}")
         return int(sizes[name])
-
-    def storage(n: int) -> int:
-        nbytes.append(n)
-        names_on.append(0)
-        return len(nbytes) - 1
-
-    def bind(name: str, s: int) -> None:
-        if name in storage_of:
-            drop(name)
-        storage_of[name] = s
-        names_on[s] += 1
-
-    def drop(name: str) -> None:
-        nonlocal live
-        s = storage_of.pop(name, None)
-        if s is None:
-            return
-        names_on[s] -= 1
-        if names_on[s] == 0 and s not in held:
-            live -= nbytes[s]
 
     inputs_bytes = 0
     for name in inputs:
@@ -129,7 +139,7 @@ def program_memory(source: str, sizes: dict[str, int | None]) -> ProgramMemory:
             held.add(s)
         else:
             inputs_bytes += nbytes[s]
-    live = peak = inputs_bytes
+    buffers.live = peak = inputs_bytes
     cpu = "empty_strided_cpu" in body or "cpp_fused_" in body
     returned: set[int] = set()
     slots: list[int] = []
@@ -163,53 +173,15 @@ def program_memory(source: str, sizes: dict[str, int | None]) -> ProgramMemory:
                         named += nbytes[pending[out]]
                     # (and those the program never names, freed with the kernel's result: its size, all outputs)
                     rest = max((sizes.get(name) or 0) - named, 0)
-                    live += named + rest
+                    buffers.live += named + rest
                     bind(name, storage(rest))
                 else:
                     bind(name, storage(size(name)))
-                    live += nbytes[storage_of[name]]
-                peak = max(peak, live + (_inside_bytes(stmt, lambda n: nbytes[storage_of[n]] if n in storage_of
-                                                       else sizes.get(n) or 0) if cpu else 0))
+                    buffers.live += nbytes[storage_of[name]]
+                peak = max(peak, buffers.live + (_inside_bytes(stmt, lambda n: nbytes[storage_of[n]] if n in storage_of
+                                                               else sizes.get(n) or 0) if cpu else 0))
     return ProgramMemory(inputs_bytes=inputs_bytes, peak_bytes=peak, end_bytes=sum(nbytes[s] for s in returned),
                          returned=tuple((s, nbytes[s] if s >= 0 else 0) for s in slots), returned_inputs=held_returned)
-
-
-_DROPOUT = re.compile(r"torch\.ops\.aten\.native_dropout\.default,\s*(?:reinterpret_tensor\()?(\w+)")
-_RNG_STATE = re.compile(r"torch\.ops\.higher_order\.run_with_rng_state\((\w+),")
-
-
-def _inside_bytes(call: str, nbytes) -> int:  # noqa: ANN001 - nbytes: a buffer's bytes by name
-    """What a call of a CPU wrapper allocates inside itself, beyond its outputs, while it runs (bytes), for the
-    kernels measured: ``native_dropout`` on CPU makes a float copy of its mask, the size of its input (512 KiB
-    for an 8 x 128 x 128 float input, by the profiler's allocator events), and a higher-order operator that
-    replays a dropout with an RNG state saved (``run_with_rng_state``, a checkpointed region's) holds a copy of
-    the generator's state while it runs (the CPU generator's: 5,056 bytes). 0 for any other call."""
-    inside = 0
-    if d := _DROPOUT.search(call):
-        inside += nbytes(d.group(1))
-    if r := _RNG_STATE.search(call):
-        inside += nbytes(r.group(1))
-    return inside
-
-
-def _split_top(text: str) -> list[str]:
-    """The comma-separated values of ``text`` at the top level (not inside a call's parentheses)."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch in "(["
-        depth -= ch in ")]"
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    return [v for v in (*out, cur.strip()) if v]
-
-
-def _returned_name(value: str) -> str:
-    """The buffer a returned value refers to: ``buf3``, or ``bufM`` of ``reinterpret_tensor(bufM, ...)``."""
-    m = re.match(r"(?:reinterpret_tensor\()?(\w+)", value)
-    return m.group(1) if m else ""
 
 
 def step_rise_bytes(forward: ProgramMemory, backward: ProgramMemory) -> int:
@@ -310,6 +282,55 @@ def eager_blocks(profile: Profile, blocks: Sequence[str], checkpointed: Sequence
     return sorted(out, key=lambda b: b.forward_start)
 
 
+class _BlockPart:  # one block's replacement, from the end of its forward to its backward
+    """A block's part in :func:`composed_step_bytes` (Note [Blocks compiled one by one]): ``forward``, each block's
+    forward program; ``outputs``, how many outputs each block's forward returns; ``owner``, the blocks by name;
+    ``n``, the timeline's length."""
+
+    def __init__(self, b: EagerBlock, forward: dict[str, ProgramMemory], outputs: dict[str, int],
+                 owner: dict[str, EagerBlock], n: int) -> None:
+        fw = forward[b.name]
+        self.b = b
+        self.out_only = fw.outputs_only_bytes(outputs[b.name])
+        self.saved = fw.end_bytes - self.out_only
+        frees = sorted((m.free_index if m.free_index is not None else n, m.nbytes) for m in b.made)
+        self.free_at = [f for f, _ in frees]
+        self.alive_from = [0] * (len(frees) + 1)  # bytes of frees[i:], the eager made alive past frees[i - 1]
+        for i in range(len(frees) - 1, -1, -1):
+            self.alive_from[i] = self.alive_from[i + 1] + frees[i][1]
+        # how long the compiled output lives: held by what outside the block holds the eager one
+        self.until, self.at_backward = b.forward_end, False
+        for m in b.made:
+            if not m.output:
+                continue
+            if m.free_index is None:
+                self.until, self.at_backward = n, True
+            if m.used_until is not None:
+                self.until = max(self.until, m.used_until)
+            for stack, unpacked in m.saved_outside:
+                other = next((owner[s] for s in stack if s in owner and s != b.name), None)
+                if other is None:  # eager code: until its backward has run, before this block's
+                    self.until = max(self.until, b.backward_start - 1)
+                    self.at_backward |= unpacked is None or unpacked >= b.backward_start
+                elif m.nbytes in forward[other.name].returned_inputs:  # saved by the other block
+                    self.until = max(self.until, other.backward_end)
+                    self.at_backward |= other.backward_end >= b.backward_start
+                else:
+                    self.until = max(self.until, other.forward_end)
+
+    def eager(self, t: int) -> int:
+        """Bytes of what the block's eager forward made still alive after operator ``t``."""
+        return self.alive_from[bisect.bisect_right(self.free_at, t)]
+
+    def delta(self, t: int, at_backward: bool = False) -> int:
+        b = self.b
+        if at_backward:  # (just before its first backward operator: what the plain step freed then is gone)
+            return self.saved + (self.out_only if self.at_backward else 0) - self.eager(b.backward_start)
+        if not b.forward_end < t < b.backward_start:
+            return 0
+        return self.saved + (self.out_only if t <= self.until else 0) - self.eager(t)
+
+
 def composed_step_bytes(profile: Profile, blocks: Sequence[EagerBlock],
                         calls: Sequence[tuple[str, dict[str, int | None]] | None]) -> int | None:
     """The peak (bytes) of a step whose ``blocks`` run compiled one by one and the rest eagerly (Note [Blocks
@@ -339,50 +360,7 @@ def composed_step_bytes(profile: Profile, blocks: Sequence[EagerBlock],
     before = profile.before_bytes or (0, *live[:-1])
     owner = {b.name: b for b in blocks}
 
-    class Part:  # one block's replacement, from the end of its forward to its backward
-        def __init__(self, b: EagerBlock) -> None:
-            fw = forward[b.name]
-            self.b = b
-            self.out_only = fw.outputs_only_bytes(outputs[b.name])
-            self.saved = fw.end_bytes - self.out_only
-            frees = sorted((m.free_index if m.free_index is not None else n, m.nbytes) for m in b.made)
-            self.free_at = [f for f, _ in frees]
-            self.alive_from = [0] * (len(frees) + 1)  # bytes of frees[i:], the eager made alive past frees[i - 1]
-            for i in range(len(frees) - 1, -1, -1):
-                self.alive_from[i] = self.alive_from[i + 1] + frees[i][1]
-            # how long the compiled output lives: held by what outside the block holds the eager one
-            self.until, self.at_backward = b.forward_end, False
-            for m in b.made:
-                if not m.output:
-                    continue
-                if m.free_index is None:
-                    self.until, self.at_backward = n, True
-                if m.used_until is not None:
-                    self.until = max(self.until, m.used_until)
-                for stack, unpacked in m.saved_outside:
-                    other = next((owner[s] for s in stack if s in owner and s != b.name), None)
-                    if other is None:  # eager code: until its backward has run, before this block's
-                        self.until = max(self.until, b.backward_start - 1)
-                        self.at_backward |= unpacked is None or unpacked >= b.backward_start
-                    elif m.nbytes in forward[other.name].returned_inputs:  # saved by the other block
-                        self.until = max(self.until, other.backward_end)
-                        self.at_backward |= other.backward_end >= b.backward_start
-                    else:
-                        self.until = max(self.until, other.forward_end)
-
-        def eager(self, t: int) -> int:
-            """Bytes of what the block's eager forward made still alive after operator ``t``."""
-            return self.alive_from[bisect.bisect_right(self.free_at, t)]
-
-        def delta(self, t: int, at_backward: bool = False) -> int:
-            b = self.b
-            if at_backward:  # (just before its first backward operator: what the plain step freed then is gone)
-                return self.saved + (self.out_only if self.at_backward else 0) - self.eager(b.backward_start)
-            if not b.forward_end < t < b.backward_start:
-                return 0
-            return self.saved + (self.out_only if t <= self.until else 0) - self.eager(t)
-
-    parts = [Part(b) for b in blocks]
+    parts = [_BlockPart(b, forward, outputs, owner, n) for b in blocks]
     inside = [False] * n
     for b in blocks:
         for t in (*range(b.forward_start, b.forward_end + 1), *range(b.backward_start, b.backward_end + 1)):

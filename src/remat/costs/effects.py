@@ -14,8 +14,10 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from remat.costs.unit_costs import CallSpan, Drop, Keep, Made, TensorInfo, UnitCost, recompute_growth
+from remat.costs.unit_costs import (  # noqa: F401 - TensorInfo: re-exported as before the split
+    CallSpan, Drop, Keep, Made, TensorInfo, UnitCost, recompute_growth)
 from remat.costs.recording import CheckpointOverhead, Recording, SavedTensor, UnitTimes
+from remat.costs.peak_breakdown import largest_tensors  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,48 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
                for c, (start, end) in enumerate(spans)]
     head = effects[0]
     start, end = spans[0]
+    excluded, mutated = _exclusion(rec, spec, inside, start, calls, forward_calls)
+    keeps = tuple(k for e in effects for k in e.keeps)
+    forward_s, recompute_s, backward_s = _unit_times(rec, spec, times, start, end, head, mutated)
+    # what the checkpoint itself holds per call (Note [Checkpoint holds its inputs]): the snapshot of the
+    # buffers it replays (Note [Buffers replay] in remat.rewrite) and the RNG state it saves (the CPU's, 5 KB,
+    # on a CPU device: made outside the dispatcher, counted by the CPU measurement through
+    # remat._compat.rng_states_reported)
+    held = sum(buffer_bytes.get(spec.scope + b, 0) for b in mutated)
+    if held:
+        keeps += (Keep(held, start, head.release),)
+    if overhead is not None and overhead.held_bytes:  # one RNG state per checkpointed call
+        keeps += tuple(Keep(overhead.held_bytes, s, e.release) for e, (s, _) in zip(effects, spans))
+    # Note [Recomputation transients]: while a unit recomputes, checkpoint holds one more copy of the RNG state
+    # (``fork_rng`` around the replay) and the replay holds the buffers' values to put back (Note [Buffers
+    # replay] in remat.rewrite): on the ResNet zoo model, 5344 bytes missing from every recomputation's peak.
+    # Not added for selective units, whose recomputation rows already count a policy's cached output twice
+    # around the kept operators (tests/integration/test_buffers.py's BatchNorm blocks: +4.6% before, a known
+    # over-estimate)
+    extra = 0 if spec.selective else held + (overhead.held_bytes if overhead is not None else 0)
+    overhead_s = _overhead_s(spec, overhead, effects, forward_calls, start, end)
+    saved = frozenset(s for e in effects for s in e.saved)
+    ends = [head.recompute_end if head.recompute_end is not None else end, *(b for _, b in spans[1:])]
+    comm = _recomputed_collectives(rec, spec, spans, ends)
+    return UnitCost(
+        name=spec.name, parent=spec.parent, forward_s=forward_s, recompute_s=recompute_s, backward_s=backward_s,
+        flops=sum(rec.flops.get(m, 0) for m in members), forward_start=start, forward_end=end,
+        recompute_at=head.recompute_at, drops=tuple(d for e in effects for d in e.drops),
+        recompute_peak_bytes=head.recompute_peak_bytes, saved_bytes=sum(rec.storages[s].nbytes for s in saved),
+        excluded=excluded, mutated_buffers=tuple(sorted(mutated)), members=members if spec.segment else (),
+        keeps=keeps, overhead_s=overhead_s, saved_ops=spec.saved_ops, recompute_end=head.recompute_end,
+        recompute_extra_bytes=extra, recomputed_collectives=comm, freed_outside=head.freed_outside,
+        later_calls=tuple(CallSpan(sp[0], sp[1], e.recompute_at, e.recompute_peak_bytes)
+                          for sp, e in zip(spans[1:], effects[1:])),
+        made=head.made, backward_end=head.backward_end,
+    )
+
+
+def _exclusion(rec: Recording, spec: UnitSpec, inside, start: int, calls: int,
+               forward_calls: int) -> tuple[str | None, set[str]]:
+    """Why the unit may not be checkpointed (None: it may), and the buffers (relative to ``spec.scope``) its
+    forward writes in place; ``inside(stack, at)`` says whether an operator ran inside the unit."""
+    members = spec.members
     excluded = None
     if calls != forward_calls:
         excluded = f"called {calls} times per step, {forward_calls} in forward"
@@ -153,8 +197,16 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
             excluded = excluded or f"modifies its input in place ({w.op})"
     if excluded and not spec.segment and not spec.selective:
         log.info("unit %s cannot be checkpointed: %s", spec.name, excluded)
-    keeps = tuple(k for e in effects for k in e.keeps)
-    forward_s = recompute_s = overhead_s = 0.0
+    return excluded, mutated
+
+
+def _unit_times(rec: Recording, spec: UnitSpec, times: UnitTimes | None, start: int, end: int,
+               head: _CallEffects, mutated: set[str]) -> tuple[float, float, float | None]:
+    """The unit's forward, recompute and backward times (seconds; zero, zero and None without ``times``);
+    adds to ``mutated`` the buffers its members' forwards changed without an in-place write."""
+    members = spec.members
+    region = spec.region
+    forward_s = recompute_s = 0.0
     backward_s = None
     if times is not None:
         # buffers a member's first forward changed without an in-place write in its schema (native_batch_norm)
@@ -172,45 +224,30 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
             # only the operators it does not keep run again: their share of the unit's measured op time
             recompute_s *= _recompute_share(rec, start, head.recompute_end, spec.keep)
         backward_s = None if spec.segment else times.backward_s.get(spec.name)
-    # what the checkpoint itself holds per call (Note [Checkpoint holds its inputs]): the snapshot of the
-    # buffers it replays (Note [Buffers replay] in remat.rewrite) and the RNG state it saves (the CPU's, 5 KB,
-    # on a CPU device: made outside the dispatcher, counted by the CPU measurement through
-    # remat._compat.rng_states_reported)
-    held = sum(buffer_bytes.get(spec.scope + b, 0) for b in mutated)
-    if held:
-        keeps += (Keep(held, start, head.release),)
-    if overhead is not None and overhead.held_bytes:  # one RNG state per checkpointed call
-        keeps += tuple(Keep(overhead.held_bytes, s, e.release) for e, (s, _) in zip(effects, spans))
-    # Note [Recomputation transients]: while a unit recomputes, checkpoint holds one more copy of the RNG state
-    # (``fork_rng`` around the replay) and the replay holds the buffers' values to put back (Note [Buffers
-    # replay] in remat.rewrite): on the ResNet zoo model, 5344 bytes missing from every recomputation's peak.
-    # Not added for selective units, whose recomputation rows already count a policy's cached output twice
-    # around the kept operators (tests/integration/test_buffers.py's BatchNorm blocks: +4.6% before, a known
-    # over-estimate)
-    extra = 0 if spec.selective else held + (overhead.held_bytes if overhead is not None else 0)
+    return forward_s, recompute_s, backward_s
+
+
+def _overhead_s(spec: UnitSpec, overhead: CheckpointOverhead | None, effects: Sequence[_CallEffects],
+                forward_calls: int, start: int, end: int) -> float:
+    """Checkpoint's measured bookkeeping for the unit, beyond the recompute (seconds; 0 without ``overhead``)."""
+    overhead_s = 0.0
     if overhead is not None:
         overhead_s = overhead.per_call_s * forward_calls + \
             overhead.per_saved_tensor_s * sum(e.saved_count for e in effects)
         if spec.selective:
             overhead_s += overhead.per_selective_op_s * (end - start + 1)
-    saved = frozenset(s for e in effects for s in e.saved)
-    ends = [head.recompute_end if head.recompute_end is not None else end, *(b for _, b in spans[1:])]
+    return overhead_s
+
+
+def _recomputed_collectives(rec: Recording, spec: UnitSpec, spans: Sequence[tuple[int, int]],
+                            ends: Sequence[int]) -> tuple[tuple[str, int], ...]:
+    """The collectives the unit's recomputations run again (Note [Recomputed communication]), as (operator,
+    bytes it makes), over each call from its first operator to ``ends`` (where its recomputation stops)."""
     comm = tuple((rec.forward_ops[i].name, sum(rec.storages[c].nbytes for c in rec.forward_ops[i].created
                                                 if c is not None))
                  for (a, _), b in zip(spans, ends) for i in range(a, min(b, len(rec.forward_ops) - 1) + 1)
                  if is_collective(rec.forward_ops[i].name) and (spec.keep is None or i not in spec.keep))
-    return UnitCost(
-        name=spec.name, parent=spec.parent, forward_s=forward_s, recompute_s=recompute_s, backward_s=backward_s,
-        flops=sum(rec.flops.get(m, 0) for m in members), forward_start=start, forward_end=end,
-        recompute_at=head.recompute_at, drops=tuple(d for e in effects for d in e.drops),
-        recompute_peak_bytes=head.recompute_peak_bytes, saved_bytes=sum(rec.storages[s].nbytes for s in saved),
-        excluded=excluded, mutated_buffers=tuple(sorted(mutated)), members=members if spec.segment else (),
-        keeps=keeps, overhead_s=overhead_s, saved_ops=spec.saved_ops, recompute_end=head.recompute_end,
-        recompute_extra_bytes=extra, recomputed_collectives=comm, freed_outside=head.freed_outside,
-        later_calls=tuple(CallSpan(sp[0], sp[1], e.recompute_at, e.recompute_peak_bytes)
-                          for sp, e in zip(spans[1:], effects[1:])),
-        made=head.made, backward_end=head.backward_end,
-    )
+    return comm
 
 
 def _call_effects(rec: Recording, spec: UnitSpec, in_call, start: int, end: int, inputs: tuple[int, ...],
@@ -353,19 +390,3 @@ def _recompute_share(rec: Recording, start: int, end: int, keep: frozenset[int])
             again += t
     return again / total if total > 0 else 1.0
 
-
-def largest_tensors(rec: Recording, n: int = 64) -> tuple[TensorInfo, ...]:
-    """The ``n`` largest storages of the step with the operator and innermost module that made them (Note
-    [What holds the peak] in remat.costs.simulate)."""
-    made_by = {s: i for i, op in enumerate(rec.forward_ops) for s in op.created if s is not None}
-    spans = [(a, b, name) for name, ss in rec.spans.items() for a, b in ss]
-    out = []
-    for s in sorted(range(len(rec.storages)), key=lambda k: (-rec.storages[k].nbytes, k))[:n]:
-        st = rec.storages[s]
-        i = made_by.get(s)
-        inside = [(b - a, name) for a, b, name in spans if a <= st.alloc_index <= b] if i is not None else []
-        out.append(TensorInfo(
-            storage=s, nbytes=st.nbytes, alloc_index=st.alloc_index, free_index=st.free_index, shape=st.shape,
-            dtype=st.dtype, op="" if i is None else rec.forward_ops[i].name,
-            module=min(inside)[1] if inside else "", is_grad=st.is_grad))
-    return tuple(out)

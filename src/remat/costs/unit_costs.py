@@ -25,63 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-
-#: separates a module's name from a selective policy in a unit name (``h.3@ops2``; Note [Selective
-#: checkpointing] in remat.rewrite)
-SELECTIVE = "@ops"
-
-
-def op_key(op: str, k: int) -> str:
-    """The name of the ``k``-th call (from 0) of overload ``op`` within a unit's forward, as a selective
-    policy names the operators it keeps: ``op_key("aten.addmm.default", 1) == "aten.addmm.default#1"``."""
-    return f"{op}#{k}"
-
-
-def nest_key(outer: str, inner: str) -> str:
-    """The name of the choice "checkpoint ``inner`` inside checkpointed ``outer``" (Note [Nested
-    checkpoints] in remat.costs.simulate): ``nest_key("h.3", "h.3.mlp") == "h.3/h.3.mlp"``."""
-    return f"{outer}/{inner}"
-
-
-def inner_unit(variable: str) -> str:
-    """The unit a plan variable checkpoints: ``inner_unit("h.3/h.3.mlp") == "h.3.mlp"``, ``"h.3"`` for ``"h.3"``."""
-    return variable.rpartition("/")[2]
-
-
-_SEGMENT = re.compile(r"^(?P<container>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
-_REGION = re.compile(r"^(?P<module>.*)\[(?P<start>[^\[\]:]+):(?P<stop>[^\[\]:]*)\]$")
-
-
-def segment_name(container: str, start: int, stop: int) -> str:
-    """The unit name of children ``start:stop`` of the Sequential ``container`` (``blocks[0:4]``)."""
-    return f"{container}[{start}:{stop}]"
-
-
-def parse_segment(name: str) -> tuple[str, tuple[int, int]] | None:
-    """``"blocks[0:2]"`` -> ``("blocks", (0, 2))``; None for any other name."""
-    m = _SEGMENT.match(name)
-    return None if m is None else (m["container"], (int(m["start"]), int(m["stop"])))
-
-
-def region_name(module: str, start: str, stop: str | None) -> str:
-    """The unit name of the region of ``module``'s forward from the call of its submodule ``start`` up to
-    the call of ``stop`` (None: to the end); both relative to ``module`` (Note [Regions] in remat.capture):
-    ``region_name("up.2", "conv2", None) == "up.2[conv2:]"``."""
-    return f"{module}[{start}:{stop or ''}]"
-
-
-def parse_region(name: str) -> tuple[str, str, str | None] | None:
-    """``"up.2[conv1:conv2]"`` -> ``("up.2", "conv1", "conv2")``, ``"up.2[conv2:]"`` -> ``("up.2", "conv2",
-    None)``; None for any other name (a segment's bounds are numbers)."""
-    if parse_segment(name) is not None:
-        return None
-    m = _REGION.match(name)
-    return None if m is None else (m["module"], m["start"], m["stop"] or None)
+from remat.costs.unit_names import (  # noqa: F401 - re-exported: importable from here as before the split
+    SELECTIVE, _REGION, _SEGMENT, inner_unit, is_selective, nest_key, op_key, parse_region, parse_segment,
+    region_name, segment_name)
 
 
 def recompute_growth(live: Sequence[int], start: int, end: int,
@@ -99,11 +49,6 @@ def recompute_growth(live: Sequence[int], start: int, end: int,
         acc += back[t - start]
         out.append(live[t] - base + acc)
     return out
-
-
-def is_selective(name: str) -> bool:
-    """Whether unit ``name`` is a selective (op-level) unit, e.g. ``h.3@ops2``."""
-    return SELECTIVE in name
 
 
 @dataclass(frozen=True)
@@ -124,7 +69,7 @@ class Drop:
 @dataclass(frozen=True)
 class TensorInfo:
     """One of the step's largest storages, as the recording saw it (Note [What holds the peak] in
-    remat.costs.simulate)."""
+    remat.costs.peak_breakdown)."""
 
     #: its index in the recording (``Drop.storage``)
     storage: int
@@ -365,7 +310,7 @@ class Profile:
     #: the loop zeroes gradients between forward and backward (Lightning): the previous step's gradients are
     #: alive through the forward (Note [Accumulated gradients])
     grads_held_in_forward: bool = False
-    #: the step's largest storages (Note [What holds the peak] in remat.costs.simulate); empty when not recorded
+    #: the step's largest storages (Note [What holds the peak] in remat.costs.peak_breakdown); empty when not recorded
     tensors: tuple[TensorInfo, ...] = ()
     #: every trainable parameter's name and shape, to name a gradient made in backward that is shaped like one
     #: (a contribution to a weight used twice, e.g. a tied embedding, before it is summed into ``.grad``)

@@ -9,7 +9,7 @@ will train (after ``fully_shard`` or inside ``DistributedDataParallel``), and:
 
 * each rank profiles its own step (its shard, its batch) for real: the per-rank memory of sharded
   parameters, all-gathered (unsharded) parameters, gradients and reduce-scatter buffers is what its
-  recording sees (Note [Sharded tensors] in remat.runtime.measure);
+  recording sees (Note [Sharded tensors] in remat.runtime.tracker);
 * the profiles are gathered; every rank's memory rows constrain one ILP (the per-rank budget holds on
   the worst rank), a unit's cost is its largest over ranks (``remat.costs.simulate.WorstRankModel``);
 * every plan is rank 0's, broadcast; a checked step's peak is the largest over ranks; so every decision
@@ -40,7 +40,7 @@ checkpointed): 16 identical steps read 5.67-8.55 MB by the profiler's allocator-
 every time. So such a check reads CHECKED_STEPS steps by the allocator's events and keeps the largest, as the
 user's steps will reach it; it is not a bound on every step (docs/limits.md gives the spread). On CUDA the
 allocator meters every check already. FSDP2 alone and DDP keep one dispatch-level step: DDP's gradient
-buckets, made before the step, are found there (Note [Memory found] in remat.runtime.measure), and FSDP2's steps,
+buckets, made before the step, are found there (Note [Memory found] in remat.runtime.tracker), and FSDP2's steps,
 whose collectives' buffers the dispatch-level meter follows (its storage resizes), read alike by the
 allocator in benchmarks/distributed.py for three rules of four (the least within 0.02 MiB of torch's
 FSDPMemTracker; every block 27.53-28.29 MiB), while three of its

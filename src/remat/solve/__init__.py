@@ -70,7 +70,7 @@ class Planner:
         selectively (``name@ops<k>``: option k of the unit's menu of policies, which keep some
         operators' outputs and recompute the rest). ``ranks``: every rank's profile, in rank order, when
         one plan must fit every rank (Note [One plan for every rank] in remat.runtime.distributed). ``nesting``:
-        plans may checkpoint units inside checkpointed units (Note [Nested checkpoints] in remat.costs.simulate).
+        plans may checkpoint units inside checkpointed units (Note [Nested checkpoints] in remat.costs.memory_rows).
         ``regions``: plans may checkpoint regions of a module's forward (Note [Regions] in remat.capture); off
         for compiled loops (Note [Compiled steps] in remat.solve.calibrated)."""
         if granularity not in ("block", "op"):
@@ -163,7 +163,7 @@ class Planner:
         every = self.every_nth_block(1)
         rule = " It equals checkpointing every block's prediction:" if every.checkpointed and \
             every.predicted_peak_bytes == self.min_peak_bytes else ""
-        holds = (f"{rule} what holds it, as predicted (Note [What holds the peak] in remat.costs.simulate; "
+        holds = (f"{rule} what holds it, as predicted (Note [What holds the peak] in remat.costs.peak_breakdown; "
                  f"no plan frees {fmt_bytes(b.unfreeable_bytes)} of the largest): " +
                  "; ".join(str(h) for h in b.largest[:4]) + ".") if b.largest else ""
         return InfeasibleBudgetError(

@@ -80,7 +80,7 @@ class Plan:
     #: checkpointing] in remat.rewrite)
     saved_ops: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: per unit checkpointed inside another checkpointed unit, that unit (Note [Nested checkpoints] in
-    #: remat.costs.simulate): recomputed within the outer unit's recomputation, and again in its own backward
+    #: remat.costs.memory_rows): recomputed within the outer unit's recomputation, and again in its own backward
     nested_in: dict[str, str] = field(default_factory=dict)
     #: the training loop it was planned for keeps the model's output until the step ends (False: drops
     #: it after the loss; Note [Loop style] in remat.profile)

@@ -1,0 +1,136 @@
+"""Where the planner's knowledge of a step comes from: one interface, :class:`CostSource`, and its implementation
+for a step measured on this machine, :class:`MeasuredHere`.
+
+Note [Where costs come from]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+What the planner needs from the machine is a step's recording, per-unit times and the optimizer's costs (one
+:class:`~remat.costs.unit_costs.Profile`, the frozen hand-off to the cost model and the solver) and, for the plan
+it picks, a peak checked where the step can run. A :class:`CostSource` answers both: ``profile`` gives the Profile,
+``choose`` gives the plan for the budget, checked as far as the source can. :class:`MeasuredHere` records the step
+on fake tensors, times it and checks plans on real steps of this machine; a source that models a device that is
+not here (issue #39) implements the same two methods and leaves the cost model, the solver and the rewriter as
+they are. :func:`remat.optimize_checkpointing` runs the steps around them (snapshot, rewrite, notes).
+
+In: a :class:`~remat.api.request.Request`. Out: a Profile, then a Plan with its notes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from remat.api.checking import _ranks_reading, checked_reading, least_checked, plan_checked, proved_compiled
+from remat.api.inputs import loop_grads, stage
+from remat.api.profiling import _make_profile
+from remat.check.verify import CompiledComparison
+from remat.costs.unit_costs import Profile
+from remat.runtime.distributed import steps_checked
+from remat.solve import Planner
+from remat.solve.calibrated import plan_compiled
+from remat.solve.plan import Plan
+
+if TYPE_CHECKING:
+    from remat.api.request import Request
+
+
+class CostSource(Protocol):
+    """Where a step's costs come from (Note [Where costs come from])."""
+
+    def describe(self) -> str:
+        """Where the figures come from, for the plan's notes and errors (e.g. "measured on this machine")."""
+        ...
+
+    def profile(self, req: Request) -> Profile:
+        """The step's Profile: its recording, per-unit times and optimizer costs."""
+        ...
+
+    def choose(self, req: Request, planner: Planner, profile: Profile) -> tuple[Plan, tuple[str, ...]]:
+        """The plan for ``req``'s budget over ``planner``, checked as far as this source can, with its notes."""
+        ...
+
+
+class MeasuredHere:
+    """The step recorded, timed and checked on this machine: what remat has always done. Made once per call
+    (it keeps the peaks checked while profiling, Note [Memory before time])."""
+
+    def __init__(self) -> None:
+        self.first: _MemoryFirst | None = None
+
+    def describe(self) -> str:
+        return "measured on this machine"
+
+    def profile(self, req: Request) -> Profile:
+        self.first = _MemoryFirst(req)
+        return _make_profile(req.model, req.args, req.kwargs, loss_fn=req.loss_fn, optimizer=req.optimizer,
+                             device=req.device, output_alive=req.output_alive, wrapping=req.wrapping,
+                             memory_known=self.first if req.loop is None else None)
+
+    def choose(self, req: Request, planner: Planner, profile: Profile) -> tuple[Plan, tuple[str, ...]]:
+        return _choose(req, planner, profile, self.first if self.first is not None else _MemoryFirst(req))
+
+
+class _MemoryFirst:
+    """Note [Memory before time]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    Whether a budget is below the least peak is a question of memory, which the recording answers before
+    any timed step runs; a refusal after timing cost 16 training steps' time at GPT-2-small size (issue
+    #23). So profiling hands the profile as memory alone gives it (every recompute 0 s) to this hook
+    first: a budget under its least predicted peak is refused there, with the checked least (the
+    least-memory plan of that profile, or every block where lower: :func:`least_checked`), in the time
+    of the recording, one plain forward and one or two checked steps. Without times, the least-memory
+    plan is one of the plans of least predicted peak, not necessarily the one the timed profile picks, and
+    two such plans can measure a few hundred bytes apart: so the full check, before it refuses a budget,
+    also checks this plan (``more_fallbacks`` of :func:`plan_checked`), and a budget equal to a figure
+    either path reported gets a plan. Peaks checked here are not measured again."""
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        #: checked peaks by plan
+        self.checked: dict[tuple[str, ...], int] = {}
+        #: the planner over the profile as memory alone gave it
+        self.by_memory: list[Planner] = []
+
+    def __call__(self, memory: Profile) -> None:
+        req = self.req
+        memory = loop_grads(memory, req.grad_accumulation, req.zero_grad_after_forward)
+        planner = req.planner(memory)
+        self.by_memory.append(planner)
+        if req.budget_bytes >= planner.min_peak_bytes:
+            return
+        if not req.check:
+            raise planner.infeasible(req.budget_bytes)
+        with stage("check", req.model, req.args, req.kwargs, req.loss_fn):
+            promise = least_checked(req.model, req.args, req.kwargs, req.loss_fn, req.device, planner,
+                                    req.budget_bytes, ranks=req.ranks, checked=self.checked)
+        if req.budget_bytes < promise:
+            raise planner.infeasible(req.budget_bytes, least_bytes=promise,
+                                     steps=max(steps_checked(req.model, req.device), 1))
+
+    def least(self, planner: Planner) -> list[Plan]:
+        """The least-memory plan as memory alone chooses it (its units, timed by the full profile's planner)."""
+        if not self.by_memory:
+            return []
+        return [planner.make_plan(self.by_memory[0].least_memory().checkpointed, "least-memory")]
+
+
+def _choose(req: Request, planner: Planner, profile: Profile, first: _MemoryFirst) -> tuple[Plan, tuple[str, ...]]:
+    """The plan for the budget: checked on compiled steps and proved (a compiled loop), checked on real steps, or
+    as predicted (``check=False``); one for every rank. Returns it with its notes."""
+    model, args, kwargs, loss_fn, device, ranks = req.model, req.args, req.kwargs, req.loss_fn, req.device, req.ranks
+    notes: tuple[str, ...] = ()
+    if req.check and req.loop is not None:
+        loop = req.loop
+        compare = CompiledComparison(loop) if ranks is None else None
+        with stage("check", model, args, kwargs, loss_fn):
+            plan = plan_compiled(
+                planner, req.budget_bytes, lambda p: _ranks_reading(ranks, checked_reading(
+                    model, p, args, kwargs, loss_fn, device, profile, loop, compare=compare)),
+                agree=ranks.broadcast if ranks is not None else (lambda p: p), loop=str(loop))
+            notes += (proved_compiled(model, plan, args, kwargs, loss_fn, loop, compare),)
+    elif req.check:
+        with stage("check", model, args, kwargs, loss_fn):
+            plan = plan_checked(model, args, kwargs, loss_fn, device, planner, req.budget_bytes, ranks=ranks,
+                                checked=first.checked, more_fallbacks=lambda: first.least(planner))
+    else:
+        plan = planner.plan_for_budget(req.budget_bytes)
+        plan = ranks.broadcast(plan) if ranks is not None else plan
+    return plan, notes
