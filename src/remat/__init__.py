@@ -53,7 +53,7 @@ from remat.sweeps.sizing import BatchSizeReport, SizeRow, max_batch
 from remat.solve import Planner
 from remat.check.verify import EquivalenceReport, assert_equivalent, check_equivalence
 
-__version__ = "0.1.0"
+from remat._compat.versions import REMAT_VERSION as __version__  # noqa: E402
 
 __all__ = [
     "optimize_checkpointing",

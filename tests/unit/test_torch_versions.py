@@ -43,6 +43,7 @@ def test_the_declared_floor_is_the_one_remat_checks():
     assert re.search(r'"torch>=([0-9.]+)"', pyproject).group(1) == floor
     assert f"torch>={floor}" in (ROOT / "README.md").read_text()
     assert TORCH_FLOOR < COMPILED_FLOOR and torch_release() >= TORCH_FLOOR
+    assert re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1) == remat.__version__
 
 
 def test_the_releases_ci_runs_are_the_ones_checked_on():

@@ -1,9 +1,12 @@
-"""The torch releases remat supports and runs on (part of remat._compat: see its docstring): ``CHECKED_ON``,
-the floors, and the check a feature that needs a later torch makes."""
+"""remat's own version, the torch releases it supports and runs on (part of remat._compat: see its docstring):
+``CHECKED_ON``, the floors, and the check a feature that needs a later torch makes."""
 
 from __future__ import annotations
 
 import torch
+
+#: remat's version (``remat.__version__``; pyproject.toml's)
+REMAT_VERSION = "0.1.0"
 
 #: the torch releases remat's suite runs on in CI (``.ci/run``: scripts/test.sh on 2.13, scripts/torch-leg.sh on
 #: the others), so every entry below was run on each; an entry says where it was also checked (2.11: the lent

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from remat._compat import CHECKED_ON
+from remat._compat.versions import REMAT_VERSION
 from remat.costs.unit_costs import Profile
 from remat.errors import InternalError, InvalidInputError, RematError
 from remat.rewrite import remove_checkpointing
@@ -116,6 +117,4 @@ def _first_line(e: BaseException) -> str:
 
 
 def _version() -> str:
-    from remat import __version__
-
-    return __version__
+    return REMAT_VERSION

@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from remat.errors import InternalError, InvalidInputError
 from remat.solve.plan import Plan, fmt_bytes
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class PeakCalibration:
 
     def __post_init__(self) -> None:
         if not self.points:
-            raise ValueError("a calibration needs at least one measured plan")
+            raise InvalidInputError("a calibration needs at least one measured plan (points is empty)")
         merged: dict[int, int] = {}
         for eager, compiled in self.points:  # two plans with one eager peak: the larger compiled peak
             merged[eager] = max(compiled, merged.get(eager, compiled))
@@ -80,7 +81,7 @@ class PeakCalibration:
         for (e0, c0), (e1, c1) in zip(pts, pts[1:]):
             if e0 <= eager_bytes <= e1:
                 return round(c0 + (c1 - c0) * (eager_bytes - e0) / (e1 - e0))
-        raise AssertionError("unreachable: the points cover the range")
+        raise InternalError(f"no segment of the calibration's points {pts} holds {eager_bytes}", stage="solve")
 
     def eager_target(self, budget_bytes: int) -> int | None:
         """The largest eager predicted peak (bytes) whose calibrated compiled peak is within ``budget_bytes``,
@@ -130,24 +131,50 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
     measured peak: it was measured to calibrate), ``checked_peak_bytes`` = its measured peak,
     ``min_peak_bytes`` = the least measured compiled peak (the eager prediction, said in the notes, where the
     least-memory plan was not compiled). Raises InfeasibleBudgetError below the least."""
-    from remat.solve import UNDER_COMPILE
+    search = _CompiledSearch(planner, budget_bytes, measure, agree, loop, measured, programs)
+    fits = search.fits_without_checkpointing()
+    if fits is not None:
+        return fits
+    anchors = search.anchors()
+    best = search.refined()
+    if best is not None:
+        return search.done(best[0], best[1], "within the budget", best[2])
+    every = anchors[0]
+    best_anchor = min((p for p in anchors if search.check(p) <= budget_bytes), key=lambda p: p.predicted_recompute_s)
+    return search.done(best_anchor, search.check(best_anchor),
+                       f"the {'hand rule every block' if best_anchor is every else 'least-memory plan'} "
+                       "(measured to calibrate): the plans predicted cheaper measured over the budget")
 
-    t0 = time.perf_counter()
-    measured = {} if measured is None else measured
-    programs = {} if programs is None else programs
-    before = len(measured)
 
-    def check(plan: Plan) -> int:
+class _CompiledSearch:
+    """The state of one :func:`plan_compiled`: the plans measured compiled (shared across budgets), the anchors and
+    the least peak, and its steps."""
+
+    def __init__(self, planner: "Planner", budget_bytes: int, measure: Callable[[Plan], "int | CompiledReading"],
+                 agree: Callable[[Plan], Plan], loop: str, measured: dict[tuple[str, ...], int] | None,
+                 programs: dict[tuple[str, ...], int | None] | None) -> None:
+        self.planner, self.budget_bytes, self.measure, self.agree, self.loop = planner, budget_bytes, measure, agree, loop
+        self.t0 = time.perf_counter()
+        self.measured = {} if measured is None else measured
+        self.programs = {} if programs is None else programs
+        self.before = len(self.measured)
+        self.least_note = ""  # set where the least peak reported is not measured compiled
+        self.least = planner.min_peak_bytes
+        self.none = agree(planner.no_checkpointing())
+
+    def check(self, plan: Plan) -> int:
+        measured = self.measured
         if plan.checkpointed not in measured:
-            reading = measure(plan)
+            reading = self.measure(plan)
             reading = reading if isinstance(reading, CompiledReading) else CompiledReading(reading)
-            measured[plan.checkpointed], programs[plan.checkpointed] = reading.peak_bytes, reading.program_bytes
+            measured[plan.checkpointed], self.programs[plan.checkpointed] = reading.peak_bytes, reading.program_bytes
         return measured[plan.checkpointed]
 
-    def predict(plan: Plan, calibration: "PeakCalibration") -> tuple[int, str]:
+    def predict(self, plan: Plan, calibration: "PeakCalibration") -> tuple[int, str]:
         """The plan's compiled peak as predicted without its own measured step, and how: from its compiled
         program, calibrated on the other plans measured with theirs (Note [Compiled programs] in
         remat.costs.compiled_memory), else from its eager peak, calibrated on the plans measured so far."""
+        programs, measured = self.programs, self.measured
         own = programs.get(plan.checkpointed)
         others = tuple((programs[u], peak) for u, peak in measured.items()
                        if u != plan.checkpointed and programs.get(u) is not None)
@@ -156,62 +183,72 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
                 f"from its compiled program's allocations, calibrated on {len(others)} other measured plans")
         return calibration.predict(plan.predicted_peak_bytes), "from its eager peak, calibrated on the plans measured"
 
-    def done(plan: Plan, predicted: int, why: str, how: str = "measured to calibrate") -> Plan:
-        peak = check(plan)
-        compiles = len(measured) - before
-        note = (f"planned for the compiled step ({loop}){least_note}: compiled peak predicted {fmt_bytes(predicted)} "
-                f"({how}), "
+    def done(self, plan: Plan, predicted: int, why: str, how: str = "measured to calibrate") -> Plan:
+        from remat.solve import UNDER_COMPILE
+
+        peak = self.check(plan)
+        compiles = len(self.measured) - self.before
+        note = (f"planned for the compiled step ({self.loop}){self.least_note}: compiled peak predicted "
+                f"{fmt_bytes(predicted)} ({how}), "
                 f"measured {fmt_bytes(peak)} on a compiled step, {why}; {compiles} plan{'' if compiles == 1 else 's'} "
-                f"compiled and measured in {time.perf_counter() - t0:.1f} s (Note [Compiled steps] in "
+                f"compiled and measured in {time.perf_counter() - self.t0:.1f} s (Note [Compiled steps] in "
                 "remat.solve.calibrated)")
         return dataclasses.replace(
-            plan, budget_bytes=budget_bytes, predicted_peak_bytes=predicted, checked_peak_bytes=peak,
-            baseline_peak_bytes=check(none), min_peak_bytes=least, compiled=loop,
+            plan, budget_bytes=self.budget_bytes, predicted_peak_bytes=predicted, checked_peak_bytes=peak,
+            baseline_peak_bytes=self.check(self.none), min_peak_bytes=self.least, compiled=self.loop,
             notes=tuple(n for n in plan.notes if n != UNDER_COMPILE) + (note,))
 
-    least_note = ""  # set where the least peak reported is not measured compiled
-    none = agree(planner.no_checkpointing())
-    if check(none) <= budget_bytes:  # the anchors are not needed: the least peak stays the eager prediction
-        least = planner.min_peak_bytes
-        return done(dataclasses.replace(
-            none, strategy="ilp" if planner.granularity == "block" else "ilp-op", solver_status="fits",
+    def fits_without_checkpointing(self) -> Plan | None:
+        """The plan without checkpointing, where its compiled step fits the budget (the anchors are not needed:
+        the least peak stays the eager prediction); None otherwise."""
+        none = self.none
+        if self.check(none) > self.budget_bytes:
+            return None
+        return self.done(dataclasses.replace(
+            none, strategy="ilp" if self.planner.granularity == "block" else "ilp-op", solver_status="fits",
             notes=("the compiled step fits the budget without checkpointing (least peak: the eager prediction, "
-                   "not measured compiled)",)), check(none), "within the budget (measured: no checkpointing)")
-    every = agree(planner.every_nth_block(1))
-    anchors = [every]
-    least_plan = agree(planner.least_memory())
-    if budget_bytes < check(every) or least_plan.checkpointed in measured:
-        # the least-memory plan is measured only where the budget is below every block's compiled peak (or it
-        # was measured already): above it, the interpolation between every block and no checkpointing serves
-        anchors.append(least_plan)
-        least = min(check(p) for p in anchors)
-        if budget_bytes < least:
-            raise planner.infeasible(budget_bytes, least_bytes=least, compiled=loop)
-    else:  # a promise remat did not measure: the least peak is the eager prediction, and the plan says so
-        least = planner.min_peak_bytes
-        least_note = (" (least peak: the eager prediction, the least-memory plan not compiled: the budget is above "
-                      "every block's compiled peak)")
-    # every plan measured so far calibrates (those of earlier budgets too, when ``measured`` is shared)
-    calibration = PeakCalibration(tuple((planner.model.peak_bytes(units), peak) for units, peak in measured.items()))
-    best: tuple[Plan, int, str] | None = None  # the cheapest plan measured within the budget, its prediction
-    target = None
-    for _ in range(REFINE_STEPS):
-        new_target = calibration.eager_target(budget_bytes)
-        if new_target is None or new_target == target or new_target < planner.min_peak_bytes:
-            break
-        target = new_target
-        plan = agree(planner.plan_for_budget(target))
-        seen = plan.checkpointed in measured
-        peak = check(plan)
-        predicted, how = predict(plan, calibration)
-        if peak <= budget_bytes and (best is None or plan.predicted_recompute_s < best[0].predicted_recompute_s):
-            best = (plan, predicted, how)
-        if seen or (peak <= budget_bytes and budget_bytes - peak <= CLOSE_ENOUGH * budget_bytes):
-            break  # nothing new to learn, or too little slack left to buy a cheaper plan with
-        calibration = calibration.with_point(plan.predicted_peak_bytes, peak)
-    if best is not None:
-        return done(best[0], best[1], "within the budget", best[2])
-    fits = [p for p in anchors if check(p) <= budget_bytes]
-    best_anchor = min(fits, key=lambda p: p.predicted_recompute_s)
-    return done(best_anchor, check(best_anchor), f"the {'hand rule every block' if best_anchor is every else 'least-memory plan'} "
-                "(measured to calibrate): the plans predicted cheaper measured over the budget")
+                   "not measured compiled)",)), self.check(none), "within the budget (measured: no checkpointing)")
+
+    def anchors(self) -> list[Plan]:
+        """Every block checkpointed, and the least-memory plan where the budget needs it, measured compiled; the
+        least peak set (raises InfeasibleBudgetError below the least measured)."""
+        planner, budget_bytes = self.planner, self.budget_bytes
+        every = self.agree(planner.every_nth_block(1))
+        anchors = [every]
+        least_plan = self.agree(planner.least_memory())
+        if budget_bytes < self.check(every) or least_plan.checkpointed in self.measured:
+            # the least-memory plan is measured only where the budget is below every block's compiled peak (or it
+            # was measured already): above it, the interpolation between every block and no checkpointing serves
+            anchors.append(least_plan)
+            self.least = min(self.check(p) for p in anchors)
+            if budget_bytes < self.least:
+                raise planner.infeasible(budget_bytes, least_bytes=self.least, compiled=self.loop)
+        else:  # a promise remat did not measure: the least peak is the eager prediction, and the plan says so
+            self.least = planner.min_peak_bytes
+            self.least_note = (" (least peak: the eager prediction, the least-memory plan not compiled: the budget is "
+                               "above every block's compiled peak)")
+        return anchors
+
+    def refined(self) -> tuple[Plan, int, str] | None:
+        """The cheapest plan measured within the budget while the calibration of eager against compiled peaks is
+        refined (at most REFINE_STEPS compiles), with its prediction and how it was made; None when none fits."""
+        planner, budget_bytes, measured = self.planner, self.budget_bytes, self.measured
+        # every plan measured so far calibrates (those of earlier budgets too, when ``measured`` is shared)
+        calibration = PeakCalibration(tuple((planner.model.peak_bytes(units), peak) for units, peak in measured.items()))
+        best: tuple[Plan, int, str] | None = None  # the cheapest plan measured within the budget, its prediction
+        target = None
+        for _ in range(REFINE_STEPS):
+            new_target = calibration.eager_target(budget_bytes)
+            if new_target is None or new_target == target or new_target < planner.min_peak_bytes:
+                break
+            target = new_target
+            plan = self.agree(planner.plan_for_budget(target))
+            seen = plan.checkpointed in measured
+            peak = self.check(plan)
+            predicted, how = self.predict(plan, calibration)
+            if peak <= budget_bytes and (best is None or plan.predicted_recompute_s < best[0].predicted_recompute_s):
+                best = (plan, predicted, how)
+            if seen or (peak <= budget_bytes and budget_bytes - peak <= CLOSE_ENOUGH * budget_bytes):
+                break  # nothing new to learn, or too little slack left to buy a cheaper plan with
+            calibration = calibration.with_point(plan.predicted_peak_bytes, peak)
+        return best
