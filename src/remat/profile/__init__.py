@@ -32,25 +32,28 @@ restored (see ``remat.runtime.state``).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
 from remat.capture import ModelGraph, quiet_loggers, unit_parent
-from remat.costs.unit_costs import Profile
-from remat.costs.effects import largest_tensors, unit_costs
+from remat.costs.unit_costs import Profile, UnitCost
+from remat.costs.effects import UnitSpec, largest_tensors, unit_costs
 from remat.errors import InvalidInputError
 from remat.runtime.measure import LossFn, input_tensors, tensor_bytes, trainable_parameters
 from remat.profile import cache
-from remat.profile.calibrate import align_forward, calibrate_sizes, diverged, ops_summary, plain_forward_ops, \
-    plain_step_fits
-from remat.profile.optimizer import optimizer_costs
+from remat.profile.calibrate import LoggedOp, align_forward, calibrate_sizes, diverged, ops_summary, \
+    plain_forward_ops, plain_step_fits
+from remat.profile.optimizer import OptimizerCost, optimizer_costs
 from remat.profile.recorder import record_step
 from remat.profile.timing import checkpoint_overhead, time_units
 from remat.profile.units import module_and_segment_specs, region_specs, selective_specs
-from remat.costs.recording import UnitTimes, shared_by_twins
+from remat.costs.recording import CheckpointOverhead, Recording, UnitTimes, shared_by_twins
 from remat.runtime.state import preserved
 
 log = logging.getLogger(__name__)
@@ -82,37 +85,107 @@ def profile_model(
     memory alone gives it (no times), before any timed step runs (Note [Memory before time]); what it raises
     ends profiling."""
     notes: list[str] = []
-    mods = dict(model.named_modules())
-    sequentials = {
-        name: [f"{name}.{k}" if name else k for k in m._modules]
-        for name, m in mods.items() if isinstance(m, nn.Sequential) and len(m) >= 2
-    }
-    extra = [c for children in sequentials.values() for c in children] + [c for c in sequentials if c]
-    # the submodules regions start at and run (Note [Regions] in remat.capture): hooked for their spans only
-    # (a region's time is its operators', its buffers its module's)
-    region_calls = [c for calls in graph.region_calls.values() for c in calls]
-    hooked = list(dict.fromkeys([*graph.units, *extra, *region_calls]))
+    step = _Step.of(model, args, kwargs, loss_fn, device, graph, output_alive, sharded, world_size, wrapping)
+    recorded = _record(step, record_real, notes)
+    recorded, plain, changed = _check_against_real_forward(step, recorded, notes)
+    specs = _with_selective_specs(step, recorded, notes)
+    opt = optimizer_costs(optimizer, device)
+    if optimizer is None:
+        notes.append("no optimizer given: optimizer state and step are not counted")
+    buffer_bytes = {name: tensor_bytes([b], device) for name, b in model.named_buffers()}
+    assembled = functools.partial(_assembled, step, opt=opt, recorded=recorded.how, notes=notes)
 
-    def record(fake: bool):
-        with preserved(model):
-            rec = record_step(model, args, kwargs, loss_fn, device, hooked, fake=fake, output_alive=output_alive)
+    rec, ran, memory = recorded.rec, recorded.ran, recorded.memory
+    cand = [u for u in ran if memory[u].excluded is None and memory[u].drops and memory[u].calls == 1]
+    top = [u for u in cand if unit_parent(u, cand) is None]
+    timed = list(dict.fromkeys([*ran, *(c for c in step.extra if c in rec.spans)]))
+    # (also memory: the RNG state each checkpoint holds on CPU)
+    overhead = cache.overhead(device, lambda: checkpoint_overhead(device))
+    if memory_known is not None and changed is not None:
+        memory_known(assembled(rec, _memory_alone(step, rec, specs, timed, changed, overhead, buffer_bytes),
+                               0.0, 0.0))
+
+    rec, times = _timed(step, recorded, timed, top, plain, timing_steps, record_real is not None, notes)
+    units = unit_costs(rec, specs, times=times, overhead=overhead, buffer_bytes=buffer_bytes)
+    return assembled(rec, units, times.step_forward_s, _backward_s(units, times, top))
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The training step profile_model measures, and the modules its recordings hook: what its steps share."""
+
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    loss_fn: LossFn
+    device: torch.device
+    graph: ModelGraph
+    output_alive: bool
+    sharded: tuple[str, ...]
+    world_size: int
+    wrapping: str
+    sequentials: dict[str, list[str]]
+    extra: list[str]
+    hooked: list[str]
+
+    @staticmethod
+    def of(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, graph: ModelGraph,
+           output_alive: bool, sharded: tuple[str, ...], world_size: int, wrapping: str) -> _Step:
+        mods = dict(model.named_modules())
+        sequentials = {
+            name: [f"{name}.{k}" if name else k for k in m._modules]
+            for name, m in mods.items() if isinstance(m, nn.Sequential) and len(m) >= 2
+        }
+        extra = [c for children in sequentials.values() for c in children] + [c for c in sequentials if c]
+        # the submodules regions start at and run (Note [Regions] in remat.capture): hooked for their spans only
+        # (a region's time is its operators', its buffers its module's)
+        region_calls = [c for calls in graph.region_calls.values() for c in calls]
+        hooked = list(dict.fromkeys([*graph.units, *extra, *region_calls]))
+        return _Step(model, args, kwargs, loss_fn, device, graph, output_alive, sharded, world_size, wrapping,
+                     sequentials, extra, hooked)
+
+    def record(self, fake: bool) -> tuple[Recording, list[str], list[UnitSpec]]:
+        """One step recorded (``record_step``, looked up in this module), the units that ran and their specs."""
+        graph, sharded = self.graph, self.sharded
+        with preserved(self.model):
+            rec = record_step(self.model, self.args, self.kwargs, self.loss_fn, self.device, self.hooked, fake=fake,
+                              output_alive=self.output_alive)
         # the units that ran, in forward order: by each unit's first operator
         ran = sorted((u for u in graph.units if u in rec.spans and not _contains(u, (u,), sharded)),
                      key=lambda u: (rec.first_span(u)[0], -rec.first_span(u)[1]))
-        specs = [s for s in [*module_and_segment_specs(rec, ran, sequentials),
+        specs = [s for s in [*module_and_segment_specs(rec, ran, self.sequentials),
                              *region_specs(rec, ran, graph.cuts, graph.region_calls)]
                  if not _contains(s.name, s.members, sharded)]
         return rec, ran, specs
 
+
+@dataclass(frozen=True)
+class _Recorded:
+    """A recording of the step, the units that ran in it (forward order), their specs, how memory was recorded
+    (``"fake"`` or ``"real"``) and the units' memory costs (no times)."""
+
+    rec: Recording
+    ran: list[str]
+    specs: list[UnitSpec]
+    how: str
+    memory: dict[str, UnitCost]
+
+    @staticmethod
+    def of(rec: Recording, ran: list[str], specs: list[UnitSpec], how: str) -> _Recorded:
+        return _Recorded(rec, ran, specs, how, {c.name: c for c in unit_costs(rec, specs[:len(ran)])})
+
+
+def _record(step: _Step, record_real: str | None, notes: list[str]) -> _Recorded:
+    """Record one step: on fake tensors when possible, else (or when ``record_real`` says why not) a real one."""
     reason = record_real
-    if reason is None and _autocast_enabled(device):
+    if reason is None and _autocast_enabled(step.device):
         # Note [Autocast and fake tensors]: the autocast cache does not hold casts of fake weights,
         # so a fake recording casts weights again at every use where the real step reuses them.
         reason = "autocast is on"
     if reason is None:
         try:
             with quiet_loggers("torch._subclasses.fake_tensor"):  # a failure here is expected and handled
-                rec, ran, specs = record(fake=True)
+                rec, ran, specs = step.record(fake=True)
             recorded = "fake"
         except InvalidInputError:
             raise
@@ -121,110 +194,94 @@ def profile_model(
             reason = f"fake tensors failed: {type(e).__name__}"
     if reason is not None:
         notes.append(f"memory recorded on a real step ({reason}); profiling needed the plain step's peak")
-        rec, ran, specs = record(fake=False)
+        rec, ran, specs = step.record(fake=False)
         if record_real is not None:
             # a model wrapped for distributed training sets itself up in its first step (FSDP2's lazy
             # initialisation, the process group's first buffers): record the second step, as training runs
-            rec, ran, specs = record(fake=False)
+            rec, ran, specs = step.record(fake=False)
         recorded = "real"
-    memory = {c.name: c for c in unit_costs(rec, specs[:len(ran)])}
+    return _Recorded.of(rec, ran, specs, recorded)
+
+
+def _check_against_real_forward(
+    step: _Step, recorded: _Recorded, notes: list[str],
+) -> tuple[_Recorded, tuple[LoggedOp, ...], frozenset[str] | None]:
+    """A fake recording checked against a real plain forward: recorded again for real if the step took another
+    path (Note [Fake paths]), its sizes corrected from the real kernels' (Note [Fake sizes]). Also returns the
+    plain forward's operators and the buffers it changed (none and None after a real recording)."""
     # the plain forward's operators and sizes, to check the fake recording against (Note [Fake paths]) and
     # correct its sizes (Note [Fake sizes]): before timing, so that what memory alone decides (a budget below
     # the least peak, ``memory_known``) is known before any timed step runs
-    plain, changed = plain_forward_ops(model, args, kwargs, loss_fn, device) if recorded == "fake" else ((), None)
-    paths = diverged(rec, plain) if recorded == "fake" else []
-    if paths and not plain_step_fits(rec, device):
+    plain, changed = plain_forward_ops(step.model, step.args, step.kwargs, step.loss_fn, step.device) \
+        if recorded.how == "fake" else ((), None)
+    paths = diverged(recorded.rec, plain) if recorded.how == "fake" else []
+    if paths and not plain_step_fits(recorded.rec, step.device):
         notes.append(f"the step took another path on fake tensors than on real ones ({ops_summary(paths)}), but "
                      "the plain step may not fit the device to record it for real: memory recorded on fake tensors")
     elif paths:  # Note [Fake paths]
         notes.append(f"the step took another path on fake tensors than on real ones ({ops_summary(paths)}): "
                      "memory recorded on a real step; profiling needed the plain step's peak")
-        rec, ran, specs = record(fake=False)
-        recorded = "real"
-        memory = {c.name: c for c in unit_costs(rec, specs[:len(ran)])}
-    if recorded == "fake":
+        recorded = _Recorded.of(*step.record(fake=False), "real")
+    if recorded.how == "fake":
         # sizes from the plain forward (the same operators as the recording, one for one, when it took the
         # same path), not from a timed one, whose checkpoint and buffer-snapshot clones can shift the
         # alignment: a ResNet-D stem's BatchNorm output once took another BatchNorm's size (+256 KiB)
-        rec, fixed = calibrate_sizes(rec, plain)
+        rec, fixed = calibrate_sizes(recorded.rec, plain)
+        recorded = dataclasses.replace(recorded, rec=rec)
         if fixed:
             notes.append(f"{fixed} storage size(s) on fake tensors differed from the real kernels' and were "
                          "corrected from the real forward")
-    if graph.capture_path == "hooks":
+    return recorded, plain, changed
+
+
+def _with_selective_specs(step: _Step, recorded: _Recorded, notes: list[str]) -> list[UnitSpec]:
+    """Every candidate's spec: the module and segment units', then the selective (op-level) options', then the
+    regions'."""
+    specs, ran = recorded.specs, recorded.ran
+    if step.graph.capture_path == "hooks":
         # a policy names operators by their position in the unit's forward, which must not depend on
         # the data (Note [Selective checkpointing]); without a captured graph that is not known
         selective = []
         notes.append("no selective (op-level) options: the model could not be captured as a graph (its "
                      "operator sequence may depend on the data), so policies naming operators by position "
-                     "are not offered (" + "; ".join(graph.failures) + ")")
+                     "are not offered (" + "; ".join(step.graph.failures) + ")")
     else:
         # the module units' spans, exclusions and drops do not depend on the sizes calibrated above, and
         # the menus are ranked by FLOPs and bytes, not times (Note [Policy menus])
-        selective = selective_specs(rec, list(memory.values()))
-    specs = specs[:len(ran)] + selective + specs[len(ran):]
-    opt = optimizer_costs(optimizer, device)
-    if optimizer is None:
-        notes.append("no optimizer given: optimizer state and step are not counted")
-    buffer_bytes = {name: tensor_bytes([b], device) for name, b in model.named_buffers()}
+        selective = selective_specs(recorded.rec, list(recorded.memory.values()))
+    return specs[:len(ran)] + selective + specs[len(ran):]
 
-    def assembled(rec, units, forward_s: float, backward_s: float) -> Profile:
-        return Profile(
-            units=units,
-            live_bytes=rec.timeline(),
-            before_bytes=rec.before_bytes(),
-            after_backward_bytes=rec.after_backward_bytes,
-            output_alive=output_alive,
-            grad_bytes=rec.grad_timeline(),
-            saved_bytes=rec.saved_timeline(),
-            backward_start=rec.backward_start,
-            params_bytes=tensor_bytes(model.parameters()),
-            grads_bytes=tensor_bytes(trainable_parameters(model)),
-            buffers_bytes=tensor_bytes(model.buffers()),
-            inputs_bytes=tensor_bytes(input_tensors(args, kwargs), device),
-            world_size=world_size,
-            wrapping=wrapping,
-            optimizer_state_bytes=opt.state_bytes,
-            optimizer_step_bytes=opt.step_bytes,
-            forward_s=forward_s,
-            backward_s=backward_s,
-            optimizer_s=opt.step_s,
-            device=str(device),
-            capture_path=graph.capture_path,
-            memory_recorded_with=recorded,
-            optimizer=opt.label,
-            notes=tuple(notes),
-            tensors=largest_tensors(rec),
-            parameter_shapes=tuple((n, tuple(q.shape)) for n, q in model.named_parameters() if q.requires_grad),
-        )
 
-    cand = [u for u in ran if memory[u].excluded is None and memory[u].drops and memory[u].calls == 1]
-    top = [u for u in cand if unit_parent(u, cand) is None]
-    timed = list(dict.fromkeys([*ran, *(c for c in extra if c in rec.spans)]))
-    # (also memory: the RNG state each checkpoint holds on CPU)
-    overhead = cache.overhead(device, lambda: checkpoint_overhead(device))
-    if memory_known is not None and changed is not None:
-        # Note [Memory before time] in remat.api: the profile as memory alone gives it (every time 0 s), with
-        # the buffers each module's forward changes (which a checkpoint of it snapshots) from the plain forward
-        # (a real recording has none: the hook is not called, profiling times as before)
-        mods = dict(model.named_modules())
-        mutated = {u: tuple(n for n, _ in mods[u].named_buffers() if (f"{u}.{n}" if u else n) in changed)
-                   for u in timed if u in mods}
-        none = UnitTimes(forward_s={}, recompute_s={}, backward_s={}, mutated_buffers=mutated, step_forward_s=0.0,
-                         step_backward_s=0.0)
-        memory_known(assembled(rec, unit_costs(rec, specs, times=none, overhead=overhead, buffer_bytes=buffer_bytes),
-                               0.0, 0.0))
+def _memory_alone(step: _Step, rec: Recording, specs: list[UnitSpec], timed: list[str], changed: frozenset[str],
+                  overhead: CheckpointOverhead, buffer_bytes: dict[str, int]) -> list[UnitCost]:
+    """For ``memory_known``: the units' costs before any timed step."""
+    # Note [Memory before time] in remat.api: the profile as memory alone gives it (every time 0 s), with
+    # the buffers each module's forward changes (which a checkpoint of it snapshots) from the plain forward
+    # (a real recording has none: the hook is not called, profiling times as before)
+    mods = dict(step.model.named_modules())
+    mutated = {u: tuple(n for n, _ in mods[u].named_buffers() if (f"{u}.{n}" if u else n) in changed)
+               for u in timed if u in mods}
+    none = UnitTimes(forward_s={}, recompute_s={}, backward_s={}, mutated_buffers=mutated, step_forward_s=0.0,
+                     step_backward_s=0.0)
+    return unit_costs(rec, specs, times=none, overhead=overhead, buffer_bytes=buffer_bytes)
 
+
+def _timed(step: _Step, recorded: _Recorded, timed: list[str], top: list[str], plain: tuple[LoggedOp, ...],
+           timing_steps: int, distributed: bool, notes: list[str]) -> tuple[Recording, UnitTimes]:
+    """The units' times (``time_units``, looked up in this module), and the recording with each forward
+    operator's time."""
+    rec, memory = recorded.rec, recorded.memory
     # time, measured for real with the top-level candidate modules checkpointed
     # (a module called more than once is not checkpointed while timing: its recomputation is its forwards)
     # (Note [Timing cache]: the same step measured before on this machine is not timed again)
-    key = cache.step_key(rec, timed, top, device, input_tensors(args, kwargs), timing_steps=timing_steps,
-                         distributed=record_real is not None)
+    key = cache.step_key(rec, timed, top, step.device, input_tensors(step.args, step.kwargs),
+                         timing_steps=timing_steps, distributed=distributed)
     hit = cache.load_times(key)
     if hit is None:
-        with preserved(model):
-            times, forward_ops = time_units(model, args, kwargs, loss_fn, device, timed, top,
+        with preserved(step.model):
+            times, forward_ops = time_units(step.model, step.args, step.kwargs, step.loss_fn, step.device, timed, top,
                                             {u: memory[u].mutated_buffers for u in top}, timing_steps,
-                                            {u: len(rec.spans[u]) for u in timed}, distributed=record_real is not None,
+                                            {u: len(rec.spans[u]) for u in timed}, distributed=distributed,
                                             warm_ops=plain or None)
         op_seconds = {i: forward_ops[j].seconds for i, j in align_forward(rec, forward_ops).items()}
         cache.store_times(key, times, op_seconds)
@@ -232,15 +289,51 @@ def profile_model(
         times, op_seconds, note = hit
         notes.append(note)
     rec = rec.with_op_seconds(op_seconds)
-    rec, times = shared_by_twins(rec, times, timed)  # Note [Twins share their times] in remat.costs.recording
-    units = unit_costs(rec, specs, times=times, overhead=overhead, buffer_bytes=buffer_bytes)
+    return shared_by_twins(rec, times, timed)  # Note [Twins share their times] in remat.costs.recording
+
+
+def _backward_s(units: list[UnitCost], times: UnitTimes, top: list[str]) -> float:
+    """The plain step's backward time."""
     # the timed steps checkpointed the top-level units: take their recomputation and bookkeeping out. Each is
     # timed separately, so on a busy machine they can add up to more than the backward timed around them: the
     # backward is then at least its top-level units' own backward times (measured in the same step), never 0
     by_name = {u.name: u for u in units}
-    backward_s = max(times.step_backward_s - sum(times.recompute_s.get(u, 0.0) + by_name[u].overhead_s
-                                                 for u in top), sum(times.backward_s.get(u, 0.0) for u in top), 0.0)
-    return assembled(rec, units, times.step_forward_s, backward_s)
+    return max(times.step_backward_s - sum(times.recompute_s.get(u, 0.0) + by_name[u].overhead_s
+                                           for u in top), sum(times.backward_s.get(u, 0.0) for u in top), 0.0)
+
+
+def _assembled(step: _Step, rec: Recording, units: list[UnitCost], forward_s: float, backward_s: float, *,
+               opt: OptimizerCost, recorded: str, notes: list[str]) -> Profile:
+    """The Profile: the recording's timelines, the units, the step's sizes and times, the notes so far."""
+    model, args, kwargs, device = step.model, step.args, step.kwargs, step.device
+    return Profile(
+        units=units,
+        live_bytes=rec.timeline(),
+        before_bytes=rec.before_bytes(),
+        after_backward_bytes=rec.after_backward_bytes,
+        output_alive=step.output_alive,
+        grad_bytes=rec.grad_timeline(),
+        saved_bytes=rec.saved_timeline(),
+        backward_start=rec.backward_start,
+        params_bytes=tensor_bytes(model.parameters()),
+        grads_bytes=tensor_bytes(trainable_parameters(model)),
+        buffers_bytes=tensor_bytes(model.buffers()),
+        inputs_bytes=tensor_bytes(input_tensors(args, kwargs), device),
+        world_size=step.world_size,
+        wrapping=step.wrapping,
+        optimizer_state_bytes=opt.state_bytes,
+        optimizer_step_bytes=opt.step_bytes,
+        forward_s=forward_s,
+        backward_s=backward_s,
+        optimizer_s=opt.step_s,
+        device=str(device),
+        capture_path=step.graph.capture_path,
+        memory_recorded_with=recorded,
+        optimizer=opt.label,
+        notes=tuple(notes),
+        tensors=largest_tensors(rec),
+        parameter_shapes=tuple((n, tuple(q.shape)) for n, q in model.named_parameters() if q.requires_grad),
+    )
 
 
 def _contains(name: str, members: tuple[str, ...], sharded: tuple[str, ...]) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,31 +58,107 @@ def time_units(
     forward: no forward-only pass. ``warm_ops``: the operators of a plain forward already logged, whose times
     are each operator's second timing when the step is long (Note [Long steps are timed once])."""
     clock = Clock(device)
-    cuda = device.type == "cuda"
     targets = grad_targets(trainable_parameters(model), (args, kwargs))
     checkpoint_modules(model, checkpointed, mutated_buffers=mutated)
     mods = dict(model.named_modules())
     recompute: dict[str, float] = {}
-
-    def timer_for(name):
-        @contextlib.contextmanager
-        def timer():
-            t0 = clock.mark()
-            try:
-                yield
-            finally:
-                recompute[name] = clock.seconds(t0, clock.mark())
-        return timer
-
     for name in checkpointed:
-        mods[name].forward.recompute_timer = timer_for(name)
+        mods[name].forward.recompute_timer = _recompute_timer(clock, recompute, name)
     pre = [*model.parameters(), *model.buffers(), *input_tensors(args, kwargs)]
+    timer = _Timer(model, args, kwargs, loss_fn, device, clock, targets, mods, units, checkpointed, forward_calls,
+                   recompute, pre)
+    best, forward_ops, long = _hooked_steps(timer, steps)
+    assert best is not None
+    # the step's own forward and backward, timed without hooks (their cost is not the model's): once, the
+    # least with the hooked steps' (each real step here is one more call of the user's training step)
+    if not long:
+        timer.unhooked_step(best)
+    forward_ops = _with_warm_times(timer, forward_ops, long, distributed, warm_ops)
+    for name in checkpointed:
+        mods[name].forward.recompute_timer = None
+    times = UnitTimes(forward_s=best["forward"], recompute_s=best["recompute"], backward_s=best["backward"],
+                      mutated_buffers=best["mutated"], step_forward_s=best["step_forward"],
+                      step_backward_s=best["step_backward"])
+    return times, forward_ops
+
+
+def _recompute_timer(clock: Clock, recompute: dict[str, float], name: str):
+    """A checkpointed unit's recompute timer: its recomputation's time, into ``recompute``."""
+    @contextlib.contextmanager
+    def timer():
+        t0 = clock.mark()
+        try:
+            yield
+        finally:
+            recompute[name] = clock.seconds(t0, clock.mark())
+    return timer
+
+
+def _hooked_steps(timer: _Timer, steps: int) -> tuple[dict[str, Any] | None, tuple[LoggedOp, ...], bool]:
+    """The hooked steps: the least of each time over them, the operators step 0 logged, and whether the step
+    was long (Note [Long steps are timed once])."""
     best: dict[str, Any] | None = None
     forward_ops: tuple[LoggedOp, ...] = ()
     long = False  # Note [Long steps are timed once]
     for step in range(max(2, steps)):  # step 0 logs the operators and warms up; the others are timed
         if long:
             break
+        timing, ops = timer.hooked_step(log_ops=step == 0)
+        if ops is not None:
+            forward_ops = ops
+        if step == 0 and timing["step_forward"] + timing["step_backward"] >= LONG_STEP_S:
+            best, long = timing, True
+        elif step == 1:
+            best = timing
+        elif step > 1:
+            best = dict(mutated=best["mutated"], forward=_least(best["forward"], timing["forward"]),
+                        recompute=_least(best["recompute"], timing["recompute"]),
+                        backward=_least(best["backward"], timing["backward"]),
+                        step_forward=min(best["step_forward"], timing["step_forward"]),
+                        step_backward=min(best["step_backward"], timing["step_backward"]))
+    return best, forward_ops, long
+
+
+def _with_warm_times(timer: _Timer, forward_ops: tuple[LoggedOp, ...], long: bool, distributed: bool,
+                     warm_ops: tuple[LoggedOp, ...] | None) -> tuple[LoggedOp, ...]:
+    """The logged operators, each timed the least of its two timings."""
+    model, args, kwargs, loss_fn = timer.model, timer.args, timer.kwargs, timer.loss_fn
+    # each operator's time again, warm (step 0's were the first calls): keep the lesser of the two
+    # (not for a model wrapped by FSDP2 or DDP: a forward without backward leaves FSDP2's parameters
+    # unsharded and DDP waiting for a reduction; its operator times only rank selective options, which the
+    # hooks path such models take does not offer); a long step's are the plain forward's, given by the caller
+    new_step()
+    warm = warm_ops if long and warm_ops is not None else () if distributed else \
+        log_forward(lambda: loss_fn(model(*args, **kwargs)), timer.device, timer.pre)
+    new_step()
+    if [o.name for o in warm] == [o.name for o in forward_ops]:
+        forward_ops = tuple(LoggedOp(a.name, a.sizes, min(a.seconds, b.seconds)) for a, b in zip(forward_ops, warm))
+    return forward_ops
+
+
+@dataclass(frozen=True)
+class _Timer:
+    """What time_units' steps share: the step, the clock, the hooked units and the checkpointed ones, and the
+    recomputation times their recompute timers write (``recompute``)."""
+
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    loss_fn: LossFn
+    device: torch.device
+    clock: Clock
+    targets: Any
+    mods: dict[str, nn.Module]
+    units: list[str]
+    checkpointed: list[str]
+    forward_calls: dict[str, int]
+    recompute: dict[str, float]
+    pre: list[torch.Tensor]
+
+    def hooked_step(self, log_ops: bool) -> tuple[dict[str, Any], tuple[LoggedOp, ...] | None]:
+        """One step with hooks on the units: its times, and its forward's operators when ``log_ops``."""
+        clock, mods, forward_calls, recompute = self.clock, self.mods, self.forward_calls, self.recompute
+        cuda = self.device.type == "cuda"
         calls: dict[str, int] = defaultdict(int)
         starts: dict[tuple[str, int], Any] = {}
         fwd: dict[str, float] = {}
@@ -123,59 +200,34 @@ def time_units(
             elif k == forward_calls.get(name, 1) + 1:
                 recompute[name] = dt
 
-        handles = hook_units(model, units, enter, leave)
-        log = ForwardLog(device, pre) if step == 0 else None
+        handles = hook_units(self.model, self.units, enter, leave)
+        log = ForwardLog(self.device, self.pre) if log_ops else None
         marks: dict[str, Any] = {}
         try:
             marks["start"] = clock.mark()
-            with fresh_grads(targets):
-                run_step(model, args, kwargs, loss_fn, forward_context=log,
+            with fresh_grads(self.targets):
+                run_step(self.model, self.args, self.kwargs, self.loss_fn, forward_context=log,
                          on=lambda event: marks.__setitem__(event, clock.mark()))
         finally:
             for h in handles:
                 h.remove()
-        if log is not None:
-            forward_ops = log.ops
         # gradient arrival at the unit's input less at its output, less the recomputation inside it
-        bwd = {u: grad_at[(u, "in")] - grad_at[(u, "out")] - (recompute.get(u, 0.0) if u in checkpointed else 0.0)
-               for u in units if (u, "in") in grad_at and (u, "out") in grad_at}
+        bwd = {u: grad_at[(u, "in")] - grad_at[(u, "out")] - (recompute.get(u, 0.0) if u in self.checkpointed else 0.0)
+               for u in self.units if (u, "in") in grad_at and (u, "out") in grad_at}
         timing = dict(mutated=changed, forward=fwd, recompute=dict(recompute), backward=bwd,
                       step_forward=clock.seconds(marks["start"], marks["loss"]),
                       step_backward=clock.seconds(marks["loss"], marks["backward"]))
-        if step == 0 and timing["step_forward"] + timing["step_backward"] >= LONG_STEP_S:
-            best, long = timing, True
-        elif step == 1:
-            best = timing
-        elif step > 1:
-            best = dict(mutated=best["mutated"], forward=_least(best["forward"], fwd),
-                        recompute=_least(best["recompute"], timing["recompute"]), backward=_least(best["backward"], bwd),
-                        step_forward=min(best["step_forward"], timing["step_forward"]),
-                        step_backward=min(best["step_backward"], timing["step_backward"]))
-    assert best is not None
-    # the step's own forward and backward, timed without hooks (their cost is not the model's): once, the
-    # least with the hooked steps' (each real step here is one more call of the user's training step)
-    if not long:
+        return timing, log.ops if log is not None else None
+
+    def unhooked_step(self, best: dict[str, Any]) -> None:
+        """One step without hooks: ``best``'s step times become the least with its own."""
+        clock = self.clock
         marks = {"start": clock.mark()}
-        with fresh_grads(targets):
-            run_step(model, args, kwargs, loss_fn, on=lambda event: marks.__setitem__(event, clock.mark()))
+        with fresh_grads(self.targets):
+            run_step(self.model, self.args, self.kwargs, self.loss_fn,
+                     on=lambda event: marks.__setitem__(event, clock.mark()))
         best["step_forward"] = min(best["step_forward"], clock.seconds(marks["start"], marks["loss"]))
         best["step_backward"] = min(best["step_backward"], clock.seconds(marks["loss"], marks["backward"]))
-    # each operator's time again, warm (step 0's were the first calls): keep the lesser of the two
-    # (not for a model wrapped by FSDP2 or DDP: a forward without backward leaves FSDP2's parameters
-    # unsharded and DDP waiting for a reduction; its operator times only rank selective options, which the
-    # hooks path such models take does not offer); a long step's are the plain forward's, given by the caller
-    new_step()
-    warm = warm_ops if long and warm_ops is not None else () if distributed else \
-        log_forward(lambda: loss_fn(model(*args, **kwargs)), device, pre)
-    new_step()
-    if [o.name for o in warm] == [o.name for o in forward_ops]:
-        forward_ops = tuple(LoggedOp(a.name, a.sizes, min(a.seconds, b.seconds)) for a, b in zip(forward_ops, warm))
-    for name in checkpointed:
-        mods[name].forward.recompute_timer = None
-    times = UnitTimes(forward_s=best["forward"], recompute_s=best["recompute"], backward_s=best["backward"],
-                      mutated_buffers=best["mutated"], step_forward_s=best["step_forward"],
-                      step_backward_s=best["step_backward"])
-    return times, forward_ops
 
 
 def checkpoint_overhead(device: torch.device, reps: int = 30) -> CheckpointOverhead:
