@@ -11,7 +11,7 @@ to the next::
                Profile + plan           -> predicted peak (simulate: the one definition), rows for the ILP;
                                                         compiled programs' memory, extrapolation (no torch)
     solve/     Profile + budget         -> Plan         ILP (PuLP/CBC) and the hand rules
-    rewrite    Plan                     -> the model, checkpointed in place (reversible)
+    rewrite/   Plan                     -> the model, checkpointed in place (reversible)
     check/     plain vs checkpointed    -> measured steps, EquivalenceReport
 
 The front doors: ``api/`` (below; ``api/source.py``: where a step's costs come from, measured here), ``cli/``,

@@ -1,4 +1,4 @@
-"""Note [Is the gradient its own loss's?] (remat.check.verify): where a checkpointed step differs from the plain one,
+"""Note [Is the gradient its own loss's?] (remat.check.slope): where a checkpointed step differs from the plain one,
 the equivalence check tells a forward that computed another loss (its gradient right for it) from a
 recomputation that computed otherwise than its forward (the gradient silently wrong), by the loss's slope along
 gradient directions, from the gradient and from central differences of the checkpointed loss itself.

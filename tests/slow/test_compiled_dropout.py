@@ -4,7 +4,7 @@ remat.rewrite): the planned compiled step draws what the plain compiled step dra
 other masks (these tests failed before: loss 0.72289 against 0.72129 with Dropout2d, 0.72287 against 0.72533
 with Dropout); where inductor orders the two programs' random kernels otherwise, the recomputation still draws
 its forward's numbers; and remat proves its plan on compiled steps before it returns it (Note [Compiled plans
-are proved] in remat.check.verify), a proof that can fail."""
+are proved] in remat.check.compiled), a proof that can fail."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def test_a_plan_drawing_other_numbers_is_taken_only_with_its_own_gradient(monkey
     gradient to be its own loss's and the two steps equal with dropout off, and says so in the plan's note."""
     replay = functools.partial(remat.rewrite.keep_ops_contexts, (), False)
     replay.cache_hash = "test: random operators replayed"  # (AOTAutograd's cache must not take remat's policy)
-    monkeypatch.setattr(remat.rewrite, "KEEP_RANDOM", replay)
+    monkeypatch.setattr(remat.rewrite.call, "KEEP_RANDOM", replay)
     model, x, loss_fn = dropout_unet()
     compiled = torch.compile(model)
     with random_numbers(True):
@@ -139,7 +139,7 @@ def test_the_proof_fails_where_the_planned_step_computes_otherwise(monkeypatch):
         out = real(*a, **kw)
         return out * (1 + 1e-3) if torch.compiler.is_compiling() else out
 
-    monkeypatch.setattr(remat.rewrite, "_checkpointed_call", scaled)
+    monkeypatch.setattr(remat.rewrite.forwards, "_checkpointed_call", scaled)
     model, x, loss_fn = dropout_unet()
     compiled = torch.compile(model)
     before = copy.deepcopy(model.state_dict())

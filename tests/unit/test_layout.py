@@ -26,3 +26,57 @@ def test_every_room_has_a_docstring():
     for p in _entries():
         path = p / "__init__.py" if p.is_dir() else p
         assert ast.get_docstring(ast.parse(path.read_text())), f"{path.relative_to(SRC)} has no docstring"
+
+
+def _python_files() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+def test_short_rooms():
+    """No module over 400 lines, no function over 80 (from its ``def`` to its last line)."""
+    long_modules = [(str(p.relative_to(SRC)), n) for p in _python_files()
+                    if (n := len(p.read_text().splitlines())) > 400]
+    assert long_modules == []
+    long_functions = []
+    for p in _python_files():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long_functions.append((str(p.relative_to(SRC)), node.name, node.end_lineno - node.lineno + 1))
+    assert long_functions == []
+
+
+def test_errors_remat_raises_are_its_own():
+    """Every exception remat raises on purpose is a RematError; the builtin NotImplementedError marks abstract
+    methods only."""
+    builtins = {"ValueError", "TypeError", "RuntimeError", "KeyError", "IndexError", "AssertionError", "Exception",
+                "AttributeError", "ImportError", "OSError"}
+    found = []
+    for p in _python_files():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(exc, ast.Name) and exc.id in builtins:
+                    found.append((str(p.relative_to(SRC)), node.lineno, exc.id))
+    assert found == []
+
+
+def test_no_module_imports_a_package_above_it():
+    """A module of remat imports stages and shared ground by their own modules, never the package it sits in (nor
+    remat's top), at module level or inside a function (imports for type checkers only, which never run, aside)."""
+    up = []
+    for p in _python_files():
+        rel = p.relative_to(SRC.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        tree = ast.parse(p.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                       for n in ast.walk(block)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            elif isinstance(node, ast.ImportFrom) and node.module and name.startswith(node.module + ".") \
+                    and not (rel.name == "__init__" and node.module == name):
+                up.append((name, node.module))
+            elif isinstance(node, ast.Import):
+                up += [(name, a.name) for a in node.names if name.startswith(a.name + ".")]
+    assert up == []

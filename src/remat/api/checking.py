@@ -45,12 +45,12 @@ log = logging.getLogger(__name__)
 
 def proved_compiled(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, loop: CompiledLoop,
                     compare: CompiledComparison | None) -> str:
-    """Note [Compiled plans are proved] in remat.check.verify: the plan's compiled step against the plain compiled
+    """Note [Compiled plans are proved] in remat.check.compiled: the plan's compiled step against the plain compiled
     step (as compared while the plan was measured, where it was and agreed; else compiled again here); the
     plan's note on success, EquivalenceError where they differ. ``compare`` None: a distributed loop."""
     if compare is None:
         return ("the compiled planned step was not compared with the plain compiled step (a distributed loop: "
-                "Note [Compiled plans are proved] in remat.check.verify runs in one process)")
+                "Note [Compiled plans are proved] in remat.check.compiled runs in one process)")
     if not plan.checkpointed:
         return "nothing checkpointed: the compiled step is the plain compiled step"
     report = compare.reports.get(plan.checkpointed)
@@ -60,7 +60,7 @@ def proved_compiled(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, los
         name, diff = report.worst(1)[0] if report.max_abs_diff else ("", 0.0)
         return (f"proved on one compiled step: loss, outputs, gradients and buffers equal the plain compiled "
                 f"step's within rtol {report.rtol:g} ({len(report.max_abs_diff)} tensors; largest difference "
-                f"{diff:.2e}, {name}; Note [Compiled plans are proved] in remat.check.verify)")
+                f"{diff:.2e}, {name}; Note [Compiled plans are proved] in remat.check.compiled)")
     own = report.slope is not None and report.slope.consistent
     alike = check_compiled_plan(model, plan, args, kwargs, loss_fn, loop, deterministic=True) if own else None
     if alike is not None and alike.equal:
@@ -68,14 +68,14 @@ def proved_compiled(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, los
                 f"compiled step (rtol {alike.rtol:g}, {len(alike.max_abs_diff)} tensors); in training it draws "
                 f"other random numbers than the plain compiled step (inductor orders the two programs' random "
                 f"kernels as it schedules each; loss {float(report.max_abs_diff.get('loss', 0.0)):.2e} apart), and "
-                f"{report.slope} (Note [Compiled plans are proved] in remat.check.verify)")
+                f"{report.slope} (Note [Compiled plans are proved] in remat.check.compiled)")
     raise EquivalenceError(
         f"{report if alike is None else alike}\nUnder {loop}, the planned step does not compute what the plain "
         f"compiled step computes (checkpointed: {list(plan.checkpointed)}"
         f"{'' if alike is None else ', compared with every module in eval mode'}); the model is as it was. " + (
             "Its gradient is not its own loss's: do not train with this plan. " if not own else "") +
         "Plan the eager step with compile=False, and report this with the printout (Note [Compiled plans are "
-        "proved] in remat.check.verify).")
+        "proved] in remat.check.compiled).")
 
 
 def _ranks_reading(ranks: Ranks | None, reading: CompiledReading) -> CompiledReading:
@@ -160,7 +160,7 @@ def checked_reading(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, los
     """:func:`peak_with_plan`, and with ``loop`` what the programs inductor generated for the step say of its
     memory, read as they are compiled, before the measured step (Note [Compiled programs] in
     remat.costs.compiled_memory; None where they cannot be read). ``compare``: the step that compiles the plan is
-    also the one compared with the plain compiled step (Note [Compiled plans are proved] in remat.check.verify)."""
+    also the one compared with the plain compiled step (Note [Compiled plans are proved] in remat.check.compiled)."""
     remove_checkpointing(model)
     checkpoint_plan(model, plan)
     program = None

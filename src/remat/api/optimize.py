@@ -29,20 +29,10 @@ log = logging.getLogger(__name__)
 
 
 def optimize_checkpointing(
-    model: nn.Module,
-    budget_gb: float,
-    example_inputs: Any,
-    *,
-    loss_fn: LossFn | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    time_limit_s: float | None = 60.0,
-    check: bool = True,
-    granularity: str = "op",
-    output_alive: bool = True,
-    grad_accumulation: bool = False,
-    zero_grad_after_forward: bool = False,
-    timeout_s: float | None = None,
-    compile: bool | dict | None = None,
+    model: nn.Module, budget_gb: float, example_inputs: Any, *, loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None, time_limit_s: float | None = 60.0, check: bool = True,
+    granularity: str = "op", output_alive: bool = True, grad_accumulation: bool = False,
+    zero_grad_after_forward: bool = False, timeout_s: float | None = None, compile: bool | dict | None = None,
 ) -> Plan:
     """Checkpoint ``model``'s submodules in place so a training step fits ``budget_gb``.
 
@@ -71,10 +61,8 @@ def optimize_checkpointing(
     also considers checkpointing units *selectively* (``name@ops<k>``: one of a menu of policies per
     unit that keep the outputs of some operators, such as the matmuls, and recompute the cheap rest),
     and uses such a plan only where it is predicted to save at least 5% of the block-level plan's
-    recompute (Note [Selective margin] in remat.solve); ``"block"`` checkpoints whole units only. "op"
-    is the default because in benchmarks/selective.py op-level plans measured faster than, or within
-    the timing noise of, block-level plans at every budget, with 0.25-0.68x their overhead halfway
-    between "every block" and no checkpointing on 512-wide decoders (CPU).
+    recompute (Note [Selective margin] in remat.solve); ``"block"`` checkpoints whole units only ("op" is the
+    default: docs/plans.md#selective-op-level-checkpointing says why).
 
     Mutates ``model`` (the chosen submodules' ``forward`` is checkpointed) and returns the
     :class:`Plan`. On any error the model, its gradients, buffers and the RNG state are left
@@ -87,21 +75,16 @@ def optimize_checkpointing(
     None (the default) detects it: a model wrapped by ``torch.compile`` or with submodules compiled in place
     (``block.compile()``, torchtitan's order) is planned for its compiled step; False plans the eager step.
     The predicted and checked peaks are then the compiled step's, measured by the allocator (CUDA) or the
-    profiler's allocator-level memory events (CPU) on compiled steps of 1-7 plans (one compile each, the cost
-    of compiled planning: 1 when the budget needs no checkpointing, 3 to refuse one below the least peak); a
-    whole model compiled by inductor is predicted from what its generated program allocates (Note [Compiled
-    programs] in remat.costs.compiled_memory). Regions (Note [Regions] in remat.capture) are not offered for a compiled loop. The
-    model is profiled eagerly (the module ``torch.compile`` wraps) and recompiles on its next call (Note
-    [Under torch.compile] in remat.rewrite).
+    profiler's allocator-level memory events (CPU) on compiled steps of 1-7 plans (one compile each); the model
+    is profiled eagerly and recompiles on its next call (docs/compile.md).
 
     Distributed training (FSDP2 ``fully_shard``, DDP): call it on every rank, on the model as it will
     train; ``budget_gb`` is per rank. Every rank gets the same plan (Note [One plan for every rank] in
     remat.runtime.distributed); ``timeout_s`` bounds the wait for the other ranks (default 300 s).
     """
     req = request(model, budget_gb, example_inputs, loss_fn=loss_fn, optimizer=optimizer, time_limit_s=time_limit_s,
-                   check=check, granularity=granularity, output_alive=output_alive,
-                   grad_accumulation=grad_accumulation, zero_grad_after_forward=zero_grad_after_forward,
-                   timeout_s=timeout_s, compile=compile)
+                  check=check, granularity=granularity, output_alive=output_alive, grad_accumulation=grad_accumulation,
+                  zero_grad_after_forward=zero_grad_after_forward, timeout_s=timeout_s, compile=compile)
     model = req.model
     notes, undo = prepare_hf_for_training(model)
     notes += tuple(n for n in (compiled_nothing_note(model),) if n)
@@ -123,8 +106,7 @@ def optimize_checkpointing(
     except BaseException:
         undo()
         raise
-    log.info("remat: checkpointed %d units; predicted peak %d bytes", len(plan.checkpointed),
-             plan.predicted_peak_bytes)
+    log.info("remat: checkpointed %d units; predicted peak %d bytes", len(plan.checkpointed), plan.predicted_peak_bytes)
     return plan
 
 

@@ -19,62 +19,43 @@ cannot be deep-copied), with a column of per-rank peaks. ``verify`` compares dee
 from __future__ import annotations
 
 import argparse
-import io
-import math
 import os
 import platform
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-from remat import (
-    Plan,
-    Planner,
-    RematError,
-    __version__,
-    apply_plan,
-    check_equivalence,
-    make_profile,
-    measure_step,
-    optimize_checkpointing,
-    remove_checkpointing,
-)
-from remat.api import validate
-from remat.capture import composite_modules
-from remat.costs.unit_costs import is_selective
-from remat.check.steps import warm_up
-from remat.solve.plan import GiB, fmt_bytes, policy_summary
+from remat._compat.versions import REMAT_VERSION as __version__
+from remat.api import apply_plan, optimize_checkpointing
+from remat.check.steps import measure_step
+from remat.check.verify import check_equivalence
+from remat.errors import RematError
+from remat.solve import Planner
+from remat.solve.plan import Plan
+from remat.solve.plan import GiB, fmt_bytes
 from remat.sweeps.report import plot_rows, plot_sizes, rows_to_json, tradeoff
-from remat.rewrite import checkpoint_modules
-from remat.cli.targets import resolve_target
-
-OPTIMIZERS = {
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
-    "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
-    "none": None,
-}
-
-
-class UsageError(Exception):
-    """A mistake on the command line: reported in one line, exit status 2."""
-
-
-def _gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of GiB: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"a budget must be a positive number of GiB, got {text!r}")
-    return value
-
-
-def _gib_list(text: str) -> list[float]:
-    return [_gib(t.strip()) for t in text.split(",") if t.strip()]
+# the shared pieces and the printing, re-exported: importable from here as before the split
+from remat.cli.common import (  # noqa: F401 - re-exported
+    OPTIMIZERS,
+    UsageError,
+    _compile_args,
+    _compile_setting,
+    _console,
+    _device,
+    _gib,
+    _gib_list,
+    _header,
+    _plot,
+    _profile,
+    _quiet,
+    _rank,
+    _target,
+)
+from remat.cli.render import _compiled_footer, _eager_footer, _print_profile, _tradeoff_table  # noqa: F401 - re-exported
+from remat.cli.targets import resolve_target  # noqa: F401 - re-exported
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,88 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _compile_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
-                        help="the loop trains the model under torch.compile (default backend: inductor): plan and "
-                             "check the compiled step (1-7 compiles per budget)")
-    parser.add_argument("--compile-mode", metavar="MODE", help="torch.compile mode the loop uses (with --compile)")
-
-
-def _compile_setting(args) -> dict | bool:
-    """``optimize_checkpointing``'s ``compile`` from --compile and --compile-mode (False: eager)."""
-    backend, mode = getattr(args, "compile", None), getattr(args, "compile_mode", None)
-    if mode and not backend:
-        raise UsageError("--compile-mode goes with --compile")
-    return {k: v for k, v in (("backend", backend), ("mode", mode)) if v} if backend else False
-
-
-def _device(arg: str | None) -> torch.device:
-    if arg == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu")
-    device = torch.device(arg or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per rank under torchrun
-    return device
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _quiet(console):
-    from rich.console import Console
-
-    return Console(file=io.StringIO(), stderr=console.stderr)
-
-
-def _console():
-    from rich.console import Console
-
-    out = Console()
-    if not out.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
-        out = Console(width=160)
-    return out, Console(stderr=True)
-
-
-def _target(args) -> tuple[Any, Any, Any, str, torch.device]:
-    device = _device(args.device)
-    options = dict(layers=args.layers, batch_size=args.batch_size, seq_len=args.seq_len, d_model=args.d_model,
-                   image_size=args.image_size, depth=args.depth)
-    model, inputs, loss_fn, desc = resolve_target(args.target, device=device, options=options)
-    return model, inputs, loss_fn, desc, device
-
-
-def _profile(args, model, inputs, loss_fn, device, status):
-    factory = OPTIMIZERS[args.optimizer]
-    optimizer = factory(model.parameters()) if factory else None
-    validate(model, 1.0, inputs)  # the user's mistakes before the warm-up runs the model
-    warmup_s = getattr(args, "warmup", 0.0)
-    if warmup_s > 0 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # (a deep copy: not for sharded models)
-        # Note [Warm-up] in remat.sweeps.report: a fresh process runs its first steps slow, and profiling
-        # measures times too. Warm up with the top-level composite modules checkpointed (little memory).
-        status("warming up")
-        comp = composite_modules(model)
-        top = [c for c in comp if not any(c.startswith(o + ".") for o in comp)]
-        checkpoint_modules(model, top)
-        try:
-            warm_up(model, inputs, loss_fn=loss_fn, optimizer_factory=factory, seconds=warmup_s)
-        finally:
-            remove_checkpointing(model)
-    status(f"profiling {type(model).__name__} on {device}")
-    return make_profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer,
-                        output_alive=not args.output_dropped), optimizer
-
-
-def _header(out, desc: str, device: torch.device, args) -> None:
-    out.print(f"[bold]remat[/bold] {__version__} · target {desc} · {device} · optimizer {args.optimizer} · "
-              f"torch {torch.__version__}")
-
-
 def cmd_tradeoff(args, out, err) -> int:
-    from rich.table import Table
-
     model, inputs, loss_fn, desc, device = _target(args)
     compile = _compile_setting(args)
     _header(out, desc, device, args)
@@ -248,36 +148,9 @@ def cmd_tradeoff(args, out, err) -> int:
                         granularities={"block": ("block",), "op": ("op",), "both": ("block", "op")}[args.granularity],
                         progress=st.update, compile=compile)
     planner_min = min((r.predicted_peak_bytes for r in rows if r.predicted_peak_bytes), default=None)
-    table = Table(title="memory / step-time tradeoff of one training step", title_justify="left")
-    for col, just in [("budget", "right"), ("strategy", "left"), ("units", "right"),
-                      ("peak\npredicted", "right"), ("peak\nmeasured", "right"), ("budget\nmet", "center"),
-                      ("step time\npredicted", "right"), ("step time\nmeasured", "right"),
-                      ("overhead\nmeasured", "right"), ("solve\ntime", "right")]:
-        table.add_column(col, justify=just, no_wrap=True)
-    per_rank = any(r.measured_peak_per_rank_bytes for r in rows)
-    if per_rank:
-        table.add_column("peak measured\nper rank (MiB)", justify="right", no_wrap=True)
-    for r in rows:
-        ms = (lambda s: "-" if s is None else f"{s * 1e3:.1f} ms")
-        table.add_row(
-            fmt_bytes(r.budget_bytes), r.strategy if r.status != "infeasible" else f"{r.strategy} (infeasible)",
-            (f"{r.units}" + (f" ({sel} @ops)" if (sel := sum(is_selective(u) for u in r.checkpointed)) else ""))
-            if r.status != "infeasible" else "-",
-            fmt_bytes(r.predicted_peak_bytes) if r.predicted_peak_bytes is not None else r.note,
-            fmt_bytes(r.measured_peak_bytes), {True: "yes", False: "[red]NO[/red]", None: "-"}[r.budget_met],
-            ms(r.predicted_step_time_s), ms(r.measured_step_time_s),
-            "-" if r.measured_overhead is None else f"{r.measured_overhead:+.1%}",
-            "-" if r.solve_time_s is None else f"{r.solve_time_s:.2f} s",
-            *([" / ".join(f"{p / 2**20:.2f}" for p in r.measured_peak_per_rank_bytes) or "-"] if per_rank else []),
-        )
-    out.print(table)
+    out.print(_tradeoff_table(rows))
     if compile:  # Note [Compiled tradeoff] in remat.sweeps.report
-        settings = ", ".join(f"{k}={v}" for k, v in compile.items())
-        out.print(f"every row compiled with torch.compile ({settings}): peak measured on a "
-                  f"compiled step ({'the CUDA allocator' if device.type == 'cuda' else 'the profiler allocator-level memory events'}, "
-                  "optimizer as profiled); predicted: remat's calibrated compiled prediction, made before the plan was "
-                  f"measured; step time the median of {args.repeats} compiled forward and backward passes plus the "
-                  "profiled optimizer step. Hand rules' peaks are the measured points the calibration starts from.")
+        _compiled_footer(out, compile, device, args)
     else:
         _eager_footer(out, rows, profile, device, args, planner_min)
     meta = dict(target=desc, device=str(device), optimizer=args.optimizer, torch=torch.__version__,
@@ -290,30 +163,6 @@ def cmd_tradeoff(args, out, err) -> int:
     if args.plot and _rank() == 0:
         _plot(out, args.plot, lambda path: plot_rows(rows, path, f"{desc} on {device}"))
     return 0
-
-
-def _eager_footer(out, rows, profile, device, args, planner_min) -> None:
-    per_rank = any(r.measured_peak_per_rank_bytes for r in rows)
-    out.print(f"predicted: remat's memory model over one profile (capture: {profile.capture_path}, memory "
-              f"recorded on {profile.memory_recorded_with} tensors); measured: real training steps, peak as "
-              f"{'the CUDA allocator' if device.type == 'cuda' else 'live tensor storages (CPU)'}, step time the "
-              + (f"median of {args.repeats} steps, the slowest rank's, each plan measured in place on every rank "
-                 f"(the target's model is trained by these steps). " if per_rank else
-                 f"median of {2 * args.repeats if device.type == 'cpu' else args.repeats} steps"
-                 f"{' (plans interleaved round-robin, each applied in turn to one copy of the model)' if device.type == 'cpu' else ''}. ")
-              + f"Least achievable peak (predicted): {fmt_bytes(planner_min)}."
-              + (" remat-op: remat's plan with selective units allowed; (k @ops): k units checkpointed "
-                 "selectively (keeping some operators' outputs)." if any(r.strategy == "remat-op" for r in rows)
-                 else ""))
-
-
-def _plot(out, path: Path, draw) -> None:
-    """``draw(path)``, or the one-line usage error when matplotlib is missing."""
-    try:
-        draw(path)
-    except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'remat[plot]'") from None
-    out.print(f"plot written to {path}")
 
 
 def _optimize(args, model, inputs, loss_fn) -> Plan:
@@ -360,34 +209,12 @@ def _per_rank_peaks(model, inputs, loss_fn, device: torch.device, plan: Plan, ou
 
 
 def cmd_profile(args, out, err) -> int:
-    from rich.table import Table
-
     model, inputs, loss_fn, desc, device = _target(args)
     _header(out, desc, device, args)
     with err.status("profiling") as st:
         profile, _ = _profile(args, model, inputs, loss_fn, device, st.update)
     planner = Planner(profile, time_limit_s=args.time_limit)
-    out.print(f"capture: {profile.capture_path}; memory recorded on {profile.memory_recorded_with} tensors; "
-              f"measured plain step {profile.step_time_s * 1e3:.1f} ms (forward {profile.forward_s * 1e3:.1f}, "
-              f"backward {profile.backward_s * 1e3:.1f}, optimizer {profile.optimizer_s * 1e3:.1f})")
-    out.print(f"fixed memory: parameters {fmt_bytes(profile.params_bytes)}, gradients {fmt_bytes(profile.grads_bytes)}, "
-              f"optimizer state [{profile.optimizer}] {fmt_bytes(profile.optimizer_state_bytes)}, buffers "
-              f"{fmt_bytes(profile.buffers_bytes)}, inputs {fmt_bytes(profile.inputs_bytes)}")
-    out.print(f"peak (predicted): {fmt_bytes(planner.baseline_peak_bytes)} without checkpointing, "
-              f"{fmt_bytes(planner.min_peak_bytes)} at least")
-    table = Table(title=f"units: times measured (a segment's recompute derived from its parts; a selective "
-                        f"@ops unit's from its operators' measured times), "
-                        f"bytes recorded on {profile.memory_recorded_with} tensors", title_justify="left")
-    for col in ["unit", "forward", "recompute", "backward", "GFLOP", "saved for bwd", "freed if ckpt", "note"]:
-        table.add_column(col, justify="left" if col in ("unit", "note") else "right")
-    ms = (lambda s: "-" if s is None else f"{s * 1e3:.2f} ms")
-    for u in profile.units:
-        note = u.excluded or ("" if u.drops else "frees nothing") or (policy_summary(u.saved_ops) if u.saved_ops else "")
-        table.add_row(u.name, ms(u.forward_s), ms(u.recompute_s), ms(u.backward_s), f"{u.flops / 1e9:.3f}",
-                      fmt_bytes(u.saved_bytes), fmt_bytes(u.droppable_bytes), note)
-    out.print(table)
-    for n in profile.notes:
-        out.print(f"note: {n}")
+    _print_profile(out, profile, planner)
     if args.json and _rank() == 0:  # (under torchrun: rank 0's profile)
         args.json.write_text(profile.to_json())
         out.print(f"profile written to {args.json}")

@@ -59,7 +59,7 @@ def cache_dir() -> Path | None:
 
 def machine(device: torch.device) -> dict[str, Any]:
     """What decides the times on this machine besides the step itself."""
-    from remat import __version__
+    from remat._compat.versions import REMAT_VERSION as __version__
 
     m: dict[str, Any] = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                          "threads": torch.get_num_threads(), "torch": torch.__version__, "remat": __version__,

@@ -5,4 +5,11 @@ step run and metered (:mod:`~remat.runtime.measure`: one step, one clock, one pe
 snapshotted and given back (:mod:`~remat.runtime.state`), and the loop described: compiled
 (:mod:`~remat.runtime.compiled`: ``torch.compile`` whole or per block) or distributed
 (:mod:`~remat.runtime.distributed`: FSDP2, DDP, tensor parallel; one plan for every rank).
+
+- ``measure``      one training step, its clock and loss (run_step, Clock, default_loss)
+- ``tracker``      StorageTracker: the storages a step allocates and frees, at dispatch level
+- ``meters``       the peak meters (StepMeter, AllocatorMeter, measure_peak)
+- ``state``        snapshot and restore of what remat may touch
+- ``compiled``     how the loop compiles (CompiledLoop)
+- ``distributed``  FSDP2, DDP, tensor parallel: ranks met, profiles gathered, one plan
 """

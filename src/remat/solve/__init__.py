@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 
 from remat.costs.unit_costs import Profile, is_selective
 from remat.errors import InfeasibleBudgetError, InvalidInputError, UnsupportedError
+from remat.solve.calibrated import UNDER_COMPILE
 from remat.solve.plan import Plan, fmt_bytes
 from remat.costs.simulate import MemoryModel, WorstRankModel
 from remat.solve.ilp import min_peak, solve_ilp
@@ -55,10 +56,6 @@ def _shorter(limit_s: float | None, cap_s: float) -> float:
     return cap_s if limit_s is None else min(limit_s, cap_s)
 
 
-#: the note on every eager plan that checkpoints something (Note [Compiled steps] in remat.solve.calibrated);
-#: figures from benchmarks/compiled.py (GPT, CPU)
-UNDER_COMPILE = ("planned for the eager step: if your loop compiles the model, plan with compile=True (or a dict of "
-                 "its torch.compile settings): compiled peaks were 0.87-1.23x the eager prediction on the built-in GPT")
 
 
 class Planner:

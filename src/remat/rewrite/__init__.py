@@ -1,0 +1,42 @@
+"""Checkpoint chosen units in place, and undo it.
+
+In: the model and a Plan (:mod:`remat.solve.plan`: the units to checkpoint, the buffers each replays, the
+policy of each selective unit), or the units by name. Out: the model, checkpointed in place and reversibly
+(``remove_checkpointing`` undoes it): parameters, ``state_dict`` keys and hooks untouched.
+
+A unit is a submodule by qualified name (``h.3``, ``h.3.mlp``) or a *segment*: a contiguous run of
+the children of an ``nn.Sequential`` (``blocks[0:4]``, ``[2:5]`` for a Sequential root), checkpointed
+as one piece as ``torch.utils.checkpoint.checkpoint_sequential`` does, or a *region* of a module's
+forward between two of its submodule calls (``up.2[conv1:conv2]``, ``up.2[conv2:]``; Note [Regions] in
+remat.capture). A module unit with the suffix
+``@ops<k>`` (``h.3.mlp@ops2``) is checkpointed *selectively*, with its own policy.
+
+The package, stage by stage (each Note lives with the code it describes):
+
+- :mod:`~remat.rewrite.policy`: the selective policy and what it keeps (Note [Selective checkpointing],
+  Note [Random operators under compile], Note [Operators named alike under compile]);
+- :mod:`~remat.rewrite.call`: one checkpointed call (Note [Buffers replay], Note [Under torch.compile]);
+- :mod:`~remat.rewrite.forwards`: the ``forward`` callables remat installs (Note [Checkpoint the forward,
+  not the module]);
+- :mod:`~remat.rewrite.eager`: the blocks ``Module.compile()`` leaves eager (Note [Blocks Module.compile()
+  leaves eager]);
+- :mod:`~remat.rewrite.install`: unit names parsed and checked, ``checkpoint_modules``, ``checkpoint_plan``
+  and ``remove_checkpointing``.
+
+Every name is re-exported here. An attribute set on ``remat.rewrite`` (a test's ``monkeypatch.setattr`` of
+``draws_random``, ``KEEP_RANDOM`` or ``_checkpointed_call``) is set too in each of its modules that holds the
+same object, where the code calling it looks it up (``_Package``).
+"""
+
+from __future__ import annotations
+
+from remat.rewrite import call, eager, forwards, install, policy  # noqa: F401
+from remat.rewrite.call import _checkpointed_call  # noqa: F401
+from remat.rewrite.eager import (_LEFT_EAGER, keep_compiled_nothing_eager, left_eager, restore_set_aside,  # noqa: F401
+                                 set_aside)
+from remat.rewrite.forwards import (CheckpointedForward, RegionForward, SegmentedForward, _buffers, _RematForward,  # noqa: F401
+                                    _rebuild, is_checkpointed)
+from remat.rewrite.install import (check_units, checkpoint_modules, checkpoint_plan, checkpointed_modules,  # noqa: F401
+                                   parse_unit, remove_checkpointing)
+from remat.rewrite.policy import (_POLICY_CODE, KEEP_RANDOM, PolicyNames, _policy_code, compiled_policy,  # noqa: F401
+                                  draws_random, keep_ops, keep_ops_contexts)
