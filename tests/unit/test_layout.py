@@ -80,3 +80,38 @@ def test_no_module_imports_a_package_above_it():
             elif isinstance(node, ast.Import):
                 up += [(name, a.name) for a in node.names if name.startswith(a.name + ".")]
     assert up == []
+
+
+def test_no_import_cycle_between_modules():
+    """The module-level imports of remat's modules form no cycle (imports inside functions and for type checkers
+    aside: they run after every module is loaded)."""
+    modules = {}
+    for p in _python_files():
+        rel = p.relative_to(SRC.parent).with_suffix("")
+        modules[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = p
+    graph = {}
+    for name, p in modules.items():
+        deps = set()
+        for node in ast.parse(p.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("remat"):
+                deps.add(node.module)
+                deps |= {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in modules and d != name}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(u: str, path: list[str]) -> None:
+        state[u] = 1
+        for v in sorted(graph[u]):
+            if state.get(v) == 1:
+                cycles.append(path[path.index(v):] + [v])
+            elif v not in state:
+                visit(v, path + [v])
+        state[u] = 2
+
+    for u in sorted(graph):
+        if u not in state:
+            visit(u, [u])
+    assert cycles == []
