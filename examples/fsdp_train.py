@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 
 import remat
 from remat.examples import make_gpt
-from remat.plan import fmt_bytes
+from remat.solve.plan import fmt_bytes
 
 
 def measured_peak(model, batch, optimizer, device: torch.device, ddp: bool) -> int:

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 import remat
-from remat.plan import fmt_bytes
+from remat.solve.plan import fmt_bytes
 
 
 def build(seq_len: int = 128, batch_size: int = 8):

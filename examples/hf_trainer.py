@@ -20,7 +20,7 @@ import transformers
 
 import remat
 from remat.integrations.transformers import RematCallback
-from remat.plan import fmt_bytes
+from remat.solve.plan import fmt_bytes
 
 
 def build_model():

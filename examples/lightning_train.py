@@ -22,7 +22,7 @@ from torch import nn
 import remat
 from remat.examples import GPT
 from remat.integrations.lightning import RematCallback
-from remat.plan import fmt_bytes
+from remat.solve.plan import fmt_bytes
 
 SEQ, VOCAB = 128, 1024
 

@@ -15,7 +15,7 @@ import torch
 
 import remat
 from remat.examples import make_gpt
-from remat.plan import fmt_bytes
+from remat.solve.plan import fmt_bytes
 
 
 def main() -> None:
