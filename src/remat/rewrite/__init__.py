@@ -23,9 +23,9 @@ The package, stage by stage (each Note lives with the code it describes):
 - :mod:`~remat.rewrite.install`: unit names parsed and checked, ``checkpoint_modules``, ``checkpoint_plan``
   and ``remove_checkpointing``.
 
-Every name is re-exported here. An attribute set on ``remat.rewrite`` (a test's ``monkeypatch.setattr`` of
-``draws_random``, ``KEEP_RANDOM`` or ``_checkpointed_call``) is set too in each of its modules that holds the
-same object, where the code calling it looks it up (``_Package``).
+Every name is re-exported here. A name is looked up in the module that uses it: to replace one (a test's
+``monkeypatch.setattr``), set it there (``remat.rewrite.policy.draws_random``, ``remat.rewrite.call.KEEP_RANDOM``,
+``remat.rewrite.forwards._checkpointed_call``).
 """
 
 from __future__ import annotations

@@ -29,19 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from remat._compat import (  # noqa: F401 - some are re-exported: importable from here as before the split
-    FakeTensor,
-    TorchDispatchMode,
-    active_fake_mode,
-    is_dtensor_class,
-    local_tensor,
-    storage_key,
-    untyped_storage_key,
-    rng_states_reported,
-    storage_resizes_reported,
-    leaves_with_paths,
-    tree_flatten,
-)
+from remat._compat import is_dtensor_class, leaves_with_paths, tree_flatten
 from remat.errors import InvalidInputError
 # re-exported: the peak meters and the storage tracker moved out of this module
 from remat.runtime.meters import AllocatorMeter, StepMeter, measure_peak  # noqa: F401
