@@ -14,6 +14,10 @@ to the next::
     rewrite/   Plan                     -> the model, checkpointed in place (reversible)
     check/     plain vs checkpointed    -> measured steps, EquivalenceReport
 
+Costs come from one of two sources (``api/source.py``, Note [Where costs come from]): measured on this machine, or
+``target/``: modelled for a device and a world that are not here (a GPU from the table, FSDP2/TP at any world
+size on torch's fake process group, the CUDA caching allocator replayed; issue #39).
+
 The front doors: ``api/`` (below; ``api/source.py``: where a step's costs come from, measured here), ``cli/``,
 ``integrations/``. Built on the pipeline: ``sweeps/`` (the tradeoff
 table, the largest batch). Shared ground: ``runtime/`` (one training step, one clock, one peak meter; snapshots;
@@ -52,11 +56,14 @@ from remat.costs.simulate import PeakBreakdown
 from remat.sweeps.sizing import BatchSizeReport, SizeRow, max_batch
 from remat.solve import Planner
 from remat.check.verify import EquivalenceReport, assert_equivalent, check_equivalence
+from remat.target import DeviceSpec, Target
 
 from remat._compat.versions import REMAT_VERSION as __version__  # noqa: E402
 
 __all__ = [
     "optimize_checkpointing",
+    "Target",
+    "DeviceSpec",
     "make_profile",
     "Planner",
     "checked_plan",

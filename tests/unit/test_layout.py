@@ -14,9 +14,11 @@ def _entries() -> list[Path]:
                   if p.name not in ("__init__.py", "__main__.py", "__pycache__") and not p.name.endswith(".pyc"))
 
 
-def test_the_top_level_holds_at_most_fourteen_rooms_each_named_in_the_package_docstring():
+def test_the_top_level_holds_at_most_fifteen_rooms_each_named_in_the_package_docstring():
+    """Fourteen rooms for the pipeline measured here (#38), one more for the modelled target (#39): where costs
+    come from has two implementations, each a room of its own."""
     entries = _entries()
-    assert len(entries) <= 14, [p.name for p in entries]
+    assert len(entries) <= 15, [p.name for p in entries]
     for p in entries:
         name = p.name + "/" if p.is_dir() else p.stem
         assert name in remat.__doc__, f"{name} is not named in remat's docstring"

@@ -24,6 +24,7 @@ from remat.runtime.compiled import compiled_nothing_note, eager_submodules
 from remat.runtime.measure import LossFn
 from remat.runtime.state import preserved
 from remat.solve.plan import Plan
+from remat.target import ModelledTarget, Target
 
 log = logging.getLogger(__name__)
 
@@ -33,23 +34,20 @@ def optimize_checkpointing(
     optimizer: torch.optim.Optimizer | None = None, time_limit_s: float | None = 60.0, check: bool = True,
     granularity: str = "op", output_alive: bool = True, grad_accumulation: bool = False,
     zero_grad_after_forward: bool = False, timeout_s: float | None = None, compile: bool | dict | None = None,
+    target: Target | None = None,
 ) -> Plan:
     """Checkpoint ``model``'s submodules in place so a training step fits ``budget_gb``.
 
-    ``budget_gb`` is GiB (2**30 bytes) of peak memory on the model's device during one whole
-    training step -- forward, backward and optimizer step: parameters + gradients + optimizer
-    state + activations saved for backward + temporaries. ``example_inputs`` is one tensor, a
-    tuple of positional arguments or a dict of keyword arguments shaped like a real batch.
-    ``loss_fn(output)`` gives the scalar loss (default: :func:`default_loss`). ``optimizer``'s
-    state, as it is after a step, counts in the budget (None: no optimizer state counted); remat
-    never calls it (Note [Never call the user's optimizer]).
+    ``budget_gb`` is GiB (2**30 bytes) of peak memory on the model's device during one whole training step --
+    forward, backward and optimizer step: parameters + gradients + optimizer state + activations saved for
+    backward + temporaries. ``example_inputs``: a tensor, a tuple of positional or a dict of keyword arguments.
+    ``loss_fn(output)`` gives the scalar loss (default: :func:`default_loss`). ``optimizer``'s state after a
+    step counts in the budget (None: not counted); remat never calls it (Note [Never call the user's optimizer]).
 
-    ``output_alive`` says how the training loop treats the model's output (Note [Loop style] in
-    remat.profile): True (the default) when it stays referenced until the step ends
-    (``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``: nanoGPT, most hand-written
-    loops, Lightning's ``training_step`` when it returns the output), False when only the loss
-    survives the forward (Hugging Face Trainer's ``compute_loss``, torchtitan's ``del pred``). For
-    language models the output (logits) is often the largest single tensor. ``grad_accumulation``: the
+    ``output_alive`` says how the training loop treats the model's output (Note [Loop style] in remat.profile):
+    True (the default) when it stays referenced until the step ends (``out = model(x); loss = crit(out, y);
+    loss.backward(); opt.step()``: nanoGPT, most hand-written loops, Lightning's ``training_step`` when it returns
+    the output), False when only the loss survives the forward (Hugging Face Trainer, torchtitan's ``del pred``). ``grad_accumulation``: the
     loop accumulates gradients over several micro-batches before each optimizer step, so every micro-step
     but the first starts with all gradients allocated; the plan is made and checked for that micro-step
     (Note [Accumulated gradients] in remat.costs.unit_costs). ``zero_grad_after_forward``: the loop calls
@@ -64,10 +62,10 @@ def optimize_checkpointing(
     recompute (Note [Selective margin] in remat.solve); ``"block"`` checkpoints whole units only ("op" is the
     default: docs/plans.md#selective-op-level-checkpointing says why).
 
-    Mutates ``model`` (the chosen submodules' ``forward`` is checkpointed) and returns the
-    :class:`Plan`. On any error the model, its gradients, buffers and the RNG state are left
-    as they were. Raises ``InfeasibleBudgetError`` (with the least achievable peak) when no
-    plan fits, ``InvalidInputError`` for bad arguments.
+    Mutates ``model`` (the chosen submodules' ``forward`` is checkpointed) and returns the :class:`Plan`. On any
+    error the model, its gradients, buffers and the RNG state are left as they were. Raises
+    ``InfeasibleBudgetError`` (with the least achievable peak) when no plan fits, ``InvalidInputError`` for bad
+    arguments.
 
     ``compile``: the loop trains the model compiled, so the plan is made and checked for the compiled step
     (Note [Compiled steps] in remat.solve.calibrated): True (``torch.compile``'s defaults), or a dict of the
@@ -81,10 +79,13 @@ def optimize_checkpointing(
     Distributed training (FSDP2 ``fully_shard``, DDP): call it on every rank, on the model as it will
     train; ``budget_gb`` is per rank. Every rank gets the same plan (Note [One plan for every rank] in
     remat.runtime.distributed); ``timeout_s`` bounds the wait for the other ranks (default 300 s).
+
+    ``target``: plan for a device and world that are not here (:class:`remat.Target`, docs/targets.md).
     """
     req = request(model, budget_gb, example_inputs, loss_fn=loss_fn, optimizer=optimizer, time_limit_s=time_limit_s,
                   check=check, granularity=granularity, output_alive=output_alive, grad_accumulation=grad_accumulation,
-                  zero_grad_after_forward=zero_grad_after_forward, timeout_s=timeout_s, compile=compile)
+                  zero_grad_after_forward=zero_grad_after_forward, timeout_s=timeout_s, compile=compile,
+                  source=None if target is None else ModelledTarget(target))
     model = req.model
     notes, undo = prepare_hf_for_training(model)
     notes += tuple(n for n in (compiled_nothing_note(model),) if n)
@@ -119,6 +120,10 @@ def _planning_notes(req: Request, profile: Profile, started: float, profiled: fl
     if req.loop is not None and any(u.is_region for u in profile.candidates()):
         notes += ("regions of modules' forwards (Note [Regions] in remat.capture) are not offered for a "
                   "compiled loop: their forward runs a traced graph node by node, untested under compile",)
+    if isinstance(req.source, ModelledTarget):
+        return notes + (f"planning took {time.perf_counter() - started:.1f} s on this machine: the step recorded "
+                         f"on fake tensors {profiled - started:.1f} s, solve and the allocator's replay "
+                         f"{time.perf_counter() - profiled:.1f} s; nothing ran for real",)
     notes += (f"planning took {time.perf_counter() - started:.1f} s: profile {profiled - started:.1f} s, "
               f"solve{' and check' if req.check else ''} {time.perf_counter() - profiled:.1f} s (one plain step "
               f"measured {profile.step_time_s:.3f} s)" + (

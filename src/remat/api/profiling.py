@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -17,18 +17,21 @@ from remat._compat import uncompiled
 from remat.api.inputs import loop_grads, stage, validate
 from remat.capture import ModelGraph, capture
 from remat.costs.unit_costs import Profile
-from remat.profile import profile_model
+from remat.profile import Modelled, profile_model
 from remat.rewrite import remove_checkpointing
 from remat.runtime.compiled import eager_submodules
 from remat.runtime.distributed import Wrapping, wrapping_of
 from remat.runtime.measure import LossFn, default_loss, found_storages_are_fresh
 from remat.runtime.state import preserved
 
+if TYPE_CHECKING:
+    from remat.target import Target
+
 
 def make_profile(
     model: nn.Module, example_inputs: Any, *, loss_fn: LossFn | None = None,
     optimizer: torch.optim.Optimizer | None = None, output_alive: bool = True, grad_accumulation: bool = False,
-    zero_grad_after_forward: bool = False,
+    zero_grad_after_forward: bool = False, target: Target | None = None,
 ) -> Profile:
     """Capture and profile one training step of ``model`` on ``example_inputs`` (a tensor, a tuple of
     positional arguments or a dict of keyword arguments), for :class:`remat.Planner`: the measured
@@ -37,7 +40,17 @@ def make_profile(
     The model is left as it was, remat's own checkpointing included, and so are its gradients, buffers,
     ``optimizer`` (never called) and the RNG state. The step is profiled as remat will run it: without a
     KV cache or the model's own gradient checkpointing (Note [Hugging Face]), which are given back
-    afterwards."""
+    afterwards. ``target``: the step's costs predicted for a device and world that are not here (as in
+    :func:`optimize_checkpointing`)."""
+    if target is not None:
+        from remat.api.request import request
+        from remat.target import ModelledTarget
+
+        req = request(model, 1.0, example_inputs, loss_fn=loss_fn, optimizer=optimizer, time_limit_s=None, check=False,
+                      granularity="op", output_alive=output_alive, grad_accumulation=grad_accumulation,
+                      zero_grad_after_forward=zero_grad_after_forward, timeout_s=None, compile=False,
+                      source=ModelledTarget(target))
+        return loop_grads(req.source.profile(req), grad_accumulation, zero_grad_after_forward)
     model = uncompiled(model)
     _, args, kwargs, device = validate(model, 1.0, example_inputs)
     loss_fn = loss_fn or default_loss
@@ -55,9 +68,10 @@ def _make_profile(
     model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
     device: torch.device, output_alive: bool = True, wrapping: Wrapping | None = None,
     graph: ModelGraph | None = None, memory_known: Callable[[Profile], None] | None = None,
+    modelled: Modelled | None = None,
 ) -> Profile:
     """``graph``: the model's capture, when already made (on another batch of the same model: its units do not
-    depend on the batch). ``memory_known``: see :func:`remat.profile.profile_model`."""
+    depend on the batch). ``memory_known``, ``modelled``: see :func:`remat.profile.profile_model`."""
     wrapping = wrapping or Wrapping()
     wrapped = None if wrapping.kind == "none" else f"the model is wrapped by {wrapping}"
     with preserved(model), found_storages_are_fresh(wrapping.kind == "fsdp2"):
@@ -81,7 +95,8 @@ def _make_profile(
             return profile_model(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, graph=graph,
                                  device=device, output_alive=output_alive, record_real=wrapped,
                                  world_size=wrapping.world_size, wrapping=str(wrapping) if wrapping.world_size > 1 else "",
-                                 sharded=tuple(name for name, _ in wrapping.fsdp), memory_known=memory_known)
+                                 sharded=tuple(name for name, _ in wrapping.fsdp), memory_known=memory_known,
+                                 modelled=modelled)
 
 
 def prepare_hf_for_training(model: nn.Module) -> tuple[tuple[str, ...], Callable[[], None]]:

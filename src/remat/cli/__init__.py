@@ -44,6 +44,8 @@ from remat.cli.common import (  # noqa: F401 - re-exported
     _compile_args,
     _compile_setting,
     _console,
+    _modelled,
+    _target_args,
     _device,
     _gib,
     _gib_list,
@@ -60,15 +62,15 @@ from remat.cli.targets import resolve_target  # noqa: F401 - re-exported
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("target", help="gpt, unet, path/to/file.py:function or package.module:function")
-    common.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                        help="where to run (default: cuda when available, else cpu)")
+    common.add_argument("target", help="gpt, unet, path/to/file.py:function, package.module:function, or a Hugging "
+                                       "Face config.json (or a folder holding one)")
+    _target_args(common)
     common.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
                         help="optimizer whose state counts in the budget (default: adamw)")
     size = common.add_argument_group("size of a built-in example")
     size.add_argument("--layers", type=int, help="gpt: decoder blocks (default 4)")
-    size.add_argument("--batch-size", type=int, help="examples per batch")
-    size.add_argument("--seq-len", type=int, help="gpt: tokens per example (default 64)")
+    size.add_argument("--batch-size", "--batch", type=int, help="examples per batch")
+    size.add_argument("--seq-len", "--seq", type=int, help="gpt: tokens per example (default 64)")
     size.add_argument("--d-model", type=int, help="gpt: width (default 128)")
     size.add_argument("--image-size", type=int, help="unet: image side in pixels (default 64)")
     size.add_argument("--depth", type=int, help="unet: down/up levels (default 3)")
@@ -172,7 +174,7 @@ def _optimize(args, model, inputs, loss_fn) -> Plan:
     return optimize_checkpointing(model, args.budget, inputs, loss_fn=loss_fn,
                                   optimizer=factory(model.parameters()) if factory else None,
                                   time_limit_s=args.time_limit, granularity=getattr(args, "granularity", "op"),
-                                  output_alive=not args.output_dropped, compile=compile)
+                                  output_alive=not args.output_dropped, compile=compile, target=_modelled(args))
 
 
 def cmd_plan(args, out, err) -> int:
@@ -181,7 +183,7 @@ def cmd_plan(args, out, err) -> int:
     with err.status("profiling and solving"):
         plan = _optimize(args, model, inputs, loss_fn)
     out.print(str(plan), markup=False, highlight=False)
-    if plan.world_size > 1:
+    if plan.world_size > 1 and not plan.target:
         _per_rank_peaks(model, inputs, loss_fn, device, plan, out)
     if args.out and _rank() == 0:
         plan.save(args.out)

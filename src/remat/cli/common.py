@@ -67,6 +67,37 @@ def _compile_setting(args) -> dict | bool:
     return {k: v for k, v in (("backend", backend), ("mode", mode)) if v} if backend else False
 
 
+def _target_args(common: argparse.ArgumentParser) -> None:
+    """--device, and the world of a target that is not here (--world, --fsdp, --tp)."""
+    common.add_argument("--device", default=None,
+                        help="where to run: cuda or cpu (default: cuda when available, else cpu); or a GPU to plan "
+                             "for without running there, e.g. h100-80gb (remat plan only; docs/targets.md lists them, "
+                             "or give a JSON file of your own)")
+    world = common.add_argument_group("a world that is not here (with --device GPU)")
+    world.add_argument("--world", type=int, default=1, help="ranks of the run (default 1)")
+    world.add_argument("--fsdp", type=int, default=None, help="ranks sharding parameters with FSDP2 (default world/tp)")
+    world.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (needs the target's parallelize)")
+
+
+def _modelled(args) -> Any:
+    """The :class:`remat.target.Target` the command line plans for (``--device`` a GPU of the table or a JSON spec,
+    ``--world``/``--fsdp``/``--tp``), or None to run here."""
+    from remat.errors import RematError
+    from remat.target import Target
+
+    device = getattr(args, "device", None)
+    if device in (None, "cuda", "cpu") or (device or "").startswith("cuda:"):
+        if getattr(args, "world", 1) != 1 or getattr(args, "fsdp", None) or getattr(args, "tp", 1) != 1:
+            raise UsageError("--world, --fsdp and --tp plan for a world that is not here: give the GPU with --device "
+                             "(e.g. --device h100-80gb); under torchrun remat reads the real world")
+        return None
+    try:
+        return Target(device=device, world=args.world, fsdp=args.fsdp, tp=args.tp,
+                      parallelize=getattr(args, "parallelize", None))
+    except RematError as e:
+        raise UsageError(str(e)) from None
+
+
 def _device(arg: str | None) -> torch.device:
     if arg == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu")
@@ -98,10 +129,13 @@ def _console():
 
 
 def _target(args) -> tuple[Any, Any, Any, str, torch.device]:
-    device = _device(args.device)
+    # a modelled target's model is built on the meta device: no weights (docs/targets.md)
+    device = torch.device("meta") if _modelled(args) is not None else _device(args.device)
     options = dict(layers=args.layers, batch_size=args.batch_size, seq_len=args.seq_len, d_model=args.d_model,
                    image_size=args.image_size, depth=args.depth)
-    model, inputs, loss_fn, desc = resolve_target(args.target, device=device, options=options)
+    model, inputs, loss_fn, desc, parallelize = resolve_target(args.target, device=device, options=options,
+                                                                   with_parallelize=True)
+    args.parallelize = parallelize
     return model, inputs, loss_fn, desc, device
 
 
@@ -127,7 +161,9 @@ def _profile(args, model, inputs, loss_fn, device, status):
 
 
 def _header(out, desc: str, device: torch.device, args) -> None:
-    out.print(f"[bold]remat[/bold] {__version__} · target {desc} · {device} · optimizer {args.optimizer} · "
+    target = _modelled(args)
+    where = f"for {target.describe()} (modelled here, not run)" if target is not None else device
+    out.print(f"[bold]remat[/bold] {__version__} · target {desc} · {where} · optimizer {args.optimizer} · "
               f"torch {torch.__version__}")
 
 

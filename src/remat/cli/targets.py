@@ -4,8 +4,12 @@ TARGET is one of:
 
 * a built-in example name: ``gpt`` or ``unet`` (``remat.examples``), sized by options;
 * ``path/to/file.py:function`` or ``package.module:function``: a function taking no required
-  arguments (it may accept ``device=``) that returns ``(model, example_inputs)`` or
-  ``(model, example_inputs, loss_fn)``. See ``examples/custom_target.py``.
+  arguments (it may accept ``device=``, and ``batch_size=``/``seq_len=`` given on the command line) that returns
+  ``(model, example_inputs)``, ``(model, example_inputs, loss_fn)`` or, for a target planned with ``--device GPU
+  --world N``, ``(model, example_inputs, loss_fn, parallelize)`` (``parallelize(model, mesh)`` applies the run's
+  FSDP2/TP). See ``examples/custom_target.py``;
+* a Hugging Face ``config.json`` (or a folder holding one): the model built from it on the meta device by
+  ``AutoModelForCausalLM.from_config`` (no weights, no download), a batch of ``input_ids`` and ``labels``.
 """
 
 from __future__ import annotations
@@ -71,13 +75,20 @@ def _load_function(target: str) -> Callable[..., Any]:
     return fn
 
 
-def resolve_target(target: str, *, device: torch.device, options: dict[str, Any] | None = None
-                   ) -> tuple[nn.Module, Any, LossFn | None, str]:
-    """Build the target's model and batch on ``device``. Returns (model, inputs, loss_fn, description).
+def resolve_target(target: str, *, device: torch.device, options: dict[str, Any] | None = None,
+                   with_parallelize: bool = False) -> tuple:
+    """Build the target's model and batch on ``device``. Returns (model, inputs, loss_fn, description), and the
+    target's ``parallelize`` (or None) last with ``with_parallelize``.
 
     ``options`` are the size options of a built-in example (layers, batch_size, seq_len, ...);
     unset (None) ones keep the example's defaults."""
     options = {k: v for k, v in (options or {}).items() if v is not None}
+    if with_parallelize:
+        if _hf_config(target) is not None:
+            return (*hf_from_config(_hf_config(target), device, options), None)
+        if target not in EXAMPLES:
+            return _from_function(target, device, options)
+        return (*resolve_target(target, device=device, options=options), None)
     if target in EXAMPLES:
         make = EXAMPLES[target]
         accepted = inspect.signature(make).parameters
@@ -99,6 +110,56 @@ def resolve_target(target: str, *, device: torch.device, options: dict[str, Any]
         raise InvalidInputError(f"{target}: the third value it returns must be a loss function")
     inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
     return model.to(device).train(), inputs, loss_fn, target
+
+
+def _from_function(target: str, device: torch.device, options: dict[str, Any]) -> tuple:
+    """A function target's (model, inputs, loss_fn, description, parallelize): ``batch_size``/``seq_len`` passed
+    when it takes them."""
+    fn = _load_function(target)
+    accepted = inspect.signature(fn).parameters
+    kwargs = {k: v for k, v in {"device": device, **options}.items() if k in accepted}
+    result = fn(**kwargs)
+    if not isinstance(result, tuple) or len(result) not in (2, 3, 4) or not isinstance(result[0], nn.Module):
+        raise InvalidInputError(
+            f"{target} must return (model, example_inputs), (model, example_inputs, loss_fn) or (model, "
+            f"example_inputs, loss_fn, parallelize) with an nn.Module first; it returned {type(result).__name__}")
+    model, inputs, loss_fn, parallelize = (*result, None, None)[:4]
+    if loss_fn is not None and not callable(loss_fn):
+        raise InvalidInputError(f"{target}: the third value it returns must be a loss function")
+    inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
+    return model.to(device).train(), inputs, loss_fn, target, parallelize
+
+
+def _hf_config(target: str) -> Path | None:
+    """The config.json ``target`` names (the file, or a folder holding one), or None."""
+    path = Path(target)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path / "config.json"
+    return path if path.is_file() and path.suffix == ".json" else None
+
+
+def hf_from_config(config_json: Path, device: torch.device, options: dict[str, Any]) -> tuple:
+    """A causal language model built from a Hugging Face config on the meta device (no weights), and a batch of
+    ``batch_size`` x ``seq_len`` token ids with their labels (default 1 x the config's context, at most 4096)."""
+    try:
+        import transformers
+    except ImportError:
+        from remat.errors import MissingDependencyError
+        raise MissingDependencyError("a Hugging Face config as TARGET needs transformers: pip install 'remat[hf]'") \
+            from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(config_json.parent if config_json.name == "config.json"
+                                                             else config_json))
+    except Exception as e:  # noqa: BLE001 - transformers' own message says what is wrong
+        raise InvalidInputError(f"{config_json} is not a config transformers can read ({type(e).__name__}: {e})") \
+            from e
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    context = getattr(config, "max_position_embeddings", None) or 4096
+    batch, seq = options.get("batch_size") or 1, options.get("seq_len") or min(context, 4096)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    desc = f"{config.model_type} from {config_json} batch_size={batch} seq_len={seq}"
+    return model.to(device).train(), {"input_ids": ids.to(device), "labels": ids.to(device)}, None, desc
 
 
 def sized_batches(target: str, key: str, *, device: torch.device, options: dict[str, Any] | None = None

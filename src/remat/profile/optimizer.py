@@ -101,10 +101,14 @@ def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
 
 
-def optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.device) -> OptimizerCost:
+def optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.device, *,
+                    like: dict[int, torch.Tensor] | None = None, foreach: bool | None = None) -> OptimizerCost:
     """The steady-state cost of ``optimizer`` on ``device``, measured on shadow copies (Note [Never
     call the user's optimizer]): one step creates a parameter's state, a second step is tracked for
-    its temporaries and timed. Temporaries add up across parameters when the optimizer runs its
+    its temporaries and timed. ``like``: for a modelled target (remat.target), the fake tensor standing for
+    each parameter (by ``id``): shadows are made like it, under the FakeTensorMode the caller holds, and
+    their bytes counted as that target's allocator counts them (``foreach``: the target's default when the
+    group does not say; the time is then meaningless and the caller's to replace). Temporaries add up across parameters when the optimizer runs its
     foreach/fused implementation, and are the largest single parameter's otherwise. Time: the
     per-parameter step times, less the fixed cost of a step call (timed on a one-element shadow) paid
     once per parameter instead of once.
@@ -129,6 +133,8 @@ def optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.devic
                 continue
             if first_hp is None:
                 first_hp, first_param = hp, trainable[0]
+            if foreach is not None and hp.get("foreach") is None and not hp.get("fused"):
+                hp["foreach"] = foreach
             if hp.get("fused"):
                 multi = True
             elif hp.get("foreach") is None:
@@ -136,7 +142,8 @@ def optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.devic
             else:
                 multi = multi or bool(hp.get("foreach"))
             for p in trainable:
-                shadow = torch.zeros_like(p, requires_grad=True)
+                p = like[id(p)] if like is not None else p
+                shadow = torch.zeros_like(p).requires_grad_(True)
                 shadow.grad = torch.zeros_like(p)
                 opt = independent_copy(optimizer, hp, [shadow])
                 try:
@@ -148,7 +155,8 @@ def optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.devic
                         "pass optimizer=None to leave its state out of the budget"
                     ) from e
                 state_bytes += tensor_bytes(_state_tensors(opt), device)
-                with StorageTracker(device, ignore=[shadow, shadow.grad, *_state_tensors(opt)]) as tr:
+                with StorageTracker(device, ignore=[shadow, shadow.grad, *_state_tensors(opt)],
+                                    count_fake=like is not None) as tr:
                     _step(opt)
                 total_s += clock.time(functools.partial(_step, opt))
                 temps.append(tr.peak_bytes)

@@ -143,12 +143,13 @@ class Planner:
         )
 
     def infeasible(self, budget_bytes: int, *, least_bytes: int | None = None,
-                   compiled: str = "", steps: int = 1) -> InfeasibleBudgetError:
+                   compiled: str = "", steps: int = 1, source: str = "") -> InfeasibleBudgetError:
         """The error for a budget below the least achievable peak, with that peak and its breakdown.
         ``least_bytes``: the least-memory plan's checked (measured) peak, when known (Note [Least peak
         is a promise] in remat.api); else its prediction. ``compiled``: how the loop compiles the model, when
         ``least_bytes`` was measured on compiled steps (Note [Compiled steps] in remat.solve.calibrated);
-        ``steps``: how many real steps it was the largest of (Note [Steps under gloo] in remat.runtime.distributed)."""
+        ``steps``: how many real steps it was the largest of (Note [Steps under gloo] in remat.runtime.distributed);
+        ``source``: where ``least_bytes`` comes from, when not from real steps (a modelled target's allocator replay)."""
         least = self.make_plan(self._min_units, "least-memory")
         b = least.breakdown
         fixed = self.profile.fixed_bytes
@@ -156,6 +157,7 @@ class Planner:
             (f"measured on {'one real step' if steps <= 1 else f'{steps} real steps, the largest'}; predicted "
              f"{fmt_bytes(self.min_peak_bytes)}") if not compiled else \
             f"measured on compiled steps ({compiled}); eager prediction {fmt_bytes(self.min_peak_bytes)}"
+        how = f"{source}; predicted allocated {fmt_bytes(self.min_peak_bytes)}" if source else how
         least_bytes = self.min_peak_bytes if least_bytes is None else least_bytes
         every = self.every_nth_block(1)
         rule = " It equals checkpointing every block's prediction:" if every.checkpointed and \

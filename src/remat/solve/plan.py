@@ -101,6 +101,12 @@ class Plan:
     compiled: str = ""
     #: parameter names and shapes of the model the plan was made for (checked by apply_plan)
     model_signature: tuple[tuple[str, tuple[int, ...]], ...] = field(default_factory=tuple)
+    #: the device and world the plan was made for when they were modelled, not here (remat.target), e.g. "NVIDIA
+    #: H100 SXM 80GB (79.2 GiB) x 8 ranks (FSDP 8)"; "" for a plan made where the model runs
+    target: str = ""
+    #: for a modelled target, the peak the CUDA caching allocator is predicted to reserve with this plan (bytes; the
+    #: budget applies to it); None otherwise
+    predicted_reserved_bytes: int | None = None
     #: what the user should know about the plan: assumptions, settings remat changed, how it was checked
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -119,11 +125,15 @@ class Plan:
             *([f"  compiled step:        {self.compiled}"] if self.compiled else []),
             f"  predicted peak:       {fmt_bytes(self.predicted_peak_bytes)}{' (compiled)' if self.compiled else ''}"
             f"  (no checkpointing: {fmt_bytes(self.baseline_peak_bytes)}, least possible: {fmt_bytes(self.min_peak_bytes)})",
+            *([f"  target:               {self.target} (predicted, not measured)",
+               f"  predicted reserved:   {fmt_bytes(self.predicted_reserved_bytes)}  (the CUDA caching allocator "
+               "replayed over two recorded steps; the budget applies to it)"] if self.target else []),
             *([f"  checked peak:         {fmt_bytes(self.checked_peak_bytes)}  (one real "
                f"{'compiled ' if self.compiled else ''}step: forward and backward measured, optimizer predicted)"]
               if self.checked_peak_bytes is not None else []),
             f"  predicted step time:  {self.predicted_step_time_s * 1e3:.1f} ms"
-            f"  (measured without checkpointing: {self.baseline_step_time_s * 1e3:.1f} ms, "
+            f"  ({'predicted' if self.target else 'measured'} without checkpointing: "
+            f"{self.baseline_step_time_s * 1e3:.1f} ms, "
             f"{self.predicted_overhead:+.1%})",
             f"  training loop:        {'output kept until the step ends' if self.output_alive else 'output dropped after the loss'}"
             f"{'; gradients accumulated (held from the start of each micro-step)' if self.grads_held else ''}"

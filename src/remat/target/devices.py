@@ -1,0 +1,275 @@
+"""Specifications of training accelerators, for planning a training step on a GPU that is not the one here.
+
+A planner that predicts a step's memory (and later its time) on, say, eight H100s while it runs on a laptop
+needs the target's numbers: how much memory the framework can use, how fast it computes in each dtype, how fast
+it reads its own memory and talks to its neighbours. :class:`DeviceSpec` holds them, :data:`KNOWN` holds the
+built-in ones (A100 40/80GB, H100 SXM 80GB, the 96GB HBM2e H100 of torchtitan's benchmarks, H100 PCIe, H200,
+B200, L4, MI300X), and :func:`device_spec` turns a name, an alias, a JSON file or a spec into one. Stdlib only:
+no torch, so torch-free code can read it.
+
+Where the figures come from. Each number carries its sources, ``(field, document, note)``: the vendor's
+datasheet, confirmed against a stored copy of it or of a page quoting it where one was found, and a note that
+says so where it was not. The table is ``devices.json`` beside this module.
+
+The rules the figures follow:
+
+* **Dense, not sparse.** NVIDIA's datasheets print tensor-core FLOP/s "with sparsity" (2:4 structured, marked
+  ``*``): those are halved here. ``fp32_flops_per_s`` is the plain (non-tensor) FP32 rate; ``tf32``, ``bf16``,
+  ``fp16`` and ``fp8`` are dense tensor-core (matrix-core) rates. ``None``: unknown or not supported (no FP8
+  on an A100).
+* **Memory is what torch reports.** ``memory_bytes`` is ``torch.cuda.get_device_properties(0).total_memory``
+  on that device where a report of it was found (it moves by well under 1% with the driver: e.g. 79.2 GiB on
+  an "80GB" H100, not 80e9 bytes). Where none was found it is the marketed figure, GB x 10^9, and the note
+  says so: on the HBM parts checked that is below what torch reports (80e9 against 85.0e9 on the H100), but
+  not always (24e9 against 23.6e9 on the L4's GDDR6).
+* **Bandwidths in bytes per second.** ``hbm_bytes_per_s``: the device memory's peak (GDDR6 on the L4).
+  ``link_bytes_per_s``: the intra-node link per GPU (NVLink, Infinity Fabric, PCIe where there is nothing
+  else), **both directions together** as vendors quote it: one direction is half. ``link_kind`` says which
+  link and anything a collective's time depends on (a direct mesh gives one peer a seventh of it).
+
+A device not in the table: give its spec, as ``DeviceSpec(name="my-gpu", memory_bytes=...)`` or a JSON file of
+the same fields (only ``name`` and ``memory_bytes`` are required); ``device_spec("cpu")`` / :func:`cpu_spec`
+name this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from remat.errors import InvalidInputError
+
+__all__ = ["DeviceSpec", "KNOWN", "device_spec", "cpu_spec"]
+
+#: the rates, each ``None`` where unknown: FLOP/s per dtype (dense), then bytes/s
+RATES = ("fp32_flops_per_s", "tf32_flops_per_s", "bf16_flops_per_s", "fp16_flops_per_s", "fp8_flops_per_s",
+         "hbm_bytes_per_s", "link_bytes_per_s")
+NUMBERS = ("memory_bytes",) + RATES
+
+_HOW_TO = """To plan for a device that is not built in, give its spec where the name goes: a JSON file (its path)
+
+    {"name": "my-gpu", "memory_bytes": 85045477376, "bf16_flops_per_s": 989.5e12, "hbm_bytes_per_s": 3.35e12}
+
+or, in Python,
+
+    DeviceSpec(name="my-gpu", memory_bytes=85_045_477_376, bf16_flops_per_s=989.5e12, hbm_bytes_per_s=3.35e12)
+
+Only name and memory_bytes are required: memory_bytes as torch.cuda.get_device_properties(0).total_memory reports
+it on that device (or the marketed GB x 10^9 if you cannot run it there); FLOP/s are dense (half a datasheet's
+"with sparsity" figure), bandwidths in bytes/s. Other fields: {fields}."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator: its memory as the framework sees it, its dense FLOP/s per dtype, its memory and link
+    bandwidths (both directions together), each number's ``sources`` as ``(field, document, note)``.
+
+    Numbers are whole (a float such as ``989.5e12`` is rounded to one); every one but ``memory_bytes`` may be
+    ``None`` where unknown. ``str(spec)`` reads e.g. "NVIDIA H100 SXM 80GB (79.2 GiB)"."""
+
+    name: str
+    memory_bytes: int
+    title: str = ""
+    vendor: str = ""
+    fp32_flops_per_s: int | None = None
+    tf32_flops_per_s: int | None = None
+    bf16_flops_per_s: int | None = None
+    fp16_flops_per_s: int | None = None
+    fp8_flops_per_s: int | None = None
+    hbm_bytes_per_s: int | None = None
+    link_bytes_per_s: int | None = None
+    link_kind: str = ""
+    sources: tuple[tuple[str, str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise InvalidInputError(f"DeviceSpec.name must be a non-empty string naming the device (e.g. "
+                                    f"\"my-gpu\"), got {self.name!r}")
+        for field in ("title", "vendor", "link_kind"):
+            if not isinstance(getattr(self, field), str):
+                raise InvalidInputError(f"device {self.name!r}: {field} must be a string, got "
+                                        f"{getattr(self, field)!r}")
+        if self.memory_bytes is None:
+            raise InvalidInputError(
+                f"device {self.name!r}: memory_bytes is required: the device's memory in bytes, as "
+                f"torch.cuda.get_device_properties(0).total_memory reports it there (or GB x 10^9)")
+        for field in NUMBERS:
+            object.__setattr__(self, field, _whole(self.name, field, getattr(self, field)))
+        object.__setattr__(self, "sources", _sources(self.name, self.sources))
+
+    def describe(self) -> str:
+        """E.g. "NVIDIA H100 SXM 80GB (79.2 GiB)": the title (or name) and the memory torch sees, in GiB."""
+        return f"{self.title or self.name} ({self.memory_bytes / 2**30:.1f} GiB)"
+
+    __str__ = describe
+
+    def sources_of(self, field: str) -> tuple[tuple[str, str], ...]:
+        """The ``(document, note)`` pairs given for ``field``."""
+        return tuple((doc, note) for f, doc, note in self.sources if f == field)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON-ready values (``sources`` as lists); :meth:`from_dict` reads it back."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["sources"] = [list(s) for s in self.sources]
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DeviceSpec:
+        """A spec from a mapping of its fields (as :meth:`to_dict` gives, or a JSON object): ``name`` and
+        ``memory_bytes`` required, the rest optional; ``sources`` as ``[field, document, note]`` lists or
+        ``{"field", "source", "note"}`` objects."""
+        if not isinstance(d, Mapping):
+            raise InvalidInputError(f"a device spec must be a mapping of its fields, got {type(d).__name__}.\n"
+                                    + _how_to())
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise InvalidInputError(f"device spec {d.get('name', '?')!r}: unknown field(s) {unknown}; the fields "
+                                    f"are {', '.join(f.name for f in dataclasses.fields(cls))}")
+        missing = [k for k in ("name", "memory_bytes") if d.get(k) is None]
+        if missing:
+            raise InvalidInputError(f"device spec {d.get('name', '?')!r} lacks {' and '.join(missing)}.\n"
+                                    + _how_to())
+        return cls(**dict(d))
+
+
+def _whole(name: str, field: str, value: Any) -> int | None:
+    unit = "bytes" if field == "memory_bytes" else "FLOP/s" if "flops" in field else "bytes/s"
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidInputError(f"device {name!r}: {field} must be a number of {unit}, got {value!r}: give it "
+                                f"as a number (e.g. 989.5e12)" + ("" if field == "memory_bytes" else
+                                                                  ", or None where unknown"))
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidInputError(f"device {name!r}: {field} must be positive, got {value!r}: give the device's "
+                                f"{unit}" + (" (torch.cuda.get_device_properties(0).total_memory)"
+                                             if field == "memory_bytes" else ", or None where unknown"))
+    if field == "memory_bytes" and value != int(value):
+        raise InvalidInputError(f"device {name!r}: memory_bytes must be a whole number of bytes, got {value!r}")
+    return int(round(value))
+
+
+def _sources(name: str, sources: Any) -> tuple[tuple[str, str, str], ...]:
+    known = {f.name for f in dataclasses.fields(DeviceSpec)}
+    if isinstance(sources, (str, Mapping)) or not hasattr(sources, "__iter__"):
+        raise InvalidInputError(f"device {name!r}: sources must be a list of (field, document, note), got "
+                                f"{sources!r}")
+    out = []
+    for s in sources:
+        entry = (s.get("field"), s.get("source"), s.get("note", "")) if isinstance(s, Mapping) else tuple(s)
+        if len(entry) != 3 or not all(isinstance(x, str) for x in entry) or entry[0] not in known:
+            raise InvalidInputError(f"device {name!r}: each source must be (field, document, note), three "
+                                    f"strings with field one of the spec's fields; got {s!r}")
+        out.append(entry)
+    return tuple(out)
+
+
+def _how_to() -> str:
+    fields = [f.name for f in dataclasses.fields(DeviceSpec) if f.name not in ("name", "memory_bytes")]
+    return _HOW_TO.replace("{fields}", ", ".join(fields))
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[\s_]+", "-", name.strip().lower())
+
+
+def _load_builtin() -> tuple[dict[str, DeviceSpec], dict[str, str]]:
+    """The table in devices.json: specs by name, and every alias (the names included) to its name."""
+    data = json.loads(resources.files(__package__).joinpath("devices.json").read_text(encoding="utf-8"))
+    docs = data["documents"]
+
+    def expand(text: str) -> str:
+        return re.sub(r"doc:([a-z0-9-]+)", lambda m: docs.get(m.group(1), m.group(0)), text)
+
+    table: dict[str, DeviceSpec] = {}
+    aliases: dict[str, str] = {}
+    for entry in data["devices"]:
+        entry = dict(entry)
+        for alias in [entry["name"], *entry.pop("aliases", ())]:
+            aliases[_key(alias)] = entry["name"]
+        entry["sources"] = [[f, expand(doc), expand(note)] for f, doc, note in entry["sources"]]
+        table[entry["name"]] = DeviceSpec.from_dict(entry)
+    return table, aliases
+
+
+_TABLE, _ALIASES = _load_builtin()
+
+#: the built-in specs by name, in the table's order
+KNOWN: Mapping[str, DeviceSpec] = MappingProxyType(_TABLE)
+
+
+def device_spec(name_or_spec: DeviceSpec | str | os.PathLike | Mapping[str, Any]) -> DeviceSpec:
+    """The spec meant: a :class:`DeviceSpec` as it is; a built-in name or alias (any case; ``_`` or spaces for
+    ``-``; torch's device names such as "NVIDIA H100 80GB HBM3" among the aliases); ``"cpu"``: this machine
+    (:func:`cpu_spec`); a path to a JSON file of the fields; a mapping of the fields. An unknown name raises
+    :class:`InvalidInputError` listing the known names and how to define a device."""
+    if isinstance(name_or_spec, DeviceSpec):
+        return name_or_spec
+    if isinstance(name_or_spec, Mapping):
+        return DeviceSpec.from_dict(name_or_spec)
+    if isinstance(name_or_spec, os.PathLike):
+        return _load_file(Path(name_or_spec))
+    if not isinstance(name_or_spec, str):
+        raise InvalidInputError(f"a device is a name (e.g. \"h100-80gb\"), a JSON file's path or a DeviceSpec, "
+                                f"got {type(name_or_spec).__name__}: {name_or_spec!r}")
+    key = _key(name_or_spec)
+    if key == "cpu":
+        return cpu_spec()
+    if key in _ALIASES:
+        return _TABLE[_ALIASES[key]]
+    if name_or_spec.strip().lower().endswith(".json") or os.sep in name_or_spec or Path(name_or_spec).is_file():
+        return _load_file(Path(name_or_spec))
+    by_name: dict[str, list[str]] = {}
+    for alias, name in _ALIASES.items():
+        if alias != name:
+            by_name.setdefault(name, []).append(alias)
+    listing = "\n".join(f"    {n:<10} {KNOWN[n].describe()}; also {', '.join(by_name.get(n, []))}" for n in KNOWN)
+    raise InvalidInputError(f"unknown device {name_or_spec!r}. The known devices (names are case-insensitive):\n"
+                            f"{listing}\n    cpu        this machine (cpu_spec)\n" + _how_to())
+
+
+def _load_file(path: Path) -> DeviceSpec:
+    if not path.is_file():
+        raise InvalidInputError(f"no device spec file at {path}: give a path to a JSON file of the spec's fields, "
+                                f"or a built-in name ({', '.join(KNOWN)}).\n" + _how_to())
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidInputError(f"cannot read the device spec {path}: {e}. It must be one JSON object of the "
+                                f"spec's fields.\n" + _how_to()) from e
+    try:
+        return DeviceSpec.from_dict(data)
+    except InvalidInputError as e:
+        raise InvalidInputError(f"{path}: {e}") from e
+
+
+def _physical_memory() -> int | None:
+    try:
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+    return pages * page_size if pages > 0 and page_size > 0 else None
+
+
+def cpu_spec(memory_bytes: int | None = None) -> DeviceSpec:
+    """This machine, named ``"cpu"``: ``memory_bytes`` as the caller gives it (default: the machine's physical
+    memory, from ``os.sysconf``); FLOP/s and bandwidths unknown (``None``)."""
+    source = "given by the caller"
+    if memory_bytes is None:
+        memory_bytes, source = _physical_memory(), "os.sysconf: SC_PHYS_PAGES x SC_PAGE_SIZE"
+        if memory_bytes is None:
+            raise InvalidInputError("cpu_spec: this machine's memory could not be read (os.sysconf); give it: "
+                                    "cpu_spec(memory_bytes=...)")
+    return DeviceSpec(name="cpu", memory_bytes=memory_bytes, title=f"CPU ({platform.machine() or 'this machine'})",
+                      sources=(("memory_bytes", source, "this machine's memory; its FLOP/s are not known here"),))

@@ -1,0 +1,285 @@
+"""Costs modelled for a target: the second implementation of :class:`~remat.api.source.CostSource` (Note [Where
+costs come from]). The step is recorded on fake tensors in the target's world (remat.target.world), counted as
+the target's allocator counts it, timed by a device model, and each candidate plan is checked by recording its
+checkpointed step and replaying the CUDA caching allocator over it: the budget applies to the predicted reserved
+bytes. Every figure is predicted for the target, not measured.
+
+Note [Target kernels]
+~~~~~~~~~~~~~~~~~~~~~
+What a CUDA target does differently from the CPU kernels the step is recorded with (Note [Fake CUDA on a CPU
+build] in remat.target.world), and how each is taken into account (docs/targets.md lists them with figures):
+
+* allocation sizes: every block is rounded up to 512 bytes (``Modelled.counted``), segments and pools by the
+  allocator replay (remat.costs.allocator);
+* attention: on fake CPU tensors ``scaled_dot_product_attention`` picks the CPU flash kernel, which saves the
+  output and the log-sum-exp rows (float32, batch x heads x queries), as CUDA's flash, memory-efficient and
+  cuDNN kernels do for the shapes and dtypes training uses (their RNG seed and offset: 16 bytes, ignored); the
+  math fallback (which saves the whole attention matrix) is not what a GPU picks for bf16 and head size <= 256;
+* optimizer steps: ``foreach`` (torch's default on CUDA) unless the optimizer says otherwise, so one step's
+  temporaries are a whole parameter group's at once, recorded on the fake parameters;
+* cuBLAS workspace: one per stream that runs matrix products, allocated through the caching allocator at the
+  first product (:data:`CUBLAS_WORKSPACE_BYTES`);
+* collectives: FSDP2's all-gather and reduce-scatter buffers are the real code's allocations (fake process
+  group); NCCL's own buffers and the CUDA context are outside the allocator and not counted;
+* autocast: CUDA's op lists differ from the CPU's and cannot be run on fake CPU tensors: a step under autocast is
+  refused for a CUDA target (use FSDP2's ``MixedPrecisionPolicy`` or a model in bf16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from remat.costs.allocator import Alloc, AllocatorPeaks, Free, events_of, replay
+from remat.costs.recording import CheckpointOverhead, ForwardOp, Recording
+from remat.costs.unit_costs import Profile
+from remat.errors import UnsupportedError
+from remat.profile import Modelled
+from remat.profile.optimizer import NO_OPTIMIZER, OptimizerCost, independent_copy, hyperparameters, optimizer_costs
+from remat.runtime.measure import StorageTracker, run_step, tensor_bytes
+from remat.solve import Planner
+from remat.solve.plan import Plan, fmt_bytes
+from remat.target.world import Target, built
+
+if TYPE_CHECKING:
+    from remat.api.request import Request
+
+#: the cuBLAS workspace torch gives each handle and stream on Hopper and later (CUBLAS_WORKSPACE_CONFIG's
+#: default ":4096:8", 8 x 4 MiB; aten/src/ATen/cuda/CublasHandlePool.cpp), allocated by the caching allocator
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+#: how many times a plan is tightened when its replayed reserved peak exceeds the budget
+TIGHTENINGS = 6
+#: the CUDA caching allocator's block size
+CUDA_BLOCK_BYTES = 512
+
+
+class ModelledTarget:
+    """Costs of a step on a :class:`~remat.target.world.Target`, modelled on this machine (Note [Where costs
+    come from]). Nothing of the user's runs: the model is copied onto fake tensors (no weight read or
+    allocated), its optimizer is read for its class and settings only."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        #: the allocator replay of the last plan checked: (plan's units, peaks)
+        self.replayed: dict[tuple[str, ...], AllocatorPeaks] = {}
+
+    def describe(self) -> str:
+        return f"predicted for {self.target.describe()}, not measured"
+
+    # -- the profile -------------------------------------------------------------------------------------
+    def profile(self, req: Request) -> Profile:
+        from remat.api.profiling import _make_profile
+        from remat.capture import capture
+        from remat.runtime.distributed import wrapping_of
+
+        _refuse_autocast(self.target)
+        started = time.perf_counter()
+        with built(self.target, req.model, (req.args, req.kwargs)) as (fake, (args, kwargs), mode):
+            opt = _optimizer_cost(req.optimizer, req.model, fake, mode, self.target)
+            modelled = Modelled(optimizer=opt, op_seconds=self._op_seconds, overhead=self._overhead(),
+                                counted=self._counted, note=self._note())
+            wrapping = wrapping_of(fake)
+            # traced on proxies outside the fake mode (constants the forward makes, such as a causal mask, are
+            # real while tracing), as remat traces a wrapped model where it runs (Note [Tracing without module hooks])
+            graph = capture(fake, args, kwargs, untraceable=None, no_export=f"the model is wrapped by {wrapping}"
+                            if wrapping.kind != "none" else None)
+            with mode:
+                profile = _make_profile(fake, args, kwargs, loss_fn=req.loss_fn, optimizer=None,
+                                        device=torch.device("cpu"), output_alive=req.output_alive,
+                                        wrapping=wrapping, graph=graph, modelled=modelled)
+            fixed = dict(params_bytes=self._bytes(fake.parameters()),
+                         grads_bytes=self._bytes(p for p in fake.parameters() if p.requires_grad),
+                         buffers_bytes=self._bytes(fake.buffers()),
+                         inputs_bytes=self._bytes(t for t in _tensors((args, kwargs))))
+        return dataclasses.replace(
+            profile, device=self.describe(), world_size=self.target.world, **fixed,
+            notes=profile.notes + (f"recorded on fake tensors in {time.perf_counter() - started:.1f} s",))
+
+    def _overhead(self) -> CheckpointOverhead:
+        """Checkpoint's bookkeeping on the target: no time (the device model has none yet); the CPU RNG state each
+        checkpointed call holds counts on a CPU target only (on CUDA the saved RNG states live in host memory)."""
+        if self.target.is_cuda:
+            return CheckpointOverhead(0.0, 0.0, 0.0)
+        from remat.profile import cache
+        from remat.profile.timing import checkpoint_overhead
+
+        cpu = torch.device("cpu")
+        return CheckpointOverhead(0.0, 0.0, 0.0, held_bytes=cache.overhead(cpu, lambda: checkpoint_overhead(cpu)).held_bytes)
+
+    def _bytes(self, tensors: Any) -> int:
+        return _rounded_bytes(tensors) if self.target.is_cuda else tensor_bytes(tensors)
+
+    def _counted(self, rec: Recording) -> Recording:
+        if not self.target.is_cuda:
+            return rec
+        return dataclasses.replace(rec, storages=tuple(
+            dataclasses.replace(s, nbytes=_round(s.nbytes)) for s in rec.storages))
+
+    def _op_seconds(self, op: ForwardOp) -> float:
+        return op.flops / (_rate(self.target) or NOMINAL_FLOPS)
+
+    def _note(self) -> str:
+        rate = _rate(self.target)
+        where = f"{rate / 1e12:.0f} TFLOP/s dense" if rate else f"a nominal {NOMINAL_FLOPS / 1e12:.0f} TFLOP/s " \
+            "(no FLOP/s known for this device)"
+        return (f"memory predicted for {self.target.describe()}, not measured: the step recorded on fake tensors "
+                f"in the target's world (Note [Target kernels]); recompute ranked by FLOPs (seconds are FLOPs at "
+                f"{where}, a lower bound, not measured: modelled time is issue #40)")
+
+    # -- the plan ----------------------------------------------------------------------------------------
+    def choose(self, req: Request, planner: Planner, profile: Profile) -> tuple[Plan, tuple[str, ...]]:
+        budget = req.budget_bytes
+        plan = planner.plan_for_budget(budget)
+        if not (req.check and self.target.is_cuda):
+            return _labelled(plan, None, self.target), ()
+        asked = budget
+        for _ in range(TIGHTENINGS):
+            peaks = self.replay(req, plan)
+            if peaks.reserved_peak_bytes <= budget:
+                return _labelled(plan, peaks, self.target), ()
+            # the allocator's rounding and segments cost more than the plan's live bytes: ask for less
+            asked -= peaks.reserved_peak_bytes - budget
+            if asked < planner.min_peak_bytes:
+                break
+            plan = dataclasses.replace(planner.plan_for_budget(asked), budget_bytes=budget)
+        least = dataclasses.replace(planner.least_memory(), budget_bytes=budget)
+        peaks = self.replay(req, least)
+        if peaks.reserved_peak_bytes <= budget:
+            return _labelled(least, peaks, self.target), ()
+        raise planner.infeasible(budget, least_bytes=max(peaks.reserved_peak_bytes, least.predicted_peak_bytes),
+                                 source=f"reserved, predicted for {self.target.describe()}, not measured: the CUDA "
+                                     "caching allocator replayed over two recorded steps")
+
+    def replay(self, req: Request, plan: Plan) -> AllocatorPeaks:
+        """The target allocator's peaks over two training steps with ``plan`` (forward, loss, backward, the
+        optimizer's step and ``zero_grad``), recorded on fake tensors in the target's world."""
+        if plan.checkpointed in self.replayed:
+            return self.replayed[plan.checkpointed]
+        peaks = replay(self.step_events(req, plan), self.target.allocator)
+        self.replayed[plan.checkpointed] = peaks
+        return peaks
+
+    def step_events(self, req: Request, plan: Plan) -> list:
+        """The allocations and frees of two training steps with ``plan``, in order, as the target's allocator
+        sees them: the parameters and the batch first, the cuBLAS workspace at the first step."""
+        from remat.rewrite import checkpoint_plan
+
+        with built(self.target, req.model, (req.args, req.kwargs)) as (fake, (args, kwargs), mode), mode:
+            checkpoint_plan(fake, plan)
+            held = {id(t): t for t in [*fake.parameters(), *fake.buffers(), *_tensors((args, kwargs))]}
+            before = [Alloc(i, _local_bytes(t)) for i, t in enumerate(held.values())]
+            before.append(Alloc(len(before), CUBLAS_WORKSPACE_BYTES))
+            opt = _fake_optimizer(req.optimizer, req.model, fake, self.target)
+            with StorageTracker(torch.device("cpu"), ignore=list(held.values()), count_fake=True) as tracker:
+                for _ in range(2):
+                    run_step(fake, args, kwargs, req.loss_fn, output_alive=req.output_alive)
+                    if opt is not None:
+                        type(opt).step(opt)
+                    for p in fake.parameters():
+                        p.grad = None
+            recorded = [(r.nbytes, r.alloc_index, r.free_index) for r in tracker.records]
+        return before + [dataclasses.replace(e, handle=e.handle + len(before)) if isinstance(e, (Alloc, Free)) else e
+                         for e in events_of(recorded)]
+
+
+#: FLOP/s used to turn FLOPs into seconds when the device's are unknown (ranking only)
+NOMINAL_FLOPS = 1e12
+
+
+def _rate(target: Target) -> int | None:
+    """The target's dense FLOP/s for its compute dtype (FSDP2's ``param_dtype``; float32 without TF32 otherwise)."""
+    spec, dtype = target.spec, target.param_dtype if target.fsdp else None
+    field = {torch.bfloat16: "bf16_flops_per_s", torch.float16: "fp16_flops_per_s"}.get(dtype, "fp32_flops_per_s")
+    return getattr(spec, field)
+
+
+def _round(nbytes: int) -> int:
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if nbytes > 0 else 0
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    from remat._compat import local_tensor
+
+    return _round(local_tensor(t).untyped_storage().nbytes())
+
+
+def _rounded_bytes(tensors: Any) -> int:
+    from remat._compat import local_tensor, storage_key
+
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            local = local_tensor(t)
+            seen[storage_key(local)] = _round(local.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    from remat._compat import tree_flatten
+
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def _refuse_autocast(target: Target) -> None:
+    if target.is_cuda and (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")):
+        raise UnsupportedError(
+            f"autocast is on, but a step for {target.spec} is recorded on CPU tensors, where CUDA's autocast op "
+            "lists do not apply (Note [Target kernels]): plan with autocast off and mixed precision given by "
+            "FSDP2 (Target(param_dtype=torch.bfloat16)) or a model in bf16")
+
+
+def _fake_optimizer(optimizer: torch.optim.Optimizer | None, user_model: nn.Module, fake: nn.Module,
+                    target: Target) -> torch.optim.Optimizer | None:
+    """An independent optimizer of ``optimizer``'s class and settings over the fake model's parameters (Note
+    [Never call the user's optimizer]), ``foreach`` on a CUDA target unless the user's says otherwise."""
+    if optimizer is None:
+        return None
+    names = {id(p): n for n, p in user_model.named_parameters()}
+    fakes = dict(fake.named_parameters())
+    groups = []
+    for group in optimizer.param_groups:
+        hp = hyperparameters(group)
+        if target.is_cuda and hp.get("foreach") is None and not hp.get("fused"):
+            hp["foreach"] = True  # torch's default for CUDA tensors (Note [Target kernels])
+        params = [fakes[names[id(p)]] for p in group["params"] if id(p) in names and p.requires_grad]
+        if params:
+            groups.append({**hp, "params": params})
+    if not groups:
+        return None
+    first = {k: v for k, v in groups[0].items() if k != "params"}
+    opt = independent_copy(optimizer, first, groups[0]["params"])
+    for g in groups[1:]:
+        opt.add_param_group(g)
+    return opt
+
+
+def _optimizer_cost(optimizer: torch.optim.Optimizer | None, user_model: nn.Module, fake: nn.Module, mode: Any,
+                    target: Target) -> OptimizerCost:
+    """The optimizer's state and one step's temporaries on the target, as remat accounts them where it runs
+    (``optimizer_costs``: shadows of each parameter stepped twice), on shadows like the fake (sharded) parameters,
+    ``foreach`` on a CUDA target (Note [Target kernels]); blocks rounded as the target's allocator rounds them."""
+    if optimizer is None:
+        return NO_OPTIMIZER
+    fakes = dict(fake.named_parameters())
+    like = {id(p): fakes[n] for n, p in user_model.named_parameters() if n in fakes}
+    with mode:
+        cost = optimizer_costs(optimizer, torch.device("cpu"), like=like, foreach=True if target.is_cuda else None)
+    if not target.is_cuda:
+        return dataclasses.replace(cost, step_s=0.0)
+    return OptimizerCost(_round(cost.state_bytes), _round(cost.step_bytes), 0.0, cost.label)
+
+
+def _labelled(plan: Plan, peaks: AllocatorPeaks | None, target: Target) -> Plan:
+    """The plan with what it predicts for the target, labelled predicted."""
+    notes = (f"predicted for {target.describe()}, not measured",)
+    if peaks is not None:
+        notes += (f"predicted peak reserved by the CUDA caching allocator (replayed over two recorded steps): "
+                  f"{fmt_bytes(peaks.reserved_peak_bytes)}; allocated {fmt_bytes(peaks.allocated_peak_bytes)}; "
+                  "the budget applies to reserved",)
+    return dataclasses.replace(plan, predicted_reserved_bytes=None if peaks is None else peaks.reserved_peak_bytes,
+                               target=target.describe(), notes=plan.notes + notes)
+

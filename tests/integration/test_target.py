@@ -1,0 +1,77 @@
+"""Planning for a target that is not here (issue #39): a device from the table and a world size, the model on the
+meta device, the step recorded on fake tensors, the CUDA caching allocator replayed."""
+
+import pytest
+import torch
+
+import remat
+from remat.examples import GPT, make_gpt
+from remat.target import Target
+
+
+def _gpt():
+    model, inputs, _ = make_gpt(layers=3, batch_size=4, seq_len=32, d_model=64, vocab=256, dropout=0.0)
+    return model, inputs
+
+
+def test_planned_for_the_cpu_without_running_it_predicts_what_measuring_here_predicts_to_the_byte():
+    """Check (1): the target ``cpu`` (nothing run, no weight read) and the measured path record the same step."""
+    model, inputs = _gpt()
+    opt = torch.optim.AdamW(model.parameters())
+    measured = remat.make_profile(model, inputs, optimizer=opt)
+    modelled = remat.make_profile(model, inputs, optimizer=opt, target=Target(device="cpu"))
+    for field in ("params_bytes", "grads_bytes", "optimizer_state_bytes", "optimizer_step_bytes", "inputs_bytes",
+                  "buffers_bytes", "after_backward_bytes", "live_bytes", "saved_bytes", "grad_bytes"):
+        assert getattr(modelled, field) == getattr(measured, field), field
+    assert [u.name for u in modelled.units] == [u.name for u in measured.units]
+    a, b = remat.Planner(measured, granularity="op"), remat.Planner(modelled, granularity="op")
+    plans = [a.no_checkpointing(), a.every_nth_block(1), a.least_memory(), *(a.make_plan((u.name,), "one")
+                                                                             for u in measured.candidates())]
+    for plan in plans:
+        assert b.make_plan(plan.checkpointed, "same").predicted_peak_bytes == plan.predicted_peak_bytes, plan.checkpointed
+    assert "not measured" in " ".join(modelled.notes)
+
+
+def test_a_meta_model_is_planned_for_eight_h100s_and_checkpointed_in_place_without_weights():
+    with torch.device("meta"):
+        model = GPT(1024, 256, 256, 4, 4, 0.0)
+    names = [n for n, _ in model.named_parameters()]
+    ids = torch.zeros(8, 256, dtype=torch.long, device="meta")
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    # (no checkpointing: 101 MiB allocated, predicted; the least: 36 MiB)
+    plan = remat.optimize_checkpointing(model, 0.09, (ids, ids), optimizer=opt,
+                                        target=Target(device="h100-80gb", world=8))
+    assert plan.target.startswith("NVIDIA H100") and "FSDP 8" in plan.target
+    assert plan.checkpointed and plan.predicted_reserved_bytes <= plan.budget_bytes
+    assert plan.predicted_reserved_bytes >= plan.predicted_peak_bytes  # segments round up what is live
+    assert sorted(remat.checkpointed_modules(model)) == sorted(plan.checkpointed)
+    assert all(p.device.type == "meta" for p in model.parameters()) and [n for n, _ in model.named_parameters()] == names
+    assert "predicted for NVIDIA H100" in str(plan) and "not measured" in str(plan)
+    assert not torch.distributed.is_initialized()  # the fake process group is gone
+
+
+def test_sharding_over_more_ranks_lowers_the_predicted_peak_by_the_sharded_state():
+    """FSDP over 2 and over 8 ranks: parameters, gradients and AdamW state shrink by 1/world (a formula the fake
+    process group is not told: FSDP2's own code shards)."""
+    with torch.device("meta"):
+        model = GPT(256, 64, 128, 4, 4, 0.0)
+    ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    opt = torch.optim.AdamW(model.parameters())
+    two, eight = (remat.make_profile(model, (ids, ids), optimizer=opt, target=Target(device="h100-80gb", world=w))
+                  for w in (2, 8))
+    fp32 = sum(p.numel() * 4 for p in model.parameters())
+    assert abs(two.params_bytes - fp32 / 2) <= 512 * 60 and abs(eight.params_bytes - fp32 / 8) <= 512 * 60
+    assert abs(two.optimizer_state_bytes - 2 * fp32 / 2) <= 0.01 * fp32
+
+
+def test_what_a_target_cannot_model_is_refused_with_what_to_do():
+    model, inputs = _gpt()
+    with pytest.raises(remat.UnsupportedError, match="tensor parallelism"):
+        remat.make_profile(model, inputs, target=Target(device="h100-80gb", world=4, tp=2))
+    with pytest.raises(remat.InvalidInputError, match="world"):
+        Target(device="h100-80gb", world=8, fsdp=4)
+    with pytest.raises(remat.InvalidInputError, match="h100-80gb"):
+        Target(device="h100-800gb")
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(remat.UnsupportedError, match="autocast"):
+        remat.make_profile(model, inputs, target=Target(device="a100-80gb"))
+    assert not torch.distributed.is_initialized()
