@@ -4,6 +4,7 @@ outside the dispatcher (storage resizes, RNG states) (part of remat._compat: see
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
@@ -111,3 +112,45 @@ def fake_store():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+_PROPAGATING = threading.local()
+
+
+def in_sharding_propagation() -> bool:
+    """Whether DTensor is computing an operator's output metadata right now (see
+    :func:`sharding_propagation_marked`)."""
+    return getattr(_PROPAGATING, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def sharding_propagation_marked() -> Iterator[None]:
+    """Mark DTensor's tensor-metadata propagation (``ShardingPropagator._propagate_tensor_meta_non_cached``, or
+    ``_propagate_tensor_meta`` where that is the uncached one; checked on 2.13, 2.15): it runs each operator on
+    fake tensors of the *global* shapes under ``detect_fake_mode() or FakeTensorMode()``, which is the recording's
+    own mode when every tensor is fake (a modelled target), so a tracker counting fake tensors must skip what runs
+    inside it (:func:`in_sharding_propagation`): it allocates nothing on any rank."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:  # torch without distributed
+        yield
+        return
+    name = next((n for n in ("_propagate_tensor_meta_non_cached", "_propagate_tensor_meta")
+                 if hasattr(ShardingPropagator, n)), None)
+    if name is None:
+        yield
+        return
+    original = getattr(ShardingPropagator, name)
+
+    def marked(self, *args, **kwargs):
+        _PROPAGATING.depth = getattr(_PROPAGATING, "depth", 0) + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _PROPAGATING.depth -= 1
+
+    setattr(ShardingPropagator, name, marked)
+    try:
+        yield
+    finally:
+        setattr(ShardingPropagator, name, original)

@@ -38,6 +38,8 @@ from remat._compat import (
     untyped_storage_key,
     rng_states_reported,
     storage_resizes_reported,
+    in_sharding_propagation,
+    sharding_propagation_marked,
     tree_flatten,
 )
 
@@ -237,6 +239,8 @@ class StorageTracker(StorageBook, TorchDispatchMode):
         self._patches = contextlib.ExitStack()
         if self.follow_resizes:
             self._patches.enter_context(storage_resizes_reported(self._resized))
+        if self.count_fake:  # Note [Sharded tensors]: DTensor's propagation may run in the recording's own mode
+            self._patches.enter_context(sharding_propagation_marked())
         # the CPU RNG state torch.utils.checkpoint saves per call is made where no dispatch mode sees it
         self._patches.enter_context(rng_states_reported(self.track))
         return super().__enter__()
@@ -254,7 +258,7 @@ class StorageTracker(StorageBook, TorchDispatchMode):
         kwargs = kwargs or {}
         if any(is_dtensor_class(t) for t in types):
             return NotImplemented  # Note [Sharded tensors]: DTensor runs it on its local shards
-        if not self.count_fake and active_fake_mode() is not self._fake_on_entry:
+        if (not self.count_fake and active_fake_mode() is not self._fake_on_entry) or in_sharding_propagation():
             return func(*args, **kwargs)  # DTensor's sharding propagation: allocates nothing
         if self.clock is not None:
             t0 = self.clock.mark()

@@ -154,22 +154,23 @@ class ModelledTarget:
                                  source=f"reserved, predicted for {self.target.describe()}, not measured: the CUDA "
                                      "caching allocator replayed over two recorded steps")
 
-    def replay(self, req: Request, plan: Plan) -> AllocatorPeaks:
+    def replay(self, req: Request, plan: Plan | None) -> AllocatorPeaks:
         """The target allocator's peaks over two training steps with ``plan`` (forward, loss, backward, the
-        optimizer's step and ``zero_grad``), recorded on fake tensors in the target's world."""
-        if plan.checkpointed in self.replayed:
-            return self.replayed[plan.checkpointed]
-        peaks = replay(self.step_events(req, plan), self.target.allocator)
-        self.replayed[plan.checkpointed] = peaks
-        return peaks
+        optimizer's step and ``zero_grad``), recorded on fake tensors in the target's world (None: the model as it
+        is, its own checkpointing included)."""
+        key = plan.checkpointed if plan is not None else ()
+        if key not in self.replayed:
+            self.replayed[key] = replay(self.step_events(req, plan), self.target.allocator)
+        return self.replayed[key]
 
-    def step_events(self, req: Request, plan: Plan) -> list:
+    def step_events(self, req: Request, plan: Plan | None) -> list:
         """The allocations and frees of two training steps with ``plan``, in order, as the target's allocator
         sees them: the parameters and the batch first, the cuBLAS workspace at the first step."""
         from remat.rewrite import checkpoint_plan
 
         with built(self.target, req.model, (req.args, req.kwargs)) as (fake, (args, kwargs), mode), mode:
-            checkpoint_plan(fake, plan)
+            if plan is not None:
+                checkpoint_plan(fake, plan)
             held = {id(t): t for t in [*fake.parameters(), *fake.buffers(), *_tensors((args, kwargs))]}
             before = [Alloc(i, _local_bytes(t)) for i, t in enumerate(held.values())]
             before.append(Alloc(len(before), CUBLAS_WORKSPACE_BYTES))
@@ -177,6 +178,9 @@ class ModelledTarget:
             with StorageTracker(torch.device("cpu"), ignore=list(held.values()), count_fake=True) as tracker:
                 for _ in range(2):
                     run_step(fake, args, kwargs, req.loss_fn, output_alive=req.output_alive)
+                    if self.target.clip_grad_norm is not None:
+                        torch.nn.utils.clip_grad_norm_(list(fake.parameters()), self.target.clip_grad_norm,
+                                                       foreach=True)
                     if opt is not None:
                         type(opt).step(opt)
                     for p in fake.parameters():
@@ -184,6 +188,21 @@ class ModelledTarget:
             recorded = [(r.nbytes, r.alloc_index, r.free_index) for r in tracker.records]
         return before + [dataclasses.replace(e, handle=e.handle + len(before)) if isinstance(e, (Alloc, Free)) else e
                          for e in events_of(recorded)]
+
+
+def predict_peaks(model: nn.Module, example_inputs: Any, target: Target, *, loss_fn: Any = None,
+                  optimizer: torch.optim.Optimizer | None = None, output_alive: bool = True,
+                  plan: Plan | None = None) -> AllocatorPeaks:
+    """The peaks the target's CUDA caching allocator is predicted to reach over two training steps of ``model``
+    (with ``plan`` applied, or as it is: its own checkpointing included), recorded on fake tensors in the
+    target's world: predicted, not measured. Changes nothing of the user's."""
+    from remat.api.request import request
+
+    source = ModelledTarget(target)
+    req = request(model, 1.0, example_inputs, loss_fn=loss_fn, optimizer=optimizer, time_limit_s=None, check=False,
+                  granularity="block", output_alive=output_alive, grad_accumulation=False,
+                  zero_grad_after_forward=False, timeout_s=None, compile=False, source=source)
+    return source.replay(req, plan)
 
 
 #: FLOP/s used to turn FLOPs into seconds when the device's are unknown (ranking only)

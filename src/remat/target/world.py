@@ -59,6 +59,8 @@ class Target:
     reduce_dtype: torch.dtype | None = torch.float32
     parallelize: Parallelize | None = None
     allocator: AllocatorConfig = AllocatorConfig()
+    #: the loop clips gradients to this norm after backward (``clip_grad_norm_(..., foreach=True)``), None: it does not
+    clip_grad_norm: float | None = None
     #: the rank whose step is recorded (ranks of a data-parallel world run the same step)
     rank: int = 0
 
