@@ -45,8 +45,9 @@ ASSUMPTIONS = [
     "FSDP root not resharded after forward (the Dec-2024 torch ignored torchtitan's True for the root)",
     "the loss on a float32 copy of the bf16 logits, the logits dropped before backward (torchtitan's del pred)",
     "gradient clipping with foreach=True every step, AdamW foreach (fused=False), as torchtitan's defaults",
-    "not counted: the CUDA context, NCCL's own buffers and streams' fragmentation beyond the one-stream replay; "
-    "peak over two steps here, torchtitan's over steps 81-90",
+    "streams: FSDP2's all-gather and reduce-scatter allocations in pools of their own (as torch 2.13's FSDP2 "
+    "allocates them; the Dec-2024 torch allocated the reduce-scatter input on the reduce-scatter stream too)",
+    "not counted: the CUDA context, NCCL's own buffers; peak over two steps here, torchtitan's over steps 81-90",
 ]
 
 
@@ -99,9 +100,10 @@ def main() -> None:
               f"{r['allocated']:>19.1f} | {r['seconds']:>14.0f} | {r['rss']:>7.2f}")
     if len(rows) == 2 and all(r["world"] in PUBLISHED for r in rows):
         pub = PUBLISHED[rows[0]["world"]] - PUBLISHED[rows[1]["world"]]
-        pred = rows[0]["reserved"] - rows[1]["reserved"]
-        print(f"difference {rows[0]['world']} - {rows[1]['world']} GPUs: published {pub:.1f}, predicted {pred:.1f} "
-              f"({(pred - pub) / pub:+.1%})")
+        for key, label in (("reserved", "expandable"), ("native", "native")):
+            pred = rows[0][key] - rows[1][key]
+            print(f"difference {rows[0]['world']} - {rows[1]['world']} GPUs: published {pub:.1f}, predicted {pred:.1f} "
+                  f"({label}, {(pred - pub) / pub:+.1%})")
     print("predicted on this machine's CPU for the H100 (96 GB), not measured; torchtitan's figures measured on "
           "H100s. Assumptions:")
     for a in ASSUMPTIONS:

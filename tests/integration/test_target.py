@@ -38,8 +38,8 @@ def test_a_meta_model_is_planned_for_eight_h100s_and_checkpointed_in_place_witho
     names = [n for n, _ in model.named_parameters()]
     ids = torch.zeros(8, 256, dtype=torch.long, device="meta")
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
-    # (no checkpointing: 101 MiB allocated, predicted; the least: 36 MiB)
-    plan = remat.optimize_checkpointing(model, 0.09, (ids, ids), optimizer=opt,
+    # (predicted without checkpointing: 135 MiB allocated, 180 MiB reserved; the least plan reserves 96 MiB)
+    plan = remat.optimize_checkpointing(model, 0.13, (ids, ids), optimizer=opt,
                                         target=Target(device="h100-80gb", world=8))
     assert plan.target.startswith("NVIDIA H100") and "FSDP 8" in plan.target
     assert plan.checkpointed and plan.predicted_reserved_bytes <= plan.budget_bytes

@@ -85,6 +85,9 @@ class StorageRecord:
     #: the shape and dtype of the tensor first seen on it ("" when made by a resize)
     shape: tuple[int, ...] = ()
     dtype: str = ""
+    #: the stream it was allocated on, numbered in order of first use (0: the default stream), when the tracker
+    #: follows streams (Note [Target kernels] in remat.target.source)
+    stream: int = 0
 
 
 _FOUND_HELD: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_found_held", default=True)
@@ -131,6 +134,8 @@ class StorageBook:
         self.timeline: list[int] = []
         self.by_key: dict[int, StorageRecord] = {}
         self._refs: dict[int, weakref.ref] = {}
+        #: streams seen, by identity, numbered from 0 (the default stream); None: streams are not followed
+        self.streams: dict[int, int] | None = None
 
     def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
         key = untyped_storage_key(st)
@@ -201,6 +206,8 @@ class StorageBook:
     def _new_record(self, st: torch.UntypedStorage, key: int, nbytes: int) -> StorageRecord:
         with self._lock:  # Note [Frees on other threads]
             rec = StorageRecord(key, nbytes, self.index)
+            if self.streams is not None:
+                rec.stream = self.streams.setdefault(id(torch.cpu.current_stream()), len(self.streams))
             self.records.append(rec)
             self.by_key[key] = rec
             self._refs[key] = weakref.ref(st, lambda _, rec=rec: self._freed(rec))

@@ -21,6 +21,12 @@ build] in remat.target.world), and how each is taken into account (docs/targets.
   first product (:data:`CUBLAS_WORKSPACE_BYTES`);
 * collectives: FSDP2's all-gather and reduce-scatter buffers are the real code's allocations (fake process
   group); NCCL's own buffers and the CUDA context are outside the allocator and not counted;
+* streams: FSDP2 allocates its all-gather buffers on its all-gather
+  streams and the reduce-scatter's output (the sharded gradients) on its reduce-scatter stream, and the caching
+  allocator keeps one pool per stream: a block freed on one stream is not reused by another. On CPU, FSDP2 runs
+  the same code with ``torch.cpu`` streams, whose current stream the recording reads at every allocation; the
+  replay keeps a pool per stream. (Blocks used on another stream than their own are freed at once in the replay:
+  FSDP2 holds them until its events instead of ``record_stream``.)
 * autocast: CUDA's op lists differ from the CPU's and cannot be run on fake CPU tensors: a step under autocast is
   refused for a CUDA target (use FSDP2's ``MixedPrecisionPolicy`` or a model in bf16).
 """
@@ -175,7 +181,9 @@ class ModelledTarget:
             before = [Alloc(i, _local_bytes(t)) for i, t in enumerate(held.values())]
             before.append(Alloc(len(before), CUBLAS_WORKSPACE_BYTES))
             opt = _fake_optimizer(req.optimizer, req.model, fake, self.target)
-            with StorageTracker(torch.device("cpu"), ignore=list(held.values()), count_fake=True) as tracker:
+            tracker = StorageTracker(torch.device("cpu"), ignore=list(held.values()), count_fake=True)
+            tracker.streams = {id(torch.cpu.current_stream()): 0}  # Note [Target kernels]
+            with tracker:
                 for _ in range(2):
                     run_step(fake, args, kwargs, req.loss_fn, output_alive=req.output_alive)
                     if self.target.clip_grad_norm is not None:
@@ -186,8 +194,9 @@ class ModelledTarget:
                     for p in fake.parameters():
                         p.grad = None
             recorded = [(r.nbytes, r.alloc_index, r.free_index) for r in tracker.records]
-        return before + [dataclasses.replace(e, handle=e.handle + len(before)) if isinstance(e, (Alloc, Free)) else e
-                         for e in events_of(recorded)]
+            streams = [r.stream for r in tracker.records]
+        return before + [Alloc(e.handle + len(before), e.nbytes, streams[e.handle]) if isinstance(e, Alloc)
+                         else Free(e.handle + len(before)) for e in events_of(recorded)]
 
 
 def predict_peaks(model: nn.Module, example_inputs: Any, target: Target, *, loss_fn: Any = None,
