@@ -870,3 +870,46 @@ def build_train_model(flavor: str = "8B", *, device: Union[str, torch.device] = 
             model.init_weights()
     model.train()
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# For remat: the training step as one module, and command-line targets (not torchtitan's)
+# ---------------------------------------------------------------------------------------------
+
+
+class WithLoss(nn.Module):
+    """torchtitan's step as one module: ``loss_fn(model(tokens), labels)``, the logits dropped after the loss
+    (``del pred``). Its parameters are the model's, named ``model.*``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_fn(self.model(tokens), labels)
+
+
+def parallelize_fsdp(wrapped: WithLoss, mesh: "DeviceMesh") -> None:
+    """torchtitan's FSDP wrapping of the model inside :class:`WithLoss` (for ``remat.Target(parallelize=...)``)."""
+    apply_fsdp(wrapped.model, mesh)
+
+
+def remat_target(flavor: str = "8B", *, device: Union[str, torch.device] = "meta", batch_size: int = 2,
+                 seq_len: int = 8192, selective_ac: bool = False) -> tuple:
+    """``(model, (tokens, labels), loss_fn, parallelize)`` for ``remat plan FILE:llama3_8b --device ...``: the
+    step as one module on the meta device (no weights), without activation checkpointing (remat chooses it)
+    unless ``selective_ac``."""
+    model = WithLoss(build_train_model(flavor, device="meta", selective_ac=selective_ac,
+                                       save_list=SAVE_LIST_CPU_STANDIN))
+    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    return model, (tokens, tokens), (lambda loss: loss), parallelize_fsdp
+
+
+def llama3_8b(device: Union[str, torch.device] = "meta", batch_size: int = 2, seq_len: int = 8192) -> tuple:
+    """Llama 3 8B (torchtitan's), batch 2 x 8192 by default, FSDP as torchtitan wraps it."""
+    return remat_target("8B", device=device, batch_size=batch_size, seq_len=seq_len)
+
+
+def llama3_70b(device: Union[str, torch.device] = "meta", batch_size: int = 2, seq_len: int = 8192) -> tuple:
+    """Llama 3 70B (torchtitan's), batch 2 x 8192 by default, FSDP as torchtitan wraps it."""
+    return remat_target("70B", device=device, batch_size=batch_size, seq_len=seq_len)

@@ -281,21 +281,12 @@ class Llama(torch.nn.Module):
         return self.output(self.norm(x))
 
 
-def tensor_parallel(sp: bool, parallel_loss: bool = False, mesh=None, batch_seed: int = 5,
-                    shape: tuple[int, int] = (4, 32), **llama):
-    """The Llama on a 1-D "tp" mesh with torchtitan's plan: q/k/v and w1/w3 Colwise, wo and w2 Rowwise; with
-    ``sp`` (sequence parallel) the norms SequenceParallel, the embedding and head as torchtitan shards them,
-    attention and feed-forward inputs gathered by PrepareModuleInput. The same batch on every rank (of one
-    ``batch_seed``, of ``shape`` tokens). ``mesh``: the tensor-parallel mesh (a 2-D mesh's "tp" dimension); every
-    rank's by default. ``llama``: the model's sizes (:class:`Llama`)."""
+def apply_tp(model, mesh, sp: bool) -> None:
+    """torchtitan's tensor-parallel plan on :class:`Llama` over ``mesh`` (1-D, "tp")."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, \
         SequenceParallel, parallelize_module
 
-    if mesh is None:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    torch.manual_seed(0)
-    model = Llama(**llama)
     if sp:
         parallelize_module(model, mesh, {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -311,6 +302,23 @@ def tensor_parallel(sp: bool, parallel_loss: bool = False, mesh=None, batch_seed
             plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
                          "attention": gather, "feed_forward": gather})
         parallelize_module(layer, mesh, plan)
+
+
+def tensor_parallel(sp: bool, parallel_loss: bool = False, mesh=None, batch_seed: int = 5,
+                    shape: tuple[int, int] = (4, 32), **llama):
+    """The Llama on a 1-D "tp" mesh with torchtitan's plan: q/k/v and w1/w3 Colwise, wo and w2 Rowwise; with
+    ``sp`` (sequence parallel) the norms SequenceParallel, the embedding and head as torchtitan shards them,
+    attention and feed-forward inputs gathered by PrepareModuleInput. The same batch on every rank (of one
+    ``batch_seed``, of ``shape`` tokens). ``mesh``: the tensor-parallel mesh (a 2-D mesh's "tp" dimension); every
+    rank's by default. ``llama``: the model's sizes (:class:`Llama`)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor import Shard
+
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = Llama(**llama)
+    apply_tp(model, mesh, sp)
     g = torch.Generator().manual_seed(batch_seed)
     idx, targets = (torch.randint(0, model.output.out_features, shape, generator=g) for _ in range(2))
     if parallel_loss:  # torchtitan's loss parallel: logits stay sharded on the vocabulary

@@ -8,6 +8,7 @@ import socket
 
 import pytest
 import torch
+import remat
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
@@ -193,3 +194,63 @@ def test_loss_parallel_is_planned_and_exact(ranks):
     assert r0["plan"] == r1["plan"] and r0["plan"]
     for r in (r0, r1):
         assert r["checked"] <= r["budget"] and r["grad_mismatches"] == [], r
+
+
+@pytest.mark.parametrize("case", ["gpt/fsdp2", "gpt/fsdp2-keep", "resnet/fsdp2"])
+def test_a_world_of_two_modelled_on_the_fake_process_group_predicts_the_real_ranks_peaks(ranks, case):
+    """Check (2) of issue #39: the same model and batch as rank 0's, wrapped alike but on torch's fake process group
+    at world size 2 in this process (``Target(device="cpu", world=2)``: nothing runs for real), predicts the peak
+    that torch's own meter measured on the real 2-rank gloo run, for each plan that run measured."""
+    from torch.distributed.fsdp import fully_shard
+
+    kind, how = case.split("/")
+    model, inputs, loss_fn, blocks = distributed_worker.model_and_batch(kind, 0)
+    names = {id(m): n for n, m in model.named_modules()}
+    block_names = [names[id(b)] for b in blocks]
+
+    def parallelize(fake, mesh):
+        mods = dict(fake.named_modules())
+        for n in block_names:
+            fully_shard(mods[n], mesh=mesh, reshard_after_forward=how != "fsdp2-keep")
+        fully_shard(fake, mesh=mesh, reshard_after_forward=how != "fsdp2-keep")
+
+    profile = remat.make_profile(model, inputs, loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                 output_alive=False, target=remat.Target(device="cpu", world=2, parallelize=parallelize))
+    planner = remat.Planner(profile, granularity="op")
+    for row in ranks[0][case]["rows"]:
+        predicted = planner.make_plan(tuple(row["units"]), "measured there").predicted_peak_bytes
+        # within 1% of the real step as remat meters it (forward and backward at dispatch level, the optimizer's
+        # state and step as predicted) and within 2% of torch's FSDPMemTracker on a whole real step (which read the
+        # ResNet's steps 1.3% below remat's meter)
+        assert abs(predicted - row["checked"]) <= 0.01 * row["checked"], (row, predicted)
+        assert abs(predicted - row["measured"]) <= 0.02 * row["measured"], (row, predicted)
+
+
+@pytest.mark.parametrize("case", ["tp", "tp-sp"])
+def test_tensor_parallel_modelled_on_the_fake_process_group_predicts_the_real_ranks_peaks(ranks, case):
+    """Check (2) of issue #39 for tensor parallelism (with and without sequence parallelism): the Llama and batch
+    of the real 2-rank run, parallelized alike on torch's fake process group in this process, predicts the plan's
+    per-rank peak as measured there."""
+    from distributed_worker import Llama, apply_tp
+
+    torch.manual_seed(0)
+    model = Llama()
+    g = torch.Generator().manual_seed(5)
+    idx, targets = (torch.randint(0, model.output.out_features, (4, 32), generator=g) for _ in range(2))
+    loss_fn = lambda out: torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten())  # noqa: E731
+    target = remat.Target(device="cpu", world=2, tp=2,
+                          parallelize=lambda m, mesh: apply_tp(m, mesh["tp"], case == "tp-sp"))
+    profile = remat.make_profile(model, idx, loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                 output_alive=False, target=target)
+    r = ranks[0][case]
+    predicted = remat.Planner(profile, granularity="op").make_plan(tuple(r["plan"]), "the run's").predicted_peak_bytes
+    # Within 1% of the real run's own prediction (made from a recording of its real step), and of torch's
+    # MemTracker and the profiler's allocator events on its real steps (the least of five). Under sequence
+    # parallelism gloo's readings scatter by more than that (in one run: MemTracker 1.881 MB, allocator 1.870 MB,
+    # remat's check 1.968 MB, the largest of three steps; the modelled 1.935 MB): 4% there, as docs/limits.md says.
+    # (remat's check is not compared: it keeps the largest of three real steps, 2.9% above the others for "tp")
+    # The real run's own profile scatters too under sequence parallelism (its plan's prediction 1.737 MB in one
+    # run, 1.920 MB for another plan in another, the modelled 1.713 and 1.935 MB)
+    tolerance = 0.01 if case == "tp" else 0.04
+    for meter in ("predicted", "measured", "allocated"):
+        assert abs(predicted - r[meter]) <= tolerance * r[meter], (meter, predicted, r)

@@ -84,15 +84,21 @@ class ModelledTarget:
 
         _refuse_autocast(self.target)
         started = time.perf_counter()
-        with built(self.target, req.model, (req.args, req.kwargs)) as (fake, (args, kwargs), mode):
+        graphs = []
+
+        def capture_unwrapped(fake: nn.Module, inputs: Any) -> None:
+            # Note [Capture before parallelizing]: what the capture decides (units, whether the operator
+            # sequence can depend on the data) is the Python of the model's forwards, which FSDP2 and TP do not
+            # change; the copy is captured before they wrap it (torch.export runs hooks, so a wrapped model is
+            # traced by fx alone where it runs: Note [Tracing without module hooks]), its modules named alike
+            graphs.append(capture(fake, *inputs))
+
+        with built(self.target, req.model, (req.args, req.kwargs), before=capture_unwrapped) as (
+                fake, (args, kwargs), mode):
             opt = _optimizer_cost(req.optimizer, req.model, fake, mode, self.target)
             modelled = Modelled(optimizer=opt, op_seconds=self._op_seconds, overhead=self._overhead(),
                                 counted=self._counted, note=self._note())
-            wrapping = wrapping_of(fake)
-            # traced on proxies outside the fake mode (constants the forward makes, such as a causal mask, are
-            # real while tracing), as remat traces a wrapped model where it runs (Note [Tracing without module hooks])
-            graph = capture(fake, args, kwargs, untraceable=None, no_export=f"the model is wrapped by {wrapping}"
-                            if wrapping.kind != "none" else None)
+            wrapping, graph = wrapping_of(fake), graphs[0]
             with mode:
                 profile = _make_profile(fake, args, kwargs, loss_fn=req.loss_fn, optimizer=None,
                                         device=torch.device("cpu"), output_alive=req.output_alive,

@@ -70,7 +70,7 @@ class Target:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInputError(f"Target.{name} must be a whole number of ranks >= 1, got {value!r}")
-        fsdp = self.fsdp if self.fsdp is not None else (self.world // self.tp if self.world > 1 else None)
+        fsdp = self.fsdp if self.fsdp is not None else (self.world // self.tp if self.world // self.tp > 1 else None)
         if fsdp is not None and (isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1):
             raise InvalidInputError(f"Target.fsdp must be a whole number of ranks >= 1, got {fsdp!r}")
         if (fsdp or 1) * self.tp != self.world:
@@ -195,13 +195,18 @@ def default_parallelize(target: Target) -> Parallelize:
 
 
 @contextlib.contextmanager
-def built(target: Target, model: nn.Module, example_inputs: Any) -> Iterator[tuple[nn.Module, Any, Any]]:
+def built(target: Target, model: nn.Module, example_inputs: Any,
+          before: Callable[[nn.Module, Any], None] | None = None) -> Iterator[tuple[nn.Module, Any, Any]]:
     """The target's world, with ``model`` copied onto fake tensors, parallelized as on the target, and the
-    inputs made fake: yields (fake model, fake inputs, the FakeTensorMode to run them under)."""
+    inputs made fake: yields (fake model, fake inputs, the FakeTensorMode to run them under). ``before(fake,
+    inputs)`` runs on the copy before it is parallelized (the capture: Note [Capture before parallelizing] in
+    remat.target.source)."""
     mode = fake_mode()
     with fake_world(target) as mesh:
         fake = fake_copy(model, mode)
         inputs = fake_inputs(example_inputs, mode)
+        if before is not None:
+            before(fake, inputs)
         if mesh is not None:
             with mode:
                 (target.parallelize or default_parallelize(target))(fake, mesh)
