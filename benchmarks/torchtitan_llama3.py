@@ -873,6 +873,44 @@ def build_train_model(flavor: str = "8B", *, device: Union[str, torch.device] = 
 
 
 # ---------------------------------------------------------------------------------------------
+# Tensor parallelism (torchtitan/parallelisms/parallelize_llama.py: apply_tp, float8 and async TP off)
+# ---------------------------------------------------------------------------------------------
+
+
+def apply_tp(model: Transformer, tp_mesh: "DeviceMesh", loss_parallel: bool = False) -> Transformer:
+    """torchtitan's tensor (and sequence) parallelism: the embedding Rowwise with its output sharded on the
+    sequence, the norms SequenceParallel, q/k/v and w1/w3 Colwise, wo and w2 Rowwise with sequence-sharded
+    outputs, attention and feed-forward inputs gathered. ``loss_parallel`` (torchtitan's default is on) keeps the
+    logits sharded on the vocabulary; off here by default: :class:`WithLoss` computes the loss outside
+    ``loss_parallel()``, so the logits are replicated (more memory than torchtitan's default run)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    })
+    for transformer_block in model.layers.values():
+        parallelize_module(transformer_block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
 # For remat: the training step as one module, and command-line targets (not torchtitan's)
 # ---------------------------------------------------------------------------------------------
 
@@ -890,8 +928,12 @@ class WithLoss(nn.Module):
 
 
 def parallelize_fsdp(wrapped: WithLoss, mesh: "DeviceMesh") -> None:
-    """torchtitan's FSDP wrapping of the model inside :class:`WithLoss` (for ``remat.Target(parallelize=...)``)."""
-    apply_fsdp(wrapped.model, mesh)
+    """torchtitan's parallelisms of the model inside :class:`WithLoss` (for ``remat.Target(parallelize=...)``), in
+    torchtitan's order: tensor parallelism over ``mesh["tp"]`` when the mesh has it, then FSDP over ``mesh["dp"]``."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names:
+        apply_tp(wrapped.model, mesh["tp"])
+    apply_fsdp(wrapped.model, mesh["dp"] if "tp" in names else mesh)
 
 
 def remat_target(flavor: str = "8B", *, device: Union[str, torch.device] = "meta", batch_size: int = 2,

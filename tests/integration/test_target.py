@@ -75,3 +75,29 @@ def test_what_a_target_cannot_model_is_refused_with_what_to_do():
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(remat.UnsupportedError, match="autocast"):
         remat.make_profile(model, inputs, target=Target(device="a100-80gb"))
     assert not torch.distributed.is_initialized()
+
+
+def test_the_command_line_plans_a_hugging_face_config_for_gpus_it_does_not_have(capsys, tmp_path):
+    """``remat plan path/config.json --device h100-80gb --world 2``: the model built from the config on the meta
+    device (no weights, no download), FSDP2 over a fake world of 2, the plan printed with the predicted reserved
+    peak and saved."""
+    transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'remat[hf]'")
+    from remat.cli import main
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config.save_pretrained(tmp_path)
+    code = main(["plan", str(tmp_path / "config.json"), "--device", "h100-80gb", "--world", "2", "--batch", "2",
+                 "--seq", "64", "--budget", "1", "--out", str(tmp_path / "plan.json")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "x 2 ranks (FSDP 2)" in out and "modelled here, not run" in out, out
+    assert "predicted reserved:" in out and "not measured" in out
+    plan = remat.Plan.load(tmp_path / "plan.json")
+    assert plan.target.endswith("x 2 ranks (FSDP 2)") and plan.predicted_reserved_bytes <= 2**30
+    code = main(["plan", "gpt", "--device", "h100-800gb", "--budget", "1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "h100-80gb" in err  # the known names listed
+    code = main(["plan", "gpt", "--world", "8", "--budget", "1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "--device" in err

@@ -35,7 +35,7 @@ from remat._compat.versions import (  # noqa: F401
 from remat._compat.optim import default_foreach, global_optimizer_hooks_paused  # noqa: F401
 from remat._compat.distributed import (  # noqa: F401
     _IS_DTENSOR, active_fake_mode, default_store, fake_store, fsdp_modules, in_sharding_propagation, is_dtensor_class,
-    local_tensor, rng_states_reported, sharding_propagation_marked, storage_resizes_reported)
+    local_tensor, meshes_built_for_real, rng_states_reported, sharding_propagation_marked, storage_resizes_reported)
 from remat._compat.dispatch import (  # noqa: F401
     FakeTensor, FakeTensorMode, TorchDispatchMode, _keystr, _tree_flatten_with_path, argument, fake_mode, flop_count,
     leaves_with_paths, module_stack, outside_dispatch_modes, storage_key, tree_flatten, tree_map, untyped_storage_key,

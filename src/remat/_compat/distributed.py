@@ -154,3 +154,25 @@ def sharding_propagation_marked() -> Iterator[None]:
         yield
     finally:
         setattr(ShardingPropagator, name, original)
+
+
+@contextlib.contextmanager
+def meshes_built_for_real() -> Iterator[None]:
+    """Build every ``DeviceMesh`` with the fake mode unset (``torch._subclasses.fake_tensor.unset_fake_temporarily``
+    around ``DeviceMesh.__init__``; checked on 2.13): a mesh computes its coordinates with tensor operators
+    (``nonzero``) that fake tensors cannot run, and FSDP2 over a tensor-parallel mesh concatenates meshes while a
+    modelled target's parallelize runs under the fake mode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    def init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original

@@ -289,6 +289,8 @@ class Profile:
     optimizer: str
     #: what profiling found worth saying (paths taken, units left out)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: the device and world the costs were modelled for (remat.target: predicted), "" when measured on ``device``
+    target: str = ""
     #: bytes allocated during the step alive just before each operator runs (after the frees that follow
     #: the previous one): where a recomputation starts (Note [Between operators] in remat.costs.recording); None:
     #: ``live_bytes`` of the previous operator

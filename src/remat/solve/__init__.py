@@ -330,5 +330,7 @@ def _communication(profile: Profile, chosen: Sequence[str]) -> tuple[str, ...]:
     total = sum(b for _, ops in per_unit for _, b in ops)
     return (f"recomputes communication in backward: {len(per_unit)} unit(s) run {sum(len(o) for _, o in per_unit)} "
             f"collective(s) again, {total:,} bytes in all (" + "; ".join(f"{u}: {summary(o)}" for u, o in per_unit)
-            + "); their time is in the predicted step time (each recomputation was timed for real, collectives "
-              "included: Note [Recomputed communication] in remat.costs.effects)",)
+            + ("); their time is in the predicted step time (each recomputation was timed for real, collectives "
+               "included: Note [Recomputed communication] in remat.costs.effects)" if not profile.target else
+               "); their time is not in the predicted step time: for a modelled target it counts FLOPs only "
+               "(Note [Recomputed communication] in remat.costs.effects)"),)

@@ -108,7 +108,7 @@ class ModelledTarget:
                          buffers_bytes=self._bytes(fake.buffers()),
                          inputs_bytes=self._bytes(t for t in _tensors((args, kwargs))))
         return dataclasses.replace(
-            profile, device=self.describe(), world_size=self.target.world, **fixed,
+            profile, device=self.describe(), world_size=self.target.world, target=self.target.describe(), **fixed,
             notes=profile.notes + (f"recorded on fake tensors in {time.perf_counter() - started:.1f} s",))
 
     def _overhead(self) -> CheckpointOverhead:

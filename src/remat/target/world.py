@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._compat import fake_mode, fake_store, tree_map
+from remat._compat import fake_mode, fake_store, meshes_built_for_real, tree_map
 from remat.costs.allocator import AllocatorConfig
 from remat.errors import InvalidInputError, UnsupportedError
 from remat.target.devices import DeviceSpec, device_spec
@@ -125,6 +125,9 @@ def fake_world(target: Target) -> Iterator[Any]:
     try:
         if target.tp > 1:
             mesh = init_device_mesh("cpu", (target.fsdp or 1, target.tp), mesh_dim_names=("dp", "tp"))
+            # sliced here, outside the fake mode parallelize runs in: slicing computes coordinates with real tensor
+            # operators (nonzero) that fake tensors cannot run; DeviceMesh keeps the slices made
+            _ = mesh["dp"], mesh["tp"]
         else:
             mesh = init_device_mesh("cpu", (target.world,), mesh_dim_names=("dp",))
         yield mesh
@@ -208,7 +211,7 @@ def built(target: Target, model: nn.Module, example_inputs: Any,
         if before is not None:
             before(fake, inputs)
         if mesh is not None:
-            with mode:
+            with mode, meshes_built_for_real():
                 (target.parallelize or default_parallelize(target))(fake, mesh)
         yield fake, inputs, mode
 
