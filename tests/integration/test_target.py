@@ -95,9 +95,32 @@ def test_the_command_line_plans_a_hugging_face_config_for_gpus_it_does_not_have(
     assert "predicted reserved:" in out and "not measured" in out
     plan = remat.Plan.load(tmp_path / "plan.json")
     assert plan.target.endswith("x 2 ranks (FSDP 2)") and plan.predicted_reserved_bytes <= 2**30
+    code = main(["tradeoff", "gpt", "--layers", "2", "--batch", "4", "--seq", "32", "--d-model", "32", "--device",
+                 "a100-40gb", "--world", "2", "--points", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "tradeoff predicted for NVIDIA A100" in out and "every_block" in out and "not measured" in out
     code = main(["plan", "gpt", "--device", "h100-800gb", "--budget", "1"])
     out, err = capsys.readouterr()
     assert code == 2 and "h100-80gb" in err  # the known names listed
     code = main(["plan", "gpt", "--world", "8", "--budget", "1"])
     out, err = capsys.readouterr()
     assert code == 2 and "--device" in err
+
+
+def test_a_plan_made_on_the_meta_device_applies_to_the_materialized_model_and_trains_exactly():
+    """The plan made for the target, saved, then applied (``apply_plan``) to the same model with its weights: the
+    same modules checkpointed, and one step's loss and gradients those of the plain model, bitwise."""
+    with torch.device("meta"):
+        meta = GPT(256, 64, 64, 3, 4, 0.0)
+    ids = torch.zeros(4, 64, dtype=torch.long, device="meta")
+    profile = remat.make_profile(meta, (ids, ids), target=Target(device="a100-80gb"))
+    planner = remat.Planner(profile, granularity="op")
+    plan = planner.plan_for_budget((planner.min_peak_bytes + planner.baseline_peak_bytes) // 2)
+    assert plan.checkpointed
+    model, (idx, tgt), _ = make_gpt(layers=3, batch_size=4, seq_len=64, d_model=64, vocab=256, dropout=0.0)
+    plain, _, _ = make_gpt(layers=3, batch_size=4, seq_len=64, d_model=64, vocab=256, dropout=0.0)
+    remat.apply_plan(model, remat.Plan.from_dict(plan.to_dict()))
+    assert sorted(remat.checkpointed_modules(model)) == sorted(plan.checkpointed)
+    report = remat.check_equivalence(model, (idx, tgt), reference=plain)
+    assert report.mismatched == () and max(report.max_abs_diff.values()) == 0.0, report

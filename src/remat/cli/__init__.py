@@ -142,6 +142,8 @@ def cmd_tradeoff(args, out, err) -> int:
     model, inputs, loss_fn, desc, device = _target(args)
     compile = _compile_setting(args)
     _header(out, desc, device, args)
+    if _modelled(args) is not None:
+        return _modelled_tradeoff(args, out, err, model, inputs, loss_fn)
     with err.status("profiling") as st:
         profile, _ = _profile(args, model, inputs, loss_fn, device, st.update)
         budgets = [int(b * GiB) for b in args.budgets] if args.budgets else None
@@ -164,6 +166,26 @@ def cmd_tradeoff(args, out, err) -> int:
         out.print(f"rows written to {args.json}")
     if args.plot and _rank() == 0:
         _plot(out, args.plot, lambda path: plot_rows(rows, path, f"{desc} on {device}"))
+    return 0
+
+
+def _modelled_tradeoff(args, out, err, model, inputs, loss_fn) -> int:
+    """``remat tradeoff --device GPU``: the table predicted for a target that is not here (nothing measured)."""
+    from remat.cli.render import _predicted_table
+    from remat.target.tradeoff import predicted_tradeoff
+
+    if _compile_setting(args):
+        raise UsageError("--compile with --device GPU: a compiled step cannot be modelled for a target yet")
+    factory = OPTIMIZERS[args.optimizer]
+    with err.status("recording the step on fake tensors in the target's world"):
+        rows = predicted_tradeoff(model, inputs, _modelled(args), loss_fn=loss_fn,
+                                  optimizer=factory(model.parameters()) if factory else None,
+                                  output_alive=not args.output_dropped,
+                                  budgets=[int(b * GiB) for b in args.budgets] if args.budgets else None,
+                                  points=args.points)
+    out.print(_predicted_table(rows, _modelled(args)))
+    out.print("every figure predicted on this machine for the target, not measured: peaks per rank, the reserved "
+              "one by replaying the CUDA caching allocator (docs/targets.md); step time by FLOPs (issue #40)")
     return 0
 
 

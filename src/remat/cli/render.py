@@ -90,3 +90,23 @@ def _print_profile(out, profile, planner) -> None:
     out.print(table)
     for n in profile.notes:
         out.print(f"note: {n}")
+
+
+def _predicted_table(rows, target):
+    """``remat tradeoff --device GPU``'s table: every figure predicted for the target, none measured."""
+    from rich.table import Table
+
+    table = Table(title=f"memory / step-time tradeoff predicted for {target.describe()} (not measured)",
+                  title_justify="left")
+    for col, just in [("budget", "right"), ("strategy", "left"), ("units", "right"),
+                      ("peak allocated\npredicted", "right"), ("peak reserved\npredicted", "right"),
+                      ("fits the\ndevice", "center"), ("step time\npredicted (FLOPs)", "right"),
+                      ("overhead\npredicted", "right")]:
+        table.add_column(col, justify=just, no_wrap=True)
+    base = rows[0].predicted_step_time_s if rows else 0.0
+    for r in rows:
+        table.add_row(fmt_bytes(r.budget_bytes), r.strategy, str(len(r.checkpointed)), fmt_bytes(r.predicted_peak_bytes),
+                      fmt_bytes(r.predicted_reserved_bytes), "yes" if r.fits_device else "[red]NO[/red]",
+                      f"{r.predicted_step_time_s * 1e3:.3f} ms",
+                      f"{r.predicted_step_time_s / base - 1:+.1%}" if base > 0 else "-")
+    return table

@@ -1,0 +1,71 @@
+"""The tradeoff table for a target that is not here: plans per budget and the hand rules, each predicted for the
+target (the allocator's reserved peak replayed over its recorded steps, recompute by FLOPs), nothing measured.
+
+In: the model (meta device allowed), example inputs, a :class:`~remat.target.world.Target`. Out: one
+:class:`PredictedRow` per plan, for ``remat tradeoff ... --device GPU``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.errors import InfeasibleBudgetError
+from remat.solve import Planner
+from remat.solve.plan import Plan
+from remat.target.source import predict_peaks
+from remat.target.world import Target
+
+
+@dataclass(frozen=True)
+class PredictedRow:
+    """One plan of the table, predicted for the target (bytes per rank, seconds)."""
+
+    strategy: str
+    #: the budget the plan was made for (None for a hand rule)
+    budget_bytes: int | None
+    checkpointed: tuple[str, ...]
+    predicted_peak_bytes: int
+    #: the CUDA caching allocator's reserved peak, replayed (None on a CPU target)
+    predicted_reserved_bytes: int | None
+    predicted_step_time_s: float
+    #: the reserved (else allocated) peak is within the device's memory
+    fits_device: bool
+
+
+def predicted_tradeoff(model: nn.Module, example_inputs: Any, target: Target, *, loss_fn: Any = None,
+                       optimizer: torch.optim.Optimizer | None = None, output_alive: bool = True,
+                       budgets: list[int] | None = None, points: int = 6) -> list[PredictedRow]:
+    """No checkpointing, every block, every second block, then remat's plan at ``budgets`` (default: ``points``
+    budgets from the least predicted peak to no checkpointing's), each predicted for ``target``. Changes nothing of
+    the user's."""
+    from remat.api.profiling import make_profile
+
+    profile = make_profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, output_alive=output_alive,
+                           target=target)
+    planner = Planner(profile, granularity="op")
+    plans: list[Plan] = [planner.no_checkpointing(), planner.every_nth_block(1), planner.every_nth_block(2)]
+    lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
+    if budgets is None:
+        budgets = [int(lo + (hi - lo) * i / max(points - 1, 1)) for i in range(points)]
+    for b in budgets:
+        try:
+            plans.append(planner.plan_for_budget(b))
+        except InfeasibleBudgetError:
+            continue
+    rows, seen = [], {}
+    for plan in plans:
+        if plan.checkpointed not in seen:
+            seen[plan.checkpointed] = predict_peaks(model, example_inputs, target, loss_fn=loss_fn,
+                                                    optimizer=optimizer, output_alive=output_alive,
+                                                    plan=plan if plan.checkpointed else None)
+        peaks = seen[plan.checkpointed]
+        reserved = peaks.reserved_peak_bytes if target.is_cuda else None
+        rows.append(PredictedRow(plan.strategy, plan.budget_bytes, plan.checkpointed, plan.predicted_peak_bytes,
+                                 reserved, plan.predicted_step_time_s,
+                                 (reserved if reserved is not None else plan.predicted_peak_bytes)
+                                 <= target.spec.memory_bytes))
+    return rows
