@@ -508,3 +508,29 @@ def mismatch(rank: int) -> dict:
     dist.barrier()
     return out
 
+
+
+def two_d(rank: int, world: int, port: int, out: str) -> None:
+    """Issue #39, check (2) on a 2-D mesh: 4 CPU processes (gloo), the Llama with torchtitan's tensor-parallel
+    plan over "tp" and FSDP2 (every layer, then the root) over "dp" of a 2 x 2 mesh, the same batch on every rank;
+    for no checkpointing and for every layer checkpointed, each rank's peak by the profiler's allocator events
+    (the least of three steps) written to ``out/two_d<rank>.json``."""
+    from remat.rewrite import checkpoint_modules
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    result = {}
+    for name, every in (("none", False), ("every layer", True)):
+        model, idx, loss_fn = tensor_parallel(False, mesh=mesh["tp"])
+        if every:
+            checkpoint_modules(model, [f"layers.{i}" for i in range(len(model.layers))])
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        result[name] = allocator_peak(model, (idx,), loss_fn, opt)
+    Path(out, f"two_d{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
