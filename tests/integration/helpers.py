@@ -156,3 +156,17 @@ def _compiled_floor_mark():
 #: for tests of compiled steps: skipped on releases older than remat._compat.COMPILED_FLOOR, where remat refuses
 #: to plan them (docs/limits.md)
 needs_compiled_floor = _compiled_floor_mark()
+
+
+def _fake_world_floor_mark():
+    from remat._compat import FAKE_WORLD_FLOOR, torch_release
+
+    need = f"{FAKE_WORLD_FLOOR[0]}.{FAKE_WORLD_FLOOR[1]}"
+    return pytest.mark.skipif(
+        torch_release() < FAKE_WORLD_FLOOR,
+        reason=f"planning a world of several ranks on torch's fake process group needs torch >= {need} (this is torch "
+               f"{torch.__version__}); the refusal is tested in tests/integration/test_target.py")
+
+
+#: for tests of modelled targets of several ranks (remat.target): skipped below remat._compat.FAKE_WORLD_FLOOR
+needs_fake_world_floor = _fake_world_floor_mark()

@@ -15,6 +15,7 @@ if not dist.is_available():
     pytest.skip("torch built without torch.distributed", allow_module_level=True)
 
 import distributed_worker  # noqa: E402
+from helpers import needs_fake_world_floor  # noqa: E402
 
 
 def free_port() -> int:
@@ -196,6 +197,7 @@ def test_loss_parallel_is_planned_and_exact(ranks):
         assert r["checked"] <= r["budget"] and r["grad_mismatches"] == [], r
 
 
+@needs_fake_world_floor
 @pytest.mark.parametrize("case", ["gpt/fsdp2", "gpt/fsdp2-keep", "resnet/fsdp2"])
 def test_a_world_of_two_modelled_on_the_fake_process_group_predicts_the_real_ranks_peaks(ranks, case):
     """Check (2) of issue #39: the same model and batch as rank 0's, wrapped alike but on torch's fake process group
@@ -226,6 +228,7 @@ def test_a_world_of_two_modelled_on_the_fake_process_group_predicts_the_real_ran
         assert abs(predicted - row["measured"]) <= 0.02 * row["measured"], (row, predicted)
 
 
+@needs_fake_world_floor
 @pytest.mark.parametrize("case", ["tp", "tp-sp"])
 def test_tensor_parallel_modelled_on_the_fake_process_group_predicts_the_real_ranks_peaks(ranks, case):
     """Check (2) of issue #39 for tensor parallelism (with and without sequence parallelism): the Llama and batch
@@ -256,6 +259,7 @@ def test_tensor_parallel_modelled_on_the_fake_process_group_predicts_the_real_ra
         assert abs(predicted - r[meter]) <= tolerance * r[meter], (meter, predicted, r)
 
 
+@needs_fake_world_floor
 def test_a_2d_mesh_modelled_on_the_fake_process_group_predicts_the_real_ranks_peaks(tmp_path):
     """Check (2) of issue #39 on a 2 x 2 mesh (FSDP2 over "dp", tensor parallel over "tp"): four real gloo ranks
     measure their peaks (the profiler's allocator events, the least of three steps) with no checkpointing and with

@@ -31,7 +31,8 @@ import torch  # noqa: F401
 from torch import _guards  # noqa: F401 - checked on 2.8, 2.11, 2.13, 2.15
 
 from remat._compat.versions import (  # noqa: F401
-    CHECKED_ON, COMPILED_FLOOR, COMPILED_FLOOR_WHY, TORCH_FLOOR, require_torch, torch_release)
+    CHECKED_ON, COMPILED_FLOOR, COMPILED_FLOOR_WHY, FAKE_WORLD_FLOOR, FAKE_WORLD_FLOOR_WHY, TORCH_FLOOR, require_torch,
+    torch_release)
 from remat._compat.optim import default_foreach, global_optimizer_hooks_paused  # noqa: F401
 from remat._compat.distributed import (  # noqa: F401
     _IS_DTENSOR, active_fake_mode, default_store, fake_store, fsdp_modules, in_sharding_propagation, is_dtensor_class,

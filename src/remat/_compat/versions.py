@@ -22,6 +22,12 @@ COMPILED_FLOOR = (2, 13)
 COMPILED_FLOOR_WHY = ("on torch 2.8-2.12 torch's selective checkpointing under torch.compile fails on remat's plans: "
                       "'Tensor cached during selective activation checkpoint has been mutated'")
 
+#: the least torch on which remat models a world of several ranks on torch's fake process group (remat.target); why
+#: older ones fail
+FAKE_WORLD_FLOOR = (2, 13)
+FAKE_WORLD_FLOOR_WHY = ("on torch 2.8 c10d's collectives have no fake implementations: FSDP2's all-gather on fake "
+                        "tensors fails with UnsupportedOperatorException: c10d._allgather_base_; 2.9-2.12 not tried")
+
 
 def torch_release(version: str | None = None) -> tuple[int, int]:
     """``(major, minor)`` of the running torch, or of ``version`` (``"2.15.0+cu132"`` -> ``(2, 15)``)."""

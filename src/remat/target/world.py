@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._compat import fake_mode, fake_store, meshes_built_for_real, tree_map
+from remat._compat import FAKE_WORLD_FLOOR, FAKE_WORLD_FLOOR_WHY, fake_mode, fake_store, meshes_built_for_real, \
+    require_torch, tree_map
 from remat.costs.allocator import AllocatorConfig
 from remat.errors import InvalidInputError, UnsupportedError
 from remat.target.devices import DeviceSpec, device_spec
@@ -110,6 +111,8 @@ def fake_world(target: Target) -> Iterator[Any]:
     if target.world == 1 and not target.fsdp:
         yield None
         return
+    require_torch(f"planning for a world of {target.world} ranks{' (FSDP)' if target.fsdp else ''} on torch's fake "
+                  "process group", FAKE_WORLD_FLOOR, FAKE_WORLD_FLOOR_WHY)
     if not dist.is_available():
         raise UnsupportedError("planning for a world of several ranks needs torch.distributed, which this torch "
                                "build lacks; plan for world=1 or install a torch build with distributed support")
