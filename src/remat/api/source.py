@@ -7,9 +7,10 @@ What the planner needs from the machine is a step's recording, per-unit times an
 :class:`~remat.costs.unit_costs.Profile`, the frozen hand-off to the cost model and the solver) and, for the plan
 it picks, a peak checked where the step can run. A :class:`CostSource` answers both: ``profile`` gives the Profile,
 ``choose`` gives the plan for the budget, checked as far as the source can. :class:`MeasuredHere` records the step
-on fake tensors, times it and checks plans on real steps of this machine; a source that models a device that is
-not here (issue #39) implements the same two methods and leaves the cost model, the solver and the rewriter as
-they are. :func:`remat.optimize_checkpointing` runs the steps around them (snapshot, rewrite, notes).
+on fake tensors, times it and checks plans on real steps of this machine; :class:`remat.target.ModelledTarget`
+models a device and a world that are not here (issue #39: the step recorded on fake tensors in the target's world,
+plans checked by replaying the CUDA caching allocator) with the same two methods, and the cost model, the solver
+and the rewriter are the same. :func:`remat.optimize_checkpointing` runs the steps around them (snapshot, rewrite, notes).
 
 In: a :class:`~remat.api.request.Request`. Out: a Profile, then a Plan with its notes.
 """
