@@ -143,30 +143,27 @@ def dropout_unet(dropout: type = nn.Dropout2d, level: type = nn.Sequential):
     return model, x, lambda out: nn.functional.cross_entropy(out, y)
 
 
-def _compiled_floor_mark():
-    from remat._compat import COMPILED_FLOOR, torch_release
+def _floor_mark(floor: tuple[int, int], feature: str, refusal_tested_in: str):
+    """Skip below ``floor``, where remat refuses ``feature`` (its refusal is tested in ``refusal_tested_in``)."""
+    from remat._compat import torch_release
 
-    need = f"{COMPILED_FLOOR[0]}.{COMPILED_FLOOR[1]}"
     return pytest.mark.skipif(
-        torch_release() < COMPILED_FLOOR,
-        reason=f"planning or running a checkpointed step under torch.compile needs torch >= {need} (this is torch "
-               f"{torch.__version__}); the refusal is tested in tests/integration/test_torch_features.py")
+        torch_release() < floor,
+        reason=f"{feature} needs torch >= {floor[0]}.{floor[1]} (this is torch {torch.__version__}); the refusal is "
+               f"tested in {refusal_tested_in}")
+
+
+def _floors():
+    from remat._compat import COMPILED_FLOOR, FAKE_WORLD_FLOOR
+
+    return COMPILED_FLOOR, FAKE_WORLD_FLOOR
 
 
 #: for tests of compiled steps: skipped on releases older than remat._compat.COMPILED_FLOOR, where remat refuses
 #: to plan them (docs/limits.md)
-needs_compiled_floor = _compiled_floor_mark()
-
-
-def _fake_world_floor_mark():
-    from remat._compat import FAKE_WORLD_FLOOR, torch_release
-
-    need = f"{FAKE_WORLD_FLOOR[0]}.{FAKE_WORLD_FLOOR[1]}"
-    return pytest.mark.skipif(
-        torch_release() < FAKE_WORLD_FLOOR,
-        reason=f"planning a world of several ranks on torch's fake process group needs torch >= {need} (this is torch "
-               f"{torch.__version__}); the refusal is tested in tests/integration/test_target.py")
-
+needs_compiled_floor = _floor_mark(_floors()[0], "planning or running a checkpointed step under torch.compile",
+                                   "tests/integration/test_torch_features.py")
 
 #: for tests of modelled targets of several ranks (remat.target): skipped below remat._compat.FAKE_WORLD_FLOOR
-needs_fake_world_floor = _fake_world_floor_mark()
+needs_fake_world_floor = _floor_mark(_floors()[1], "planning a world of several ranks on torch's fake process group",
+                                     "tests/integration/test_target.py")
