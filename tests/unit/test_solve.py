@@ -390,3 +390,22 @@ def test_a_solver_crash_on_the_warm_start_solves_again_without_it(monkeypatch):
     assert True in warm and warm[-1] is False  # tried warm, then cold
     assert plan.predicted_peak_bytes <= plan.budget_bytes
 
+
+
+def test_when_the_solver_finds_nothing_a_fitting_warm_start_is_kept_not_the_least_memory_plan(monkeypatch):
+    """A nested problem whose short search finds no solution (seen on 80 layers' selective menus under FSDP2 x TP)
+    returns the flat plan it started from, which fits, rather than the least-memory plan; without a start, the
+    least-memory plan as before."""
+    import remat.solve.ilp as ilp
+
+    model = Planner(chain_profile([30 * MiB, 20 * MiB, 10 * MiB, 5 * MiB], [MiB] * 4, [3e-3, 1e-3, 2e-3, 1e-3])).model
+    names = list(model.units)
+    least = frozenset(names)
+    budget = (model.peak_bytes(frozenset()) + model.peak_bytes(least)) // 2
+    start = next(frozenset(names[:k]) for k in range(1, len(names) + 1) if model.peak_bytes(frozenset(names[:k])) <= budget)
+    assert start != least
+    monkeypatch.setattr(ilp, "_solve", lambda *a, **k: (None, "not solved"))
+    units, status, _ = ilp.solve_ilp(model, budget, fallback=least, start=start)
+    assert units == start and status.startswith("the best flat plan")
+    units, status, _ = ilp.solve_ilp(model, budget, fallback=least)
+    assert units == least and status.startswith("least-memory plan")

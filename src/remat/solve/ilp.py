@@ -213,6 +213,11 @@ def solve_ilp(
             return chosen, status, time.perf_counter() - t0
         log.debug("ILP solution exceeds the budget by %d bytes after rounding; tightening", over)
         target -= over
+    if start is not None and model.peak_bytes(start) <= budget_bytes:
+        # the warm start fits and recomputes no more than the least-memory plan would: a large nested problem (80
+        # layers' selective menus under FSDP2 x TP) found no solution in the nested search's short time, and the
+        # least-memory fallback then recomputed every layer where the flat plan needed 59 of 80
+        return start, f"the best flat plan (the nested search: {why})", time.perf_counter() - t0
     if fallback is not None and model.peak_bytes(fallback) <= budget_bytes:
         # the fallback meets the budget: the solver's "infeasible" is its rounded rows at the edge (Note [Sound
         # scaling]) or its time limit, not the budget's, and must not read as if the budget were not met

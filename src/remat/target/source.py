@@ -57,8 +57,8 @@ if TYPE_CHECKING:
 #: the cuBLAS workspace torch gives each handle and stream on Hopper and later (CUBLAS_WORKSPACE_CONFIG's
 #: default ":4096:8", 8 x 4 MiB; aten/src/ATen/cuda/CublasHandlePool.cpp), allocated by the caching allocator
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
-#: how many times a plan is tightened when its replayed reserved peak exceeds the budget
-TIGHTENINGS = 6
+#: how many plans' steps are replayed at most to find the one whose reserved peak fits the budget
+TIGHTENINGS = 8
 #: the CUDA caching allocator's block size
 CUDA_BLOCK_BYTES = 512
 
@@ -144,20 +144,33 @@ class ModelledTarget:
 
     # -- the plan ----------------------------------------------------------------------------------------
     def choose(self, req: Request, planner: Planner, profile: Profile) -> tuple[Plan, tuple[str, ...]]:
+        """The plan for the budget, which applies to the reserved peak: planned for the budget; when its replayed
+        reserved peak exceeds it, the budget asked of the planner is lowered by the excess until a plan fits, then
+        bisected between that and the lowest that failed, to 1% of the budget (Note [Reserved budget])."""
         budget = req.budget_bytes
         plan = planner.plan_for_budget(budget)
         if not (req.check and self.target.is_cuda):
             return _labelled(plan, None, self.target), ()
-        asked = budget
+        best: tuple[Plan, AllocatorPeaks] | None = None
+        fits, fails, asked = planner.min_peak_bytes, budget + 1, budget
         for _ in range(TIGHTENINGS):
             peaks = self.replay(req, plan)
             if peaks.reserved_peak_bytes <= budget:
-                return _labelled(plan, peaks, self.target), ()
-            # the allocator's rounding and segments cost more than the plan's live bytes: ask for less
-            asked -= peaks.reserved_peak_bytes - budget
-            if asked < planner.min_peak_bytes:
+                best, fits = (plan, peaks), asked
+                if asked == budget:
+                    break
+            else:
+                fails = asked
+            if fails - fits <= budget // 100:  # within 1% of the budget
                 break
+            # Note [Reserved budget]: the allocator's segments and pools cost more than a plan's live bytes, by an
+            # amount that depends on the plan: ask for less by the excess and 1% more until a plan fits (by the
+            # excess alone, the steps shrink as a plan nears the budget), then bisect
+            asked = (fits + fails) // 2 if best is not None else max(
+                planner.min_peak_bytes, asked - (peaks.reserved_peak_bytes - budget) - budget // 100)
             plan = dataclasses.replace(planner.plan_for_budget(asked), budget_bytes=budget)
+        if best is not None:
+            return _labelled(*best, self.target), ()
         least = dataclasses.replace(planner.least_memory(), budget_bytes=budget)
         peaks = self.replay(req, least)
         if peaks.reserved_peak_bytes <= budget:
