@@ -218,12 +218,3 @@ def built(target: Target, model: nn.Module, example_inputs: Any,
                 (target.parallelize or default_parallelize(target))(fake, mesh)
         yield fake, inputs, mode
 
-
-def check_model(model: Any) -> None:
-    """What a modelled target cannot plan, refused before anything is built."""
-    if not isinstance(model, nn.Module):
-        raise InvalidInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    devices = {p.device.type for p in model.parameters()}
-    if devices - {"cpu", "meta", "cuda"}:
-        raise UnsupportedError(f"a model on {sorted(devices)} cannot be planned for a target: build it on the meta "
-                               "device (with torch.device('meta'): ...) or on the CPU")
