@@ -20,16 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from torch import nn
-
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torchtitan_llama3 as tt  # noqa: E402
 
-from remat.costs.allocator import AllocatorConfig  # noqa: E402
+from remat.costs.allocator import AllocatorConfig, replay  # noqa: E402
 from remat.target import Target  # noqa: E402
-from remat.target.source import predict_peaks  # noqa: E402
+from remat.target.source import modelled_request  # noqa: E402
 
 GiB = 2**30
 #: published reserved peaks, GiB (torchtitan's metrics: torch.cuda.memory_stats()["reserved_bytes.all.peak"])
@@ -51,35 +48,18 @@ ASSUMPTIONS = [
 ]
 
 
-class _WithLoss(nn.Module):
-    """torchtitan's step as one module: ``loss_fn(model(tokens), labels)`` (the logits dropped after the loss)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return tt.loss_fn(self.model(tokens), labels)
-
-
-def _parallelize(wrapped: nn.Module, mesh) -> None:
-    tt.apply_fsdp(wrapped.model, mesh)
-
-
 def predict(world: int, flavor: str = "8B", batch: int = 2, seq: int = 8192) -> dict:
+    """The step of torchtitan's model (its own selective checkpointing applied) recorded once on fake tensors in a
+    world of ``world`` H100s, the allocator replayed over it with and without expandable segments."""
     started = time.perf_counter()
-    model = _WithLoss(tt.build_train_model(flavor, device="meta", save_list=tt.SAVE_LIST_CPU_STANDIN))
-    tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    reserved = {}
-    for expandable in (True, False):
-        target = Target(device="h100-96gb", world=world, parallelize=_parallelize, clip_grad_norm=1.0,
-                        allocator=AllocatorConfig(expandable_segments=expandable))
-        peaks = predict_peaks(model, (tokens, tokens), target, loss_fn=lambda loss: loss,
-                              optimizer=tt.build_optimizer(model.model), output_alive=False)
-        reserved[expandable] = peaks.reserved_peak_bytes / GiB
-    return dict(world=world, reserved=reserved[True], native=reserved[False],
-                allocated=peaks.allocated_peak_bytes / GiB,
-                seconds=time.perf_counter() - started,
+    model, inputs, loss_fn, parallelize = tt.remat_target(flavor, batch_size=batch, seq_len=seq, selective_ac=True)
+    target = Target(device="h100-96gb", world=world, parallelize=parallelize, clip_grad_norm=1.0)
+    req = modelled_request(model, inputs, target, loss_fn=loss_fn, optimizer=tt.build_optimizer(model.model),
+                           output_alive=False)
+    events = req.source.step_events(req, None)  # the model as it is: torchtitan's checkpointing, no remat plan
+    expandable, native = (replay(events, AllocatorConfig(expandable_segments=e)) for e in (True, False))
+    return dict(world=world, reserved=expandable.reserved_peak_bytes / GiB, native=native.reserved_peak_bytes / GiB,
+                allocated=native.allocated_peak_bytes / GiB, seconds=time.perf_counter() - started,
                 rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 
 
@@ -90,14 +70,14 @@ def main() -> None:
     rows = [predict(w) for w in worlds]
     print("Llama 3 8B, FSDP, batch 2 x 8192, selective op AC (torchtitan's), AdamW, clip 1.0, eager; per GPU, GiB")
     print(f"{'GPUs':>5} | {'published reserved':>18} | {'predicted, expandable':>24} | {'predicted, native':>20} | "
-          f"{'predicted allocated':>19} | {'seconds (both)':>14} | {'RSS GiB':>7}")
+          f"{'predicted allocated':>19} | {'seconds':>7} | {'RSS GiB':>7}")
     for r in rows:
         pub = PUBLISHED.get(r["world"])
 
         def err(x: float) -> str:
             return f"{x:.1f} ({(x - pub) / pub:+.1%})" if pub else f"{x:.1f}"
         print(f"{r['world']:>5} | {pub if pub else '-':>18} | {err(r['reserved']):>24} | {err(r['native']):>20} | "
-              f"{r['allocated']:>19.1f} | {r['seconds']:>14.0f} | {r['rss']:>7.2f}")
+              f"{r['allocated']:>19.1f} | {r['seconds']:>7.0f} | {r['rss']:>7.2f}")
     if len(rows) == 2 and all(r["world"] in PUBLISHED for r in rows):
         pub = PUBLISHED[rows[0]["world"]] - PUBLISHED[rows[1]["world"]]
         for key, label in (("reserved", "expandable"), ("native", "native")):

@@ -82,6 +82,9 @@ def test_what_a_target_cannot_model_is_refused_with_what_to_do():
         Target(device="h100-800gb")
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(remat.UnsupportedError, match="autocast"):
         remat.make_profile(model, inputs, target=Target(device="a100-80gb"))
+    with pytest.raises(remat.UnsupportedError, match="compiled step cannot be modelled"):
+        remat.optimize_checkpointing(model, 1.0, inputs, compile=True, target=Target(device="a100-80gb"))
+    assert remat.checkpointed_modules(model) == []
     assert not torch.distributed.is_initialized()
 
 
@@ -115,6 +118,9 @@ def test_the_command_line_plans_a_hugging_face_config_for_gpus_it_does_not_have(
     code = main(["plan", "gpt", "--world", "8", "--budget", "1"])
     out, err = capsys.readouterr()
     assert code == 2 and "--device" in err
+    code = main(["profile", "gpt", "--device", "h100-80gb"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "use remat plan or remat tradeoff" in err
 
 
 def test_a_plan_made_on_the_meta_device_applies_to_the_materialized_model_and_trains_exactly():
@@ -133,3 +139,51 @@ def test_a_plan_made_on_the_meta_device_applies_to_the_materialized_model_and_tr
     assert sorted(remat.checkpointed_modules(model)) == sorted(plan.checkpointed)
     report = remat.check_equivalence(model, (idx, tgt), reference=plain)
     assert report.mismatched == () and max(report.max_abs_diff.values()) == 0.0, report
+
+
+@needs_fake_world_floor
+def test_an_optimizer_step_on_sharded_parameters_counts_the_shards_not_the_global_tensors():
+    """DTensor computes each operator's output shapes by running it at the global shapes, in the recording's own fake
+    mode when every tensor is fake: those runs allocate nothing (counted, they made a foreach AdamW step of Llama 3
+    8B over 8 ranks read as the unsharded model's temporaries: 108.6 GiB predicted where torchtitan measured 82.4).
+    A foreach AdamW step of one sharded 4096 x 512 weight over 8 fake ranks creates shards of 512 x 512 only."""
+    from torch.distributed.fsdp import fully_shard
+
+    from remat._compat import fake_mode
+    from remat.runtime.tracker import StorageTracker
+    from remat.target.world import fake_world
+
+    mode = fake_mode()
+    with fake_world(Target(device="h100-80gb", world=8)) as mesh, mode:
+        layer = torch.nn.Linear(512, 4096, bias=False)
+        fully_shard(layer, mesh=mesh)
+        opt = torch.optim.AdamW(layer.parameters(), foreach=True)
+        layer.weight.grad = torch.zeros_like(layer.weight)
+        with StorageTracker("cpu", count_fake=True) as tracker:
+            opt.step()
+    shard = 512 * 512 * 4
+    assert tracker.records and max(r.nbytes for r in tracker.records) <= shard, \
+        sorted({r.nbytes for r in tracker.records})[-3:]
+
+
+@needs_fake_world_floor
+def test_the_recording_knows_which_stream_fsdp2_allocates_on():
+    """The caching allocator keeps a pool per stream (Note [Target kernels]): a recording that follows streams puts
+    FSDP2's sharded gradient (its reduce-scatter's output) on a stream of its own, the activations on the first."""
+    from torch.distributed.fsdp import fully_shard
+
+    from remat._compat import fake_mode, local_tensor, storage_key
+    from remat.runtime.tracker import StorageTracker
+    from remat.target.world import fake_world
+
+    mode = fake_mode()
+    with fake_world(Target(device="h100-80gb", world=2)) as mesh, mode:
+        layer = torch.nn.Linear(64, 64)
+        fully_shard(layer, mesh=mesh)
+        x = torch.zeros(8, 64)
+        with StorageTracker("cpu", count_fake=True, follow_streams=True) as tracker:
+            out = layer(x)
+            out.sum().backward()
+        grad = tracker.by_key[storage_key(local_tensor(layer.weight.grad))]
+    assert grad.stream > 0
+    assert [r for r in tracker.records if r.shape == (8, 64)][0].stream == 0  # the output, on the first stream

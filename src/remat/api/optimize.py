@@ -47,7 +47,8 @@ def optimize_checkpointing(
     ``output_alive`` says how the training loop treats the model's output (Note [Loop style] in remat.profile):
     True (the default) when it stays referenced until the step ends (``out = model(x); loss = crit(out, y);
     loss.backward(); opt.step()``: nanoGPT, most hand-written loops, Lightning's ``training_step`` when it returns
-    the output), False when only the loss survives the forward (Hugging Face Trainer, torchtitan's ``del pred``). ``grad_accumulation``: the
+    the output), False when only the loss survives the forward (Hugging Face Trainer, torchtitan's ``del pred``);
+    for language models the output (logits) is often the largest single tensor. ``grad_accumulation``: the
     loop accumulates gradients over several micro-batches before each optimizer step, so every micro-step
     but the first starts with all gradients allocated; the plan is made and checked for that micro-step
     (Note [Accumulated gradients] in remat.costs.unit_costs). ``zero_grad_after_forward``: the loop calls
@@ -76,11 +77,10 @@ def optimize_checkpointing(
     profiler's allocator-level memory events (CPU) on compiled steps of 1-7 plans (one compile each); the model
     is profiled eagerly and recompiles on its next call (docs/compile.md).
 
-    Distributed training (FSDP2 ``fully_shard``, DDP): call it on every rank, on the model as it will
-    train; ``budget_gb`` is per rank. Every rank gets the same plan (Note [One plan for every rank] in
-    remat.runtime.distributed); ``timeout_s`` bounds the wait for the other ranks (default 300 s).
-
-    ``target``: plan for a device and world that are not here (:class:`remat.Target`, docs/targets.md).
+    Distributed training (FSDP2 ``fully_shard``, DDP): call it on every rank, on the model as it will train;
+    ``budget_gb`` is per rank. Every rank gets the same plan (Note [One plan for every rank] in
+    remat.runtime.distributed); ``timeout_s`` bounds the wait for the other ranks (default 300 s). ``target``: plan
+    for a device and world that are not here (:class:`remat.Target`, docs/targets.md).
     """
     req = request(model, budget_gb, example_inputs, loss_fn=loss_fn, optimizer=optimizer, time_limit_s=time_limit_s,
                   check=check, granularity=granularity, output_alive=output_alive, grad_accumulation=grad_accumulation,

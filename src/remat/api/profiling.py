@@ -43,13 +43,11 @@ def make_profile(
     afterwards. ``target``: the step's costs predicted for a device and world that are not here (as in
     :func:`optimize_checkpointing`)."""
     if target is not None:
-        from remat.api.request import request
-        from remat.target import ModelledTarget
+        from remat.target.source import modelled_request
 
-        req = request(model, 1.0, example_inputs, loss_fn=loss_fn, optimizer=optimizer, time_limit_s=None, check=False,
-                      granularity="op", output_alive=output_alive, grad_accumulation=grad_accumulation,
-                      zero_grad_after_forward=zero_grad_after_forward, timeout_s=None, compile=False,
-                      source=ModelledTarget(target))
+        req = modelled_request(model, example_inputs, target, loss_fn=loss_fn, optimizer=optimizer,
+                               output_alive=output_alive, grad_accumulation=grad_accumulation,
+                               zero_grad_after_forward=zero_grad_after_forward)
         return loop_grads(req.source.profile(req), grad_accumulation, zero_grad_after_forward)
     model = uncompiled(model)
     _, args, kwargs, device = validate(model, 1.0, example_inputs)

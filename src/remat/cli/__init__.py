@@ -44,7 +44,6 @@ from remat.cli.common import (  # noqa: F401 - re-exported
     _compile_args,
     _compile_setting,
     _console,
-    _modelled,
     _target_args,
     _device,
     _gib,
@@ -142,7 +141,7 @@ def cmd_tradeoff(args, out, err) -> int:
     model, inputs, loss_fn, desc, device = _target(args)
     compile = _compile_setting(args)
     _header(out, desc, device, args)
-    if _modelled(args) is not None:
+    if args.modelled is not None:
         return _modelled_tradeoff(args, out, err, model, inputs, loss_fn)
     with err.status("profiling") as st:
         profile, _ = _profile(args, model, inputs, loss_fn, device, st.update)
@@ -178,12 +177,12 @@ def _modelled_tradeoff(args, out, err, model, inputs, loss_fn) -> int:
         raise UsageError("--compile with --device GPU: a compiled step cannot be modelled for a target yet")
     factory = OPTIMIZERS[args.optimizer]
     with err.status("recording the step on fake tensors in the target's world"):
-        rows = predicted_tradeoff(model, inputs, _modelled(args), loss_fn=loss_fn,
+        rows = predicted_tradeoff(model, inputs, args.modelled, loss_fn=loss_fn,
                                   optimizer=factory(model.parameters()) if factory else None,
                                   output_alive=not args.output_dropped,
                                   budgets=[int(b * GiB) for b in args.budgets] if args.budgets else None,
                                   points=args.points)
-    out.print(_predicted_table(rows, _modelled(args)))
+    out.print(_predicted_table(rows, args.modelled))
     out.print("every figure predicted on this machine for the target, not measured: peaks per rank, the reserved "
               "one by replaying the CUDA caching allocator (docs/targets.md); step time by FLOPs (issue #40)")
     return 0
@@ -196,7 +195,8 @@ def _optimize(args, model, inputs, loss_fn) -> Plan:
     return optimize_checkpointing(model, args.budget, inputs, loss_fn=loss_fn,
                                   optimizer=factory(model.parameters()) if factory else None,
                                   time_limit_s=args.time_limit, granularity=getattr(args, "granularity", "op"),
-                                  output_alive=not args.output_dropped, compile=compile, target=_modelled(args))
+                                  output_alive=not args.output_dropped, compile=compile,
+                                  target=getattr(args, "modelled", None))
 
 
 def cmd_plan(args, out, err) -> int:

@@ -8,6 +8,7 @@ consoles (quiet on ranks other than 0), the header line, and :class:`UsageError`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import math
 import os
@@ -81,7 +82,8 @@ def _target_args(common: argparse.ArgumentParser) -> None:
 
 def _modelled(args) -> Any:
     """The :class:`remat.target.Target` the command line plans for (``--device`` a GPU of the table or a JSON spec,
-    ``--world``/``--fsdp``/``--tp``), or None to run here."""
+    ``--world``/``--fsdp``/``--tp``), or None to run here; the target's ``parallelize`` is added by :func:`_target`,
+    which keeps the result as ``args.modelled`` for the command."""
     from remat.errors import RematError
     from remat.target import Target
 
@@ -91,9 +93,11 @@ def _modelled(args) -> Any:
             raise UsageError("--world, --fsdp and --tp plan for a world that is not here: give the GPU with --device "
                              "(e.g. --device h100-80gb); under torchrun remat reads the real world")
         return None
+    if args.command not in ("plan", "tradeoff"):
+        raise UsageError(f"--device {device}: remat {args.command} runs the model here; for a GPU that is not here "
+                         "use remat plan or remat tradeoff (--device cuda or cpu to run here)")
     try:
-        return Target(device=device, world=args.world, fsdp=args.fsdp, tp=args.tp,
-                      parallelize=getattr(args, "parallelize", None))
+        return Target(device=device, world=args.world, fsdp=args.fsdp, tp=args.tp)
     except RematError as e:
         raise UsageError(str(e)) from None
 
@@ -129,13 +133,15 @@ def _console():
 
 
 def _target(args) -> tuple[Any, Any, Any, str, torch.device]:
-    # a modelled target's model is built on the meta device: no weights (docs/targets.md)
-    device = torch.device("meta") if _modelled(args) is not None else _device(args.device)
+    """The target built (model, inputs, loss function, description, device); ``args.modelled``: the Target to plan
+    for when it is not here (its model built on the meta device: no weights, docs/targets.md), else None."""
+    modelled = _modelled(args)
+    device = torch.device("meta") if modelled is not None else _device(args.device)
     options = dict(layers=args.layers, batch_size=args.batch_size, seq_len=args.seq_len, d_model=args.d_model,
                    image_size=args.image_size, depth=args.depth)
     model, inputs, loss_fn, desc, parallelize = resolve_target(args.target, device=device, options=options,
                                                                    with_parallelize=True)
-    args.parallelize = parallelize
+    args.modelled = None if modelled is None else dataclasses.replace(modelled, parallelize=parallelize)
     return model, inputs, loss_fn, desc, device
 
 
@@ -161,7 +167,7 @@ def _profile(args, model, inputs, loss_fn, device, status):
 
 
 def _header(out, desc: str, device: torch.device, args) -> None:
-    target = _modelled(args)
+    target = getattr(args, "modelled", None)
     where = f"for {target.describe()} (modelled here, not run)" if target is not None else device
     out.print(f"[bold]remat[/bold] {__version__} · target {desc} · {where} · optimizer {args.optimizer} · "
               f"torch {torch.__version__}")

@@ -105,8 +105,8 @@ def _predicted_table(rows, target):
         table.add_column(col, justify=just, no_wrap=True)
     base = rows[0].predicted_step_time_s if rows else 0.0
     for r in rows:
-        table.add_row(fmt_bytes(r.budget_bytes), r.strategy, str(len(r.checkpointed)), fmt_bytes(r.predicted_peak_bytes),
-                      fmt_bytes(r.predicted_reserved_bytes), "yes" if r.fits_device else "[red]NO[/red]",
-                      f"{r.predicted_step_time_s * 1e3:.3f} ms",
+        table.add_row(fmt_bytes(r.budget_bytes), r.strategy, str(len(r.checkpointed)),
+                      fmt_bytes(r.predicted_peak_bytes), fmt_bytes(r.predicted_reserved_bytes),
+                      "yes" if r.fits_device else "[red]NO[/red]", f"{r.predicted_step_time_s * 1e3:.3f} ms",
                       f"{r.predicted_step_time_s / base - 1:+.1%}" if base > 0 else "-")
     return table

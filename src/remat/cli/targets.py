@@ -80,36 +80,20 @@ def resolve_target(target: str, *, device: torch.device, options: dict[str, Any]
     """Build the target's model and batch on ``device``. Returns (model, inputs, loss_fn, description), and the
     target's ``parallelize`` (or None) last with ``with_parallelize``.
 
-    ``options`` are the size options of a built-in example (layers, batch_size, seq_len, ...);
-    unset (None) ones keep the example's defaults."""
+    ``options`` are the size options of a built-in example (layers, batch_size, seq_len, ...), also passed to a
+    function target that takes them; unset (None) ones keep the defaults."""
     options = {k: v for k, v in (options or {}).items() if v is not None}
-    if with_parallelize:
-        if _hf_config(target) is not None:
-            return (*hf_from_config(_hf_config(target), device, options), None)
-        if target not in EXAMPLES:
-            return _from_function(target, device, options)
-        return (*resolve_target(target, device=device, options=options), None)
-    if target in EXAMPLES:
+    if _hf_config(target) is not None:
+        built = (*hf_from_config(_hf_config(target), device, options), None)
+    elif target in EXAMPLES:
         make = EXAMPLES[target]
         accepted = inspect.signature(make).parameters
         used = {k: v for k, v in options.items() if k in accepted}
         model, inputs, loss_fn = make(device=device, **used)
-        desc = target + "".join(f" {k}={v}" for k, v in sorted(used.items()))
-        return model, inputs, loss_fn, desc
-    fn = _load_function(target)
-    kwargs = {"device": device} if "device" in inspect.signature(fn).parameters else {}
-    result = fn(**kwargs)
-    if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[0], nn.Module):
-        raise InvalidInputError(
-            f"{target} must return (model, example_inputs) or (model, example_inputs, loss_fn) with an "
-            f"nn.Module first; it returned {type(result).__name__}"
-        )
-    model, inputs = result[0], result[1]
-    loss_fn = result[2] if len(result) == 3 else None
-    if loss_fn is not None and not callable(loss_fn):
-        raise InvalidInputError(f"{target}: the third value it returns must be a loss function")
-    inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
-    return model.to(device).train(), inputs, loss_fn, target
+        built = (model, inputs, loss_fn, target + "".join(f" {k}={v}" for k, v in sorted(used.items())), None)
+    else:
+        built = _from_function(target, device, options)
+    return built if with_parallelize else built[:4]
 
 
 def _from_function(target: str, device: torch.device, options: dict[str, Any]) -> tuple:
@@ -139,8 +123,9 @@ def _hf_config(target: str) -> Path | None:
 
 
 def hf_from_config(config_json: Path, device: torch.device, options: dict[str, Any]) -> tuple:
-    """A causal language model built from a Hugging Face config on the meta device (no weights), and a batch of
-    ``batch_size`` x ``seq_len`` token ids with their labels (default 1 x the config's context, at most 4096)."""
+    """A causal language model built from a Hugging Face config (on the meta device, no weights, for a target that
+    is not here; else initialised on the CPU and moved to ``device``), and a batch of ``batch_size`` x ``seq_len``
+    token ids with their labels (default 1 x the config's context, at most 4096)."""
     try:
         import transformers
     except ImportError:
@@ -153,13 +138,13 @@ def hf_from_config(config_json: Path, device: torch.device, options: dict[str, A
     except Exception as e:  # noqa: BLE001 - transformers' own message says what is wrong
         raise InvalidInputError(f"{config_json} is not a config transformers can read ({type(e).__name__}: {e})") \
             from e
-    with torch.device("meta"):
+    with torch.device("meta" if device.type == "meta" else "cpu"):  # no weights for a target not here
         model = transformers.AutoModelForCausalLM.from_config(config)
     context = getattr(config, "max_position_embeddings", None) or 4096
     batch, seq = options.get("batch_size") or 1, options.get("seq_len") or min(context, 4096)
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     desc = f"{config.model_type} from {config_json} batch_size={batch} seq_len={seq}"
-    return model.to(device).train(), {"input_ids": ids.to(device), "labels": ids.to(device)}, None, desc
+    return model.to(device).train(), {"input_ids": ids, "labels": ids}, None, desc
 
 
 def sized_batches(target: str, key: str, *, device: torch.device, options: dict[str, Any] | None = None

@@ -59,14 +59,17 @@ def allocated_bytes(nbytes: int, device: torch.device) -> int:
     return nbytes
 
 
-def tensor_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views and tied tensors count once)."""
+def tensor_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None = None, *,
+                 counted_as: torch.device | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and tied tensors count once), those on ``device``
+    only when given; each as its own device's allocator counts it, or ``counted_as``'s (fake CPU tensors standing for
+    a GPU's: remat.target)."""
     seen: dict[int, int] = {}
     for t in tensors:
         if not isinstance(t, torch.Tensor) or (device is not None and t.device.type != device.type):
             continue
         t = local_tensor(t)  # a DTensor's memory on this rank is its local shard
-        seen[storage_key(t)] = allocated_bytes(t.untyped_storage().nbytes(), t.device)
+        seen[storage_key(t)] = allocated_bytes(t.untyped_storage().nbytes(), counted_as or t.device)
     return sum(seen.values())
 
 
@@ -85,8 +88,8 @@ class StorageRecord:
     #: the shape and dtype of the tensor first seen on it ("" when made by a resize)
     shape: tuple[int, ...] = ()
     dtype: str = ""
-    #: the stream it was allocated on, numbered in order of first use (0: the default stream), when the tracker
-    #: follows streams (Note [Target kernels] in remat.target.source)
+    #: the stream it was allocated on, numbered in order of first use (0: the one current when tracking started),
+    #: when the tracker follows streams (Note [Target kernels] in remat.target.source)
     stream: int = 0
 
 
@@ -116,7 +119,7 @@ class StorageBook:
 
     def __init__(
         self, device: torch.device | str | None = None, *, ignore: Iterable[torch.Tensor] = (),
-        count_fake: bool = False,
+        count_fake: bool = False, follow_streams: bool = False,
     ) -> None:
         super().__init__()
         self._lock = threading.RLock()
@@ -134,8 +137,9 @@ class StorageBook:
         self.timeline: list[int] = []
         self.by_key: dict[int, StorageRecord] = {}
         self._refs: dict[int, weakref.ref] = {}
-        #: streams seen, by identity, numbered from 0 (the default stream); None: streams are not followed
-        self.streams: dict[int, int] | None = None
+        #: streams seen, by identity, numbered from 0 (the current stream when tracking starts); None: streams are
+        #: not followed (``follow_streams``)
+        self.streams: dict[int, int] | None = {id(torch.cpu.current_stream()): 0} if follow_streams else None
 
     def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
         key = untyped_storage_key(st)
@@ -230,9 +234,9 @@ class StorageTracker(StorageBook, TorchDispatchMode):
 
     def __init__(
         self, device: torch.device | str | None = None, *, ignore: Iterable[torch.Tensor] = (),
-        count_fake: bool = False, follow_resizes: bool = True,
+        count_fake: bool = False, follow_resizes: bool = True, follow_streams: bool = False,
     ) -> None:
-        super().__init__(device, ignore=ignore, count_fake=count_fake)
+        super().__init__(device, ignore=ignore, count_fake=count_fake, follow_streams=follow_streams)
         self.follow_resizes = follow_resizes
         self._patches = contextlib.ExitStack()
         self._fake_on_entry: Any = None
@@ -265,8 +269,10 @@ class StorageTracker(StorageBook, TorchDispatchMode):
         kwargs = kwargs or {}
         if any(is_dtensor_class(t) for t in types):
             return NotImplemented  # Note [Sharded tensors]: DTensor runs it on its local shards
-        if (not self.count_fake and active_fake_mode() is not self._fake_on_entry) or in_sharding_propagation():
-            return func(*args, **kwargs)  # DTensor's sharding propagation: allocates nothing
+        # DTensor's sharding propagation allocates nothing: on fake tensors of its own mode, or (when every tensor
+        # is fake, counted) in the recording's own mode, marked (Note [Sharded tensors])
+        if in_sharding_propagation() if self.count_fake else active_fake_mode() is not self._fake_on_entry:
+            return func(*args, **kwargs)
         if self.clock is not None:
             t0 = self.clock.mark()
             out = func(*args, **kwargs)

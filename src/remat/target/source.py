@@ -45,8 +45,8 @@ from remat.costs.recording import CheckpointOverhead, ForwardOp, Recording
 from remat.costs.unit_costs import Profile
 from remat.errors import UnsupportedError
 from remat.profile import Modelled
-from remat.profile.optimizer import NO_OPTIMIZER, OptimizerCost, independent_copy, hyperparameters, optimizer_costs
-from remat.runtime.measure import StorageTracker, run_step, tensor_bytes
+from remat.profile.optimizer import NO_OPTIMIZER, OptimizerCost, hyperparameters, independent_copy, optimizer_costs
+from remat.runtime.measure import StorageTracker, allocated_bytes, input_tensors, run_step, tensor_bytes
 from remat.solve import Planner
 from remat.solve.plan import Plan, fmt_bytes
 from remat.target.world import Target, built
@@ -59,8 +59,6 @@ if TYPE_CHECKING:
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 #: how many plans' steps are replayed at most to find the one whose reserved peak fits the budget
 TIGHTENINGS = 8
-#: the CUDA caching allocator's block size
-CUDA_BLOCK_BYTES = 512
 
 
 class ModelledTarget:
@@ -83,6 +81,11 @@ class ModelledTarget:
         from remat.runtime.distributed import wrapping_of
 
         _refuse_autocast(self.target)
+        if req.loop is not None:
+            raise UnsupportedError(
+                f"the loop compiles the model ({req.loop}), but a compiled step cannot be modelled for "
+                f"{self.target.describe()} yet: what inductor's programs allocate is read from programs compiled here. "
+                "Plan the eager step for the target (compile=False), or plan the compiled step where it runs")
         started = time.perf_counter()
         graphs = []
 
@@ -103,10 +106,12 @@ class ModelledTarget:
                 profile = _make_profile(fake, args, kwargs, loss_fn=req.loss_fn, optimizer=None,
                                         device=torch.device("cpu"), output_alive=req.output_alive,
                                         wrapping=wrapping, graph=graph, modelled=modelled)
-            fixed = dict(params_bytes=self._bytes(fake.parameters()),
-                         grads_bytes=self._bytes(p for p in fake.parameters() if p.requires_grad),
-                         buffers_bytes=self._bytes(fake.buffers()),
-                         inputs_bytes=self._bytes(t for t in _tensors((args, kwargs))))
+            # the step's fixed memory as the target's allocator counts it (profiling counted it as the CPU's)
+            fixed = dict(params_bytes=tensor_bytes(fake.parameters(), counted_as=CUDA),
+                         grads_bytes=tensor_bytes((p for p in fake.parameters() if p.requires_grad), counted_as=CUDA),
+                         buffers_bytes=tensor_bytes(fake.buffers(), counted_as=CUDA),
+                         inputs_bytes=tensor_bytes(input_tensors(args, kwargs), counted_as=CUDA)) \
+                if self.target.is_cuda else {}
         return dataclasses.replace(
             profile, device=self.describe(), world_size=self.target.world, target=self.target.describe(), **fixed,
             notes=profile.notes + (f"recorded on fake tensors in {time.perf_counter() - started:.1f} s",))
@@ -120,10 +125,8 @@ class ModelledTarget:
         from remat.profile.timing import checkpoint_overhead
 
         cpu = torch.device("cpu")
-        return CheckpointOverhead(0.0, 0.0, 0.0, held_bytes=cache.overhead(cpu, lambda: checkpoint_overhead(cpu)).held_bytes)
-
-    def _bytes(self, tensors: Any) -> int:
-        return _rounded_bytes(tensors) if self.target.is_cuda else tensor_bytes(tensors)
+        held = cache.overhead(cpu, lambda: checkpoint_overhead(cpu)).held_bytes
+        return CheckpointOverhead(0.0, 0.0, 0.0, held_bytes=held)
 
     def _counted(self, rec: Recording) -> Recording:
         if not self.target.is_cuda:
@@ -196,13 +199,12 @@ class ModelledTarget:
         with built(self.target, req.model, (req.args, req.kwargs)) as (fake, (args, kwargs), mode), mode:
             if plan is not None:
                 checkpoint_plan(fake, plan)
-            held = {id(t): t for t in [*fake.parameters(), *fake.buffers(), *_tensors((args, kwargs))]}
+            held = {id(t): t for t in [*fake.parameters(), *fake.buffers(), *input_tensors(args, kwargs)]}
             before = [Alloc(i, _local_bytes(t)) for i, t in enumerate(held.values())]
             before.append(Alloc(len(before), CUBLAS_WORKSPACE_BYTES))
             opt = _fake_optimizer(req.optimizer, req.model, fake, self.target)
-            tracker = StorageTracker(torch.device("cpu"), ignore=list(held.values()), count_fake=True)
-            tracker.streams = {id(torch.cpu.current_stream()): 0}  # Note [Target kernels]
-            with tracker:
+            with StorageTracker(torch.device("cpu"), ignore=list(held.values()), count_fake=True,
+                                follow_streams=True) as tracker:  # (streams: Note [Target kernels])
                 for _ in range(2):
                     run_step(fake, args, kwargs, req.loss_fn, output_alive=req.output_alive)
                     if self.target.clip_grad_norm is not None:
@@ -224,13 +226,22 @@ def predict_peaks(model: nn.Module, example_inputs: Any, target: Target, *, loss
     """The peaks the target's CUDA caching allocator is predicted to reach over two training steps of ``model``
     (with ``plan`` applied, or as it is: its own checkpointing included), recorded on fake tensors in the
     target's world: predicted, not measured. Changes nothing of the user's."""
+    req = modelled_request(model, example_inputs, target, loss_fn=loss_fn, optimizer=optimizer,
+                           output_alive=output_alive)
+    return req.source.replay(req, plan)
+
+
+def modelled_request(model: nn.Module, example_inputs: Any, target: Target, *, loss_fn: Any, optimizer: Any,
+                     output_alive: bool, grad_accumulation: bool = False,
+                     zero_grad_after_forward: bool = False) -> Request:
+    """The checked arguments of a step planned for ``target`` outside :func:`remat.optimize_checkpointing` (no
+    budget: profiles and replays), its source a fresh :class:`ModelledTarget`."""
     from remat.api.request import request
 
-    source = ModelledTarget(target)
-    req = request(model, 1.0, example_inputs, loss_fn=loss_fn, optimizer=optimizer, time_limit_s=None, check=False,
-                  granularity="block", output_alive=output_alive, grad_accumulation=False,
-                  zero_grad_after_forward=False, timeout_s=None, compile=False, source=source)
-    return source.replay(req, plan)
+    return request(model, 1.0, example_inputs, loss_fn=loss_fn, optimizer=optimizer, time_limit_s=None, check=False,
+                   granularity="op", output_alive=output_alive, grad_accumulation=grad_accumulation,
+                   zero_grad_after_forward=zero_grad_after_forward, timeout_s=None, compile=False,
+                   source=ModelledTarget(target))
 
 
 #: FLOP/s used to turn FLOPs into seconds when the device's are unknown (ranking only)
@@ -244,31 +255,18 @@ def _rate(target: Target) -> int | None:
     return getattr(spec, field)
 
 
+#: the device whose allocator a CUDA target's bytes are counted as (Note [CUDA block size] in remat.runtime.tracker)
+CUDA = torch.device("cuda")
+
+
 def _round(nbytes: int) -> int:
-    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if nbytes > 0 else 0
+    return allocated_bytes(nbytes, CUDA)
 
 
 def _local_bytes(t: torch.Tensor) -> int:
     from remat._compat import local_tensor
 
     return _round(local_tensor(t).untyped_storage().nbytes())
-
-
-def _rounded_bytes(tensors: Any) -> int:
-    from remat._compat import local_tensor, storage_key
-
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            local = local_tensor(t)
-            seen[storage_key(local)] = _round(local.untyped_storage().nbytes())
-    return sum(seen.values())
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    from remat._compat import tree_flatten
-
-    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
 
 
 def _refuse_autocast(target: Target) -> None:
@@ -317,6 +315,7 @@ def _optimizer_cost(optimizer: torch.optim.Optimizer | None, user_model: nn.Modu
         cost = optimizer_costs(optimizer, torch.device("cpu"), like=like, foreach=True if target.is_cuda else None)
     if not target.is_cuda:
         return dataclasses.replace(cost, step_s=0.0)
+    # (rounded as wholes: AdamW's step counters, a few bytes each, live in host memory on CUDA)
     return OptimizerCost(_round(cost.state_bytes), _round(cost.step_bytes), 0.0, cost.label)
 
 
