@@ -61,8 +61,13 @@ def test_sharding_over_more_ranks_lowers_the_predicted_peak_by_the_sharded_state
         model = GPT(256, 64, 128, 4, 4, 0.0)
     ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
     opt = torch.optim.AdamW(model.parameters())
+    rng, hooks = torch.get_rng_state(), [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
     two, eight = (remat.make_profile(model, (ids, ids), optimizer=opt, target=Target(device="h100-80gb", world=w))
                   for w in (2, 8))
+    # nothing of the user's touched: RNG, optimizer state, hooks, checkpointing, the meta parameters
+    assert torch.equal(rng, torch.get_rng_state()) and opt.state == {} and remat.checkpointed_modules(model) == []
+    assert hooks == [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+    assert all(p.device.type == "meta" and p.grad is None for p in model.parameters())
     fp32 = sum(p.numel() * 4 for p in model.parameters())
     assert abs(two.params_bytes - fp32 / 2) <= 512 * 60 and abs(eight.params_bytes - fp32 / 8) <= 512 * 60
     assert abs(two.optimizer_state_bytes - 2 * fp32 / 2) <= 0.01 * fp32
