@@ -87,7 +87,8 @@ def test_what_a_target_cannot_model_is_refused_with_what_to_do():
         Target(device="h100-800gb")
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(remat.UnsupportedError, match="autocast"):
         remat.make_profile(model, inputs, target=Target(device="a100-80gb"))
-    with pytest.raises(remat.UnsupportedError, match="compiled step cannot be modelled"):
+    # (below the compiled floor, 2.8, the compiled loop is refused first, for its own reason)
+    with pytest.raises(remat.UnsupportedError, match="compiled step cannot be modelled|compile'd training step"):
         remat.optimize_checkpointing(model, 1.0, inputs, compile=True, target=Target(device="a100-80gb"))
     assert remat.checkpointed_modules(model) == []
     assert not torch.distributed.is_initialized()
