@@ -59,6 +59,48 @@ def flop_count(func, args: tuple, kwargs: dict, out) -> int:
         return 0
 
 
+def op_flops(func, args: tuple, kwargs: dict, out) -> int:
+    """Floating-point operations of one operator call as a device runs it: :func:`flop_count`, with attention
+    counted where torch's formulas count nothing (CPU's flash kernel, the one fake CPU tensors pick: Note [Target
+    kernels] in remat.target.source) and halved for causal attention, whose kernels skip the masked half (torch's
+    formulas count the whole square)."""
+    name = str(func)
+    if "attention" not in name:
+        return flop_count(func, args, kwargs, out)
+    n = flop_count(func, args, kwargs, out)
+    q, k = argument(func, args, kwargs, "query"), argument(func, args, kwargs, "key")
+    if not n and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4:
+        b, h, sq, d = q.shape
+        sk = k.shape[-2]
+        # forward: scores (q @ k^T) and output (p @ v), 2 FLOPs a multiply-add; backward: the scores again and
+        # four products (dV, dP, dQ, dK): 2.5 times the forward, as FlashAttention-2's paper counts it
+        n = 4 * b * h * sq * sk * d * (5 if name.split(".")[1].endswith("backward") else 2) // 2
+    if argument(func, args, kwargs, "is_causal") is True:
+        n //= 2
+    return int(n)
+
+
+#: operators that launch no kernel and move no data (views, metadata, allocation without a fill)
+_NO_KERNEL = frozenset({"aten.empty", "aten.empty_strided", "aten.empty_like", "aten.detach", "aten.alias",
+                        "aten.lift_fresh", "aten.set_", "aten.resize_", "aten._local_scalar_dense"})
+
+
+def op_bytes(func, args: tuple, kwargs: dict, out) -> int:
+    """Bytes an operator call reads and writes in device memory: its tensor arguments' and outputs' elements
+    (a DTensor's local shard), 0 for views and operators that launch no kernel (``OpOverload.is_view``, checked
+    on 2.8, 2.13, 2.15). A model for the roofline (remat.costs.device_time), not a measurement: a broadcast
+    argument counts once, an in-place output again."""
+    name = str(func).rsplit(".", 1)[0]
+    if getattr(func, "is_view", False) or name in _NO_KERNEL or func.namespace == "prim":
+        return 0
+    total = 0
+    for t in tree_flatten((args, kwargs, out))[0]:
+        if isinstance(t, torch.Tensor):
+            t = local_tensor(t)
+            total += t.numel() * t.element_size()
+    return total
+
+
 def written_arguments(func, args: tuple, kwargs: dict) -> list:
     """The arguments operator ``func`` writes to in place, by its schema (``OpOverload._schema``'s
     ``alias_info.is_write``, checked on 2.8, 2.11, 2.13, 2.15)."""

@@ -79,8 +79,12 @@ class ForwardOp:
     #: named in selective policies (False: the product of a random operator's output, which compile runs
     #: inside that operator: Note [Operators named alike under compile] in remat.rewrite); never kept
     named: bool = True
-    #: floating-point operations (torch.utils.flop_counter; 0 for operators without a formula)
+    #: floating-point operations (torch.utils.flop_counter; attention where it has no formula, causal halved:
+    #: remat._compat.op_flops; 0 for operators without one)
     flops: int = 0
+    #: bytes it reads and writes in device memory (its tensor arguments and outputs; 0 for views): what the
+    #: device model's roofline reads (remat.costs.device_time)
+    bytes_accessed: int = 0
 
 
 def _frozen(d: Mapping) -> Mapping:
@@ -111,6 +115,8 @@ class Recording:
     last_use: Mapping[int, int]
     #: per unit, floating-point operations of its forward (torch.utils.flop_counter)
     flops: Mapping[str, int]
+    #: the backward's operators, in order (name, FLOPs and bytes; ``created`` empty): what a device model times
+    backward_ops: tuple[ForwardOp, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("spans", "calls", "inputs", "last_use", "flops"):
@@ -251,3 +257,20 @@ def shared_by_twins(rec: Recording, times: UnitTimes, modules: Sequence[str]) ->
             if len(have) == len(group):
                 table.update(dict.fromkeys(group, statistics.median(have)))
     return rec.with_op_seconds(seconds), dataclasses.replace(times, **per)
+
+
+def recompute_growth(live: Sequence[int], start: int, end: int,
+                     freed_outside: Sequence[tuple[int, int]]) -> list[int]:
+    """Bytes a recomputation of forward operators ``start..end`` holds after each of them, over what was alive
+    before it: the plain forward's growth ``live[t] - live[start - 1]``, with the older storages that forward
+    freed meanwhile (``freed_outside``: (index, bytes)) added back, since a recomputation frees none of them
+    (Note [Growth of a recomputation] in remat.costs.effects)."""
+    base = live[start - 1] if start > 0 else 0
+    back = [0] * (end - start + 1)
+    for f, b in freed_outside:
+        back[f - start] += b
+    out, acc = [], 0
+    for t in range(start, end + 1):
+        acc += back[t - start]
+        out.append(live[t] - base + acc)
+    return out

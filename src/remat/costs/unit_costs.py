@@ -25,30 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from remat.costs.recording import recompute_growth  # noqa: F401 - re-exported: importable from here as before
 from remat.costs.unit_names import (  # noqa: F401 - re-exported: importable from here as before the split
     SELECTIVE, _REGION, _SEGMENT, inner_unit, is_selective, nest_key, op_key, parse_region, parse_segment,
     region_name, segment_name)
-
-
-def recompute_growth(live: Sequence[int], start: int, end: int,
-                     freed_outside: Sequence[tuple[int, int]]) -> list[int]:
-    """Bytes a recomputation of forward operators ``start..end`` holds after each of them, over what was alive
-    before it: the plain forward's growth ``live[t] - live[start - 1]``, with the older storages that forward
-    freed meanwhile (``freed_outside``: (index, bytes)) added back, since a recomputation frees none of them
-    (Note [Growth of a recomputation] in remat.costs.effects)."""
-    base = live[start - 1] if start > 0 else 0
-    back = [0] * (end - start + 1)
-    for f, b in freed_outside:
-        back[f - start] += b
-    out, acc = [], 0
-    for t in range(start, end + 1):
-        acc += back[t - start]
-        out.append(live[t] - base + acc)
-    return out
 
 
 @dataclass(frozen=True)
@@ -317,6 +300,13 @@ class Profile:
     #: every trainable parameter's name and shape, to name a gradient made in backward that is shaped like one
     #: (a contribution to a weight used twice, e.g. a tied embedding, before it is summed into ``.grad``)
     parameter_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: tokens one device trains on per step (the batch's token ids, over the ranks of a tensor-parallel group
+    #: that share them); None: not a token model, or unknown
+    tokens_per_step: int | None = None
+    #: floating-point operations of one plain step's forward and backward on one device, for MFU (0: unknown)
+    model_flops: int = 0
+    #: the device's dense peak FLOP/s in the step's compute dtype, for MFU (a modelled target's; None: unknown)
+    peak_flops_per_s: float | None = None
 
     @property
     def fixed_bytes(self) -> int:

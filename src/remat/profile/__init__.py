@@ -51,9 +51,10 @@ from remat.profile.calibrate import LoggedOp, align_forward, calibrate_sizes, di
     plain_forward_ops, plain_step_fits
 from remat.profile.optimizer import OptimizerCost, optimizer_costs
 from remat.profile.recorder import record_step
+from remat.profile.modelled import Modelled, times_of_ops
 from remat.profile.timing import checkpoint_overhead, time_units
 from remat.profile.units import module_and_segment_specs, region_specs, selective_specs
-from remat.costs.recording import CheckpointOverhead, ForwardOp, Recording, UnitTimes, shared_by_twins
+from remat.costs.recording import CheckpointOverhead, Recording, UnitTimes, shared_by_twins
 from remat.runtime.state import preserved
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def profile_model(
     notes: list[str] = []
     step = _Step.of(model, args, kwargs, loss_fn, device, graph, output_alive, sharded, world_size, wrapping)
     if modelled is not None:
-        return _modelled(step, modelled, notes)
+        return profile_modelled(step, modelled, notes)
     recorded = _record(step, record_real, notes)
     recorded, plain, changed = _check_against_real_forward(step, recorded, notes)
     specs = _with_selective_specs(step, recorded, notes)
@@ -114,23 +115,7 @@ def profile_model(
     return assembled(rec, units, times.step_forward_s, _backward_s(units, times, top))
 
 
-@dataclass(frozen=True)
-class Modelled:
-    """What a modelled target (remat.target) gives profiling in place of this machine's measurements."""
-
-    #: the optimizer's state and step on the target (recorded on fake tensors there)
-    optimizer: OptimizerCost
-    #: seconds of one forward operator on the target (a model, not a measurement)
-    op_seconds: Callable[[ForwardOp], float]
-    #: checkpoint's own bookkeeping on the target
-    overhead: CheckpointOverhead
-    #: the recording as the target's allocator counts it (e.g. blocks rounded to 512 bytes on CUDA)
-    counted: Callable[[Recording], Recording]
-    #: how the recording and times were made, for the profile's notes
-    note: str
-
-
-def _modelled(step: _Step, modelled: Modelled, notes: list[str]) -> Profile:
+def profile_modelled(step: _Step, modelled: Modelled, notes: list[str]) -> Profile:
     """The profile of a step recorded on fake tensors for a modelled target: no real forward to calibrate
     against, no timed step; times from ``modelled.op_seconds``."""
     rec, ran, specs = step.record(fake=False)  # the model's tensors are fake already
@@ -141,28 +126,18 @@ def _modelled(step: _Step, modelled: Modelled, notes: list[str]) -> Profile:
     notes.append(modelled.note)
     rec = recorded.rec.with_op_seconds({i: modelled.op_seconds(op) for i, op in enumerate(recorded.rec.forward_ops)})
     timed = list(dict.fromkeys([*ran, *(c for c in step.extra if c in rec.spans)]))
-    times = _times_of_ops(rec, timed)
+    times = times_of_ops(rec, timed)
+    flops = 0
+    if modelled.step_time is not None:
+        forward_s, backward_s, flops = modelled.step_time(rec)
+        ratio = backward_s / forward_s if forward_s > 0 else 2.0
+        times = dataclasses.replace(times, step_forward_s=forward_s, step_backward_s=backward_s,
+                                    backward_s={u: s * ratio for u, s in times.forward_s.items()})
     buffer_bytes = {name: tensor_bytes([b], step.device) for name, b in step.model.named_buffers()}
     units = unit_costs(rec, specs, times=times, overhead=modelled.overhead, buffer_bytes=buffer_bytes)
-    return _assembled(step, rec, units, times.step_forward_s, times.step_backward_s, opt=modelled.optimizer,
-                      recorded="fake", notes=notes)
-
-
-def _times_of_ops(rec: Recording, units: list[str]) -> UnitTimes:
-    """Units' times as the sums of their forward operators' seconds (recomputation: the same; backward: twice,
-    as a matrix product's), and the buffers each unit's forward writes (which its checkpoint snapshots)."""
-    forward_s = {u: sum(rec.forward_ops[i].seconds for a, b in rec.spans[u] for i in range(a, b + 1)
-                        if i < len(rec.forward_ops)) for u in units}
-    mutated: dict[str, tuple[str, ...]] = {}
-    for u in units:
-        prefix = f"{u}." if u else ""
-        mutated[u] = tuple(dict.fromkeys(
-            w.preexisting[1].removeprefix(prefix) for w in rec.writes
-            if u in w.stack and w.preexisting is not None and w.preexisting[0] == "buffer"
-            and w.preexisting[1].startswith(prefix)))
-    step_forward_s = sum(op.seconds for op in rec.forward_ops)
-    return UnitTimes(forward_s=forward_s, recompute_s=dict(forward_s), backward_s={u: 2 * s for u, s in forward_s.items()},
-                     mutated_buffers=mutated, step_forward_s=step_forward_s, step_backward_s=2 * step_forward_s)
+    profile = _assembled(step, rec, units, times.step_forward_s, times.step_backward_s, opt=modelled.optimizer,
+                         recorded="fake", notes=notes)
+    return dataclasses.replace(profile, model_flops=flops) if flops else profile
 
 
 @dataclass(frozen=True)

@@ -168,3 +168,20 @@ def overhead(device: torch.device, measure: Callable[[], CheckpointOverhead]) ->
                                           "per_selective_op_s": found.per_selective_op_s,
                                           "held_bytes": found.held_bytes}})
     return found
+
+
+def device_rates(measure: Callable[[], dict[str, float]]) -> tuple[dict[str, float], str]:
+    """This machine's CPU rates for the time model (remat.target.timing.measure_cpu: matmul FLOP/s, copy
+    bandwidth, the shortest operator), cached like a step's times; ``measure()`` measures them. Returns the rates
+    and where they came from."""
+    key = _digest({"format": FORMAT, "machine": machine(torch.device("cpu"))})
+    entry = _read("rates", key)
+    if entry is not None:
+        try:
+            return {k: float(v) for k, v in entry["rates"].items()}, (
+                f"read from remat's timing cache ({entry['path']}, measured {entry.get('measured_at', '?')})")
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass
+    found = measure()
+    _write("rates", key, {"rates": found})
+    return found, "measured now"

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from remat._compat import fake_mode, flop_count, storage_key, tree_flatten, tree_map, written_arguments
+from remat._compat import fake_mode, op_bytes, op_flops, storage_key, tree_flatten, tree_map, written_arguments
 from remat.runtime.measure import LossFn, StorageRecord, StorageTracker, input_tensors, run_step
 from remat.costs.recording import ForwardOp, Recording, SavedTensor, Storage, Write
 from remat.rewrite import PolicyNames, draws_random
@@ -65,7 +65,9 @@ class _Recorder(StorageTracker):
         #: per hooked module and forward call, the records of the tracked storages it took as inputs
         self.inputs: dict[str, list[list[StorageRecord]]] = defaultdict(list)
         #: (operator, records of the storages it created, draws random numbers, named) of every forward operator
-        self.forward_ops: list[tuple[str, list[StorageRecord | None], bool, bool, int]] = []
+        self.forward_ops: list[tuple[str, list[StorageRecord | None], bool, bool, int, int]] = []
+        #: every backward operator's name, FLOPs and bytes
+        self.backward_ops: list[ForwardOp] = []
         self.names = PolicyNames()
 
     # module hooks
@@ -98,11 +100,13 @@ class _Recorder(StorageTracker):
         return t
 
     def on_op(self, func, args, kwargs, out) -> None:
+        n, nbytes = op_flops(func, args, kwargs, out), op_bytes(func, args, kwargs, out)
         if self.backward:
+            self.backward_ops.append(ForwardOp(str(func), (), flops=n, bytes_accessed=nbytes))
             return
         named = self.names.key(func, args, kwargs) is not None  # Note [Operators named alike under compile]
-        n = flop_count(func, args, kwargs, out)
-        self.forward_ops.append((str(func), new_records(self, out), draws_random(func, args, kwargs), named, n))
+        self.forward_ops.append((str(func), new_records(self, out), draws_random(func, args, kwargs), named, n,
+                                 nbytes))
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
                 rec = self.by_key.get(storage_key(t))
@@ -133,8 +137,9 @@ class _Recorder(StorageTracker):
             storages=tuple(Storage(r.nbytes, 0 if id(r) in held else r.alloc_index, r.free_index,
                                    id(r) in grads, r.shape, r.dtype) for r in self.records),
             saved=tuple(SavedTensor(idx(p.rec), p.stack, p.calls, p.at, p.unpacked_at) for p in self.packs),
-            forward_ops=tuple(ForwardOp(name, tuple(idx(r) for r in recs), random, named=named, flops=flops)
-                              for name, recs, random, named, flops in self.forward_ops),
+            forward_ops=tuple(ForwardOp(name, tuple(idx(r) for r in recs), random, named=named, flops=flops,
+                                        bytes_accessed=nbytes)
+                              for name, recs, random, named, flops, nbytes in self.forward_ops),
             writes=tuple(Write(stack, idx(r), self.preexisting.get(key), op, at)
                          for stack, key, r, op, at in self.writes),
             spans={u: tuple((a, b) for a, b in sp) for u, sp in self.spans.items() if sp},
@@ -142,6 +147,7 @@ class _Recorder(StorageTracker):
             inputs={u: tuple(tuple(index[id(r)] for r in call) for call in calls) for u, calls in self.inputs.items()},
             last_use={index[k]: v for k, v in self.last_use.items()},
             flops=dict(self.flops),
+            backward_ops=tuple(self.backward_ops),
         )
 
 

@@ -140,6 +140,7 @@ class Planner:
             mutated_buffers={u: p.unit(u).mutated_buffers for u in chosen},
             saved_ops={u: p.unit(u).saved_ops for u in chosen if p.unit(u).saved_ops},
             nested_in=self.model.outer_of(chosen),
+            tokens_per_step=p.tokens_per_step, model_flops=p.model_flops, peak_flops_per_s=p.peak_flops_per_s,
         )
 
     def infeasible(self, budget_bytes: int, *, least_bytes: int | None = None,

@@ -107,8 +107,28 @@ class Plan:
     #: for a modelled target, the peak the CUDA caching allocator is predicted to reserve with this plan (bytes; the
     #: budget applies to it); None otherwise
     predicted_reserved_bytes: int | None = None
+    #: tokens one device trains on per step, FLOPs of one plain step there and the device's peak FLOP/s (from the
+    #: profile: remat.costs.unit_costs.Profile), for tokens/s and MFU; None / 0 where unknown
+    tokens_per_step: int | None = None
+    model_flops: int = 0
+    peak_flops_per_s: float | None = None
     #: what the user should know about the plan: assumptions, settings remat changed, how it was checked
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def predicted_tokens_per_s(self) -> float | None:
+        """Tokens per second per device at the predicted step time; None for a model without token ids."""
+        if not self.tokens_per_step or self.predicted_step_time_s <= 0:
+            return None
+        return self.tokens_per_step / self.predicted_step_time_s
+
+    @property
+    def predicted_mfu(self) -> float | None:
+        """Model FLOPs utilization at the predicted step time: the plain step's FLOPs (recomputation excluded) over
+        the step time and the device's dense peak; None where the peak is unknown."""
+        if not self.model_flops or not self.peak_flops_per_s or self.predicted_step_time_s <= 0:
+            return None
+        return self.model_flops / self.predicted_step_time_s / self.peak_flops_per_s
 
     @property
     def predicted_overhead(self) -> float:
@@ -135,6 +155,12 @@ class Plan:
             f"  ({'predicted' if self.target else 'measured'} without checkpointing: "
             f"{self.baseline_step_time_s * 1e3:.1f} ms, "
             f"{self.predicted_overhead:+.1%})",
+            *(["  predicted throughput: " + ", ".join(
+                x for x in (f"{self.predicted_tokens_per_s:,.0f} tokens/s per device"
+                            if self.predicted_tokens_per_s is not None else "",
+                            f"MFU {self.predicted_mfu:.1%}" if self.predicted_mfu is not None else "") if x)
+               + " (predicted, not measured)"]
+              if self.target and (self.predicted_tokens_per_s is not None or self.predicted_mfu is not None) else []),
             f"  training loop:        {'output kept until the step ends' if self.output_alive else 'output dropped after the loss'}"
             f"{'; gradients accumulated (held from the start of each micro-step)' if self.grads_held else ''}"
             f"{'; zero_grad after the forward (last step gradients alive in it)' if self.grads_held_in_forward else ''}",
@@ -167,12 +193,15 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["format"] = PLAN_FORMAT
+        # derived, for readers of --json (from_dict drops them)
+        d["predicted_tokens_per_s"], d["predicted_mfu"] = self.predicted_tokens_per_s, self.predicted_mfu
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         d = dict(d)
-        d.pop("format", None)
+        for derived in ("format", "predicted_tokens_per_s", "predicted_mfu"):
+            d.pop(derived, None)
         d["checkpointed"] = tuple(d["checkpointed"])
         d["model_signature"] = tuple((n, tuple(s)) for n, s in d.get("model_signature", ()))
         d["notes"] = tuple(d.get("notes", ()))

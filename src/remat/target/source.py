@@ -41,14 +41,16 @@ import torch
 from torch import nn
 
 from remat.costs.allocator import Alloc, AllocatorPeaks, Free, events_of, replay
-from remat.costs.recording import CheckpointOverhead, ForwardOp, Recording
+from remat.costs.recording import CheckpointOverhead, Recording
 from remat.costs.unit_costs import Profile
 from remat.errors import UnsupportedError
-from remat.profile import Modelled
+from remat.profile.modelled import Modelled
 from remat.profile.optimizer import NO_OPTIMIZER, OptimizerCost, hyperparameters, independent_copy, optimizer_costs
 from remat.runtime.measure import StorageTracker, allocated_bytes, input_tensors, run_step, tensor_bytes
 from remat.solve import Planner
 from remat.solve.plan import Plan, fmt_bytes
+from remat.costs.device_time import DeviceRates
+from remat.target.timing import OperatorTimes, operator_seconds, rates_of, step_time
 from remat.target.world import Target, built
 
 if TYPE_CHECKING:
@@ -70,6 +72,8 @@ class ModelledTarget:
         self.target = target
         #: the allocator replay of the last plan checked: (plan's units, peaks)
         self.replayed: dict[tuple[str, ...], AllocatorPeaks] = {}
+        #: what the time model found worth saying about the last profile (FSDP2's communication)
+        self.time_notes: list[str] = []
 
     def describe(self) -> str:
         return f"predicted for {self.target.describe()}, not measured"
@@ -96,16 +100,19 @@ class ModelledTarget:
             # traced by fx alone where it runs: Note [Tracing without module hooks]), its modules named alike
             graphs.append(capture(fake, *inputs))
 
+        rates = rates_of(self.target, _model_dtype(req.model))
         with built(self.target, req.model, (req.args, req.kwargs), before=capture_unwrapped) as (
                 fake, (args, kwargs), mode):
             opt = _optimizer_cost(req.optimizer, req.model, fake, mode, self.target)
-            modelled = Modelled(optimizer=opt, op_seconds=self._op_seconds, overhead=self._overhead(),
-                                counted=self._counted, note=self._note())
+            modelled = Modelled(optimizer=opt, op_seconds=lambda op: operator_seconds(op, rates, self.target),
+                                overhead=self._overhead(), counted=self._counted, note=self._note(rates),
+                                step_time=lambda rec: self._step_time(rec, rates))
             wrapping, graph = wrapping_of(fake), graphs[0]
             with mode:
                 profile = _make_profile(fake, args, kwargs, loss_fn=req.loss_fn, optimizer=None,
                                         device=torch.device("cpu"), output_alive=req.output_alive,
                                         wrapping=wrapping, graph=graph, modelled=modelled)
+                optimizer_s = _optimizer_seconds(req.optimizer, req.model, fake, self.target, rates)
             # the step's fixed memory as the target's allocator counts it (profiling counted it as the CPU's)
             fixed = dict(params_bytes=tensor_bytes(fake.parameters(), counted_as=CUDA),
                          grads_bytes=tensor_bytes((p for p in fake.parameters() if p.requires_grad), counted_as=CUDA),
@@ -114,19 +121,29 @@ class ModelledTarget:
                 if self.target.is_cuda else {}
         return dataclasses.replace(
             profile, device=self.describe(), world_size=self.target.world, target=self.target.describe(), **fixed,
-            notes=profile.notes + (f"recorded on fake tensors in {time.perf_counter() - started:.1f} s",))
+            optimizer_s=optimizer_s, tokens_per_step=_tokens(req.args, req.kwargs, self.target),
+            peak_flops_per_s=rates.flops_per_s,
+            notes=profile.notes + tuple(self.time_notes) + (
+                f"recorded on fake tensors in {time.perf_counter() - started:.1f} s",))
+
+    def _step_time(self, rec: Recording, rates: DeviceRates) -> tuple[float, float, int]:
+        st = step_time(rec, rates, self.target)
+        self.time_notes = [f"FSDP2's collectives predicted {st.fsdp_comm_s * 1e3:.1f} ms a step, of which "
+                           f"{st.exposed_comm_s * 1e3:.1f} ms not hidden behind compute (Note [FSDP2 prefetch] in "
+                           "remat.target.timing)"] if st.fsdp_comm_s else []
+        return st.forward_s, st.backward_s, st.flops
 
     def _overhead(self) -> CheckpointOverhead:
-        """Checkpoint's bookkeeping on the target: no time (the device model has none yet); the CPU RNG state each
-        checkpointed call holds counts on a CPU target only (on CUDA the saved RNG states live in host memory)."""
+        """Checkpoint's bookkeeping on the target: on a GPU none (the host's bookkeeping runs ahead of the GPU,
+        and the saved RNG states live in host memory); on this machine's CPU, as measured here (the same
+        measurement, cached, the measured path uses)."""
         if self.target.is_cuda:
             return CheckpointOverhead(0.0, 0.0, 0.0)
         from remat.profile import cache
         from remat.profile.timing import checkpoint_overhead
 
         cpu = torch.device("cpu")
-        held = cache.overhead(cpu, lambda: checkpoint_overhead(cpu)).held_bytes
-        return CheckpointOverhead(0.0, 0.0, 0.0, held_bytes=held)
+        return cache.overhead(cpu, lambda: checkpoint_overhead(cpu))
 
     def _counted(self, rec: Recording) -> Recording:
         if not self.target.is_cuda:
@@ -134,16 +151,13 @@ class ModelledTarget:
         return dataclasses.replace(rec, storages=tuple(
             dataclasses.replace(s, nbytes=_round(s.nbytes)) for s in rec.storages))
 
-    def _op_seconds(self, op: ForwardOp) -> float:
-        return op.flops / (_rate(self.target) or NOMINAL_FLOPS)
-
-    def _note(self) -> str:
-        rate = _rate(self.target)
-        where = f"{rate / 1e12:.0f} TFLOP/s dense" if rate else f"a nominal {NOMINAL_FLOPS / 1e12:.0f} TFLOP/s " \
-            "(no FLOP/s known for this device)"
-        return (f"memory predicted for {self.target.describe()}, not measured: the step recorded on fake tensors "
-                f"in the target's world (Note [Target kernels]); recompute ranked by FLOPs (seconds are FLOPs at "
-                f"{where}, a lower bound, not measured: modelled time is issue #40)")
+    def _note(self, rates: DeviceRates) -> str:
+        peak = f"{rates.flops_per_s / 1e12:.1f} TFLOP/s" if rates.flops_per_s >= 1e12 else \
+            f"{rates.flops_per_s / 1e9:.1f} GFLOP/s"
+        return (f"memory and time predicted for {self.target.describe()}, not measured: the step recorded on fake "
+                f"tensors in the target's world (Note [Target kernels]); each operator timed by the device model "
+                f"({rates.name}: {peak} dense, {rates.memory_bytes_per_s / 1e9:.0f} GB/s; Note [Device time model] "
+                "in remat.costs.device_time), collectives by ring over the target's links")
 
     # -- the plan ----------------------------------------------------------------------------------------
     def choose(self, req: Request, planner: Planner, profile: Profile) -> tuple[Plan, tuple[str, ...]]:
@@ -244,15 +258,40 @@ def modelled_request(model: nn.Module, example_inputs: Any, target: Target, *, l
                    source=ModelledTarget(target))
 
 
-#: FLOP/s used to turn FLOPs into seconds when the device's are unknown (ranking only)
-NOMINAL_FLOPS = 1e12
+def _model_dtype(model: nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
-def _rate(target: Target) -> int | None:
-    """The target's dense FLOP/s for its compute dtype (FSDP2's ``param_dtype``; float32 without TF32 otherwise)."""
-    spec, dtype = target.spec, target.param_dtype if target.fsdp else None
-    field = {torch.bfloat16: "bf16_flops_per_s", torch.float16: "fp16_flops_per_s"}.get(dtype, "fp32_flops_per_s")
-    return getattr(spec, field)
+def _tokens(args: tuple, kwargs: dict, target: Target) -> int | None:
+    """Tokens one device trains on per step: the first integer tensor of two or more dimensions among the inputs
+    (token ids: batch x sequence), shared by the ranks of a tensor-parallel group; None when there is none."""
+    for t in input_tensors(args, kwargs):
+        if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool and t.dim() >= 2:
+            return max(1, t.numel() // target.tp)
+    return None
+
+
+def _optimizer_seconds(optimizer: torch.optim.Optimizer | None, user_model: nn.Module, fake: nn.Module,
+                       target: Target, rates: DeviceRates) -> float:
+    """The optimizer step's predicted seconds on the target (gradient clipping included when the target clips):
+    a steady-state step (the second) of an independent optimizer of the same class and settings over the fake
+    (sharded) parameters, each operator timed by the device model."""
+    opt = _fake_optimizer(optimizer, user_model, fake, target)
+    if opt is None:
+        return 0.0
+    params = [p for g in opt.param_groups for p in g["params"]]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        type(opt).step(opt)  # the first step creates the state
+        with OperatorTimes(rates, target) as timed:
+            if target.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, target.clip_grad_norm, foreach=True)
+            type(opt).step(opt)
+        return timed.seconds
+    finally:
+        for p in params:
+            p.grad = None
 
 
 #: the device whose allocator a CUDA target's bytes are counted as (Note [CUDA block size] in remat.runtime.tracker)

@@ -64,6 +64,12 @@ class Target:
     clip_grad_norm: float | None = None
     #: the rank whose step is recorded (ranks of a data-parallel world run the same step)
     rank: int = 0
+    #: bytes/s each GPU sends to other nodes (one direction): 400 Gb/s, one NIC per GPU, as Meta's H100 training
+    #: clusters ("Building Meta's GenAI infrastructure", engineering.fb.com, 2024-03-12: RoCE and InfiniBand
+    #: fabrics, both 400 Gbps endpoints); collectives over ranks of several nodes run at it (issue #40)
+    network_bytes_per_s: float | None = 50e9
+    #: GPUs per node: a group of more ranks (counting the TP ranks between FSDP ranks) crosses the network
+    devices_per_node: int = 8
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", device_spec(self.device))

@@ -1,0 +1,160 @@
+"""How long a device takes for one operator and one collective: the time model of a modelled target (issue
+#40), torch-free. A model, not a measurement: every time it gives is predicted.
+
+Note [Device time model]
+~~~~~~~~~~~~~~~~~~~~~~~~
+An operator takes the longer of its arithmetic and its memory traffic, each at a stated fraction of the device's
+peak, and never less than a kernel launch (a roofline, as torchao's ``roofline_utils`` models a training step's
+GEMMs and casts):
+
+    seconds = max(flops / (peak_flops_per_s x compute_eff), bytes / (memory_bytes_per_s x memory_eff), launch_s)
+
+``flops`` are torch's FLOP formulas (``torch.utils.flop_counter``; attention counted and causal halved by
+remat._compat.op_flops), ``bytes`` the operator's tensor arguments and outputs (remat._compat.op_bytes); a view
+moves nothing and launches nothing (0 s). The efficiencies are one table per operator class
+(:data:`EFFICIENCY`), each with the published measurement it comes from; none was fitted to a result remat is
+compared with. The peak is the dense rate of the dtype the products run in (FSDP2's ``param_dtype``, else the
+model's; float32 products without TF32 at the plain FP32 rate, as torch's default ``allow_tf32=False``).
+
+A collective moves its bytes over a ring (NCCL's algorithm for large messages): an all-gather or reduce-scatter
+of ``S`` bytes (the gathered size) over ``n`` ranks takes ``S (n-1)/n / bus``, an all-reduce twice that, where
+``bus`` is the link bandwidth in one direction per GPU at :data:`COLLECTIVE_EFFICIENCY`: NVLink (or the
+device's link) while the group fits in one node, the network's per-GPU bandwidth once it spans nodes.
+
+What it leaves out: kernel fusion (eager operators, one kernel each: a compiled step is not modelled), host
+dispatch time (the host runs ahead of the GPU in eager mode for the sizes training uses), caches (every byte
+from device memory), overlap of compute and communication other than FSDP2's prefetch (remat.target.timing),
+stragglers and clock throttling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+__all__ = ["Efficiency", "EFFICIENCY", "DeviceRates", "op_class", "op_seconds", "collective_seconds",
+           "COLLECTIVE_EFFICIENCY"]
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The fractions of a device's peak FLOP/s (``compute``) and peak memory bandwidth (``memory``) that an
+    operator class reaches at the sizes training uses, and the measurement they come from."""
+
+    compute: float
+    memory: float
+    source: str
+
+
+_TORCHAO = ("torchao testing/training/roofline_utils.py (pytorch/ao): pct_achievable_gemm_tops 0.78 'based on "
+            "experimental observation with sample large inputs' and pct_achievable_mem_bw 0.92 (pointwise triton "
+            "kernels with large inputs) on H100")
+
+#: per operator class, the fractions of peak reached (Note [Device time model]). "attention@hopper": torch's
+#: flash attention is FlashAttention-2, which does not use Hopper's asynchronous tensor-core instructions
+EFFICIENCY: Mapping[str, Efficiency] = MappingProxyType({
+    "matmul": Efficiency(0.78, 0.92, _TORCHAO),
+    "conv": Efficiency(0.78, 0.92, "as matmul (cuDNN's implicit GEMM): no separate published figure used"),
+    "attention": Efficiency(0.70, 0.92, "FlashAttention-2 (Dao, 2023, arXiv:2307.08691): forward up to 73% of "
+                                        "A100's peak, training 225 TFLOP/s of 312 (72%)"),
+    "attention@hopper": Efficiency(0.35, 0.92, "FlashAttention-3 (Shah et al., 2024, arXiv:2407.08608): "
+                                               "FlashAttention-2 on H100 reaches 335-350 TFLOP/s in bf16 at head "
+                                               "dimension 128 (about 35% of 989), FlashAttention-3 1.5-2x that"),
+    "pointwise": Efficiency(1.0, 0.92, _TORCHAO),
+    "reduction": Efficiency(1.0, 0.92, "as pointwise (norms, softmax, losses read their input once): "
+                                       + _TORCHAO),
+})
+
+#: fraction of a link's one-direction bandwidth a ring collective reaches (NCCL's "bus bandwidth"):
+#: nccl-tests on 8 A100 SXM4 over NVLink 3 read 230-250 GB/s of 300 (docs.alayanew.com, "NCCL-tests in
+#: practice", reference table; 8 H100 over NVLink 4 reach 460-480 of 450 with NVLink SHARP, which rings do not use)
+COLLECTIVE_EFFICIENCY = 0.8
+
+#: seconds of the shortest kernel: torchao's KERNEL_LAUNCH_OVERHEAD_SEC, "a triton kernel with a single element
+#: read/write on an H100", measured from the GPU's trace
+GPU_LAUNCH_S = 2e-6
+
+_MATMUL = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "linear", "matmul", "addbmm", "_int_mm")
+_REDUCTION = ("sum", "mean", "norm", "softmax", "_log_softmax", "_softmax", "amax", "amin", "max", "min", "var",
+              "std", "nll_loss", "cross_entropy", "layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm",
+              "group_norm", "native_group_norm", "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+              "cumsum", "argmax", "argmin", "logsumexp", "prod", "_foreach_norm", "embedding_dense_backward")
+
+
+def op_class(name: str) -> str:
+    """The class of an operator (``"aten.addmm.default"``): "matmul", "conv", "attention", "collective",
+    "reduction" or "pointwise" (every other kernel); a backward takes its forward's class; "none" for waiting
+    on a collective (no kernel)."""
+    parts = name.split(".")
+    namespace, base = (parts[0], parts[1]) if len(parts) > 1 else ("", parts[0])
+    if namespace in ("c10d", "_c10d_functional", "c10d_functional", "_dtensor"):
+        return "none" if base.startswith(("wait", "barrier", "monitored_barrier")) else "collective"
+    if "attention" in base:
+        return "attention"
+    if "convolution" in base or base.startswith(("conv", "cudnn_convolution", "mkldnn_convolution")):
+        return "conv"
+    stem = base.removesuffix("_backward").removesuffix("_")
+    if stem in _MATMUL:
+        return "matmul"
+    if stem in _REDUCTION or stem.removesuffix("_backward") in _REDUCTION:
+        return "reduction"
+    return "pointwise"
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What the time model reads of a device: its dense peak FLOP/s in the products' dtype, its memory's peak
+    bandwidth, the shortest kernel, its links (one direction, per GPU) and the efficiency table to use."""
+
+    #: a name for notes, e.g. "NVIDIA H100 SXM 80GB, bf16"
+    name: str
+    flops_per_s: float
+    memory_bytes_per_s: float
+    launch_s: float
+    #: host seconds added to every kernel: a CPU runs its operators as the host dispatches them (synchronously);
+    #: 0 for a GPU, whose host runs ahead of it
+    dispatch_s: float = 0.0
+    #: within a node (NVLink, Infinity Fabric, PCIe), one direction; None: unknown (collectives cost nothing)
+    link_bytes_per_s: float | None = None
+    #: between nodes, per GPU, one direction (e.g. 400 Gb/s InfiniBand: 50e9)
+    network_bytes_per_s: float | None = None
+    #: GPUs a node holds (a group larger than this crosses the network)
+    devices_per_node: int = 8
+    #: per operator class, the efficiencies (keys of :data:`EFFICIENCY`, one suffixed "@generation" preferred)
+    efficiency: Mapping[str, Efficiency] = field(default_factory=lambda: EFFICIENCY)
+    #: e.g. "hopper": selects "attention@hopper" where the table has it
+    generation: str = ""
+
+    def efficiency_of(self, cls: str) -> Efficiency:
+        return self.efficiency.get(f"{cls}@{self.generation}") or self.efficiency.get(cls) or Efficiency(
+            1.0, 1.0, "no figure: peak")
+
+
+def op_seconds(name: str, flops: int, bytes_accessed: int, rates: DeviceRates) -> float:
+    """Predicted seconds of one operator on the device (Note [Device time model]); 0 for one that launches no
+    kernel (no FLOPs and no bytes: a view). A collective's time comes from :func:`collective_seconds`."""
+    if (flops <= 0 and bytes_accessed <= 0) or op_class(name) == "none":
+        return 0.0
+    eff = rates.efficiency_of(op_class(name))
+    compute = flops / (rates.flops_per_s * eff.compute) if flops > 0 else 0.0
+    memory = bytes_accessed / (rates.memory_bytes_per_s * eff.memory) if bytes_accessed > 0 else 0.0
+    return max(compute, memory, rates.launch_s) + rates.dispatch_s
+
+
+def collective_seconds(kind: str, nbytes: int, group_size: int, rates: DeviceRates, *,
+                       across_nodes: bool | None = None) -> float:
+    """Predicted seconds of a ring collective over ``group_size`` ranks, ``nbytes`` the gathered (all-gather),
+    scattered-from (reduce-scatter) or reduced (all-reduce) size: ``(n-1)/n`` of it crosses each link, twice for
+    an all-reduce, at :data:`COLLECTIVE_EFFICIENCY` of the link within a node or of the network across nodes;
+    plus one launch. ``across_nodes``: whether the group's ranks span nodes (default: it holds more ranks than a
+    node has devices). 0 for a group of one or a device without a known link."""
+    if group_size <= 1 or nbytes <= 0:
+        return 0.0
+    if across_nodes is None:
+        across_nodes = group_size > rates.devices_per_node
+    bandwidth = rates.network_bytes_per_s if across_nodes else rates.link_bytes_per_s
+    if not bandwidth:
+        return 0.0
+    passes = 2 if "all_reduce" in kind or "allreduce" in kind else 1
+    return passes * nbytes * (group_size - 1) / group_size / (bandwidth * COLLECTIVE_EFFICIENCY) + rates.launch_s

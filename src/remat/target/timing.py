@@ -1,0 +1,226 @@
+"""Step time on a modelled target (issue #40): the device model of remat.costs.device_time applied to a step
+recorded on fake tensors in the target's world, and this machine's CPU measured for the same model.
+
+Note [FSDP2 prefetch]
+~~~~~~~~~~~~~~~~~~~~~
+FSDP2 all-gathers a block's parameters on its own stream while the block before it computes (forward and
+backward prefetch), and reduce-scatters a block's gradients while the next one computes its backward. The
+recording sees every collective (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_`` on the fake process
+group) with its bytes; their time is the ring model's (remat.costs.device_time) over the FSDP group, and only
+what compute does not hide is added to the step:
+
+    forward:  the first all-gather + max(0, the other forward all-gathers - forward compute)
+    backward: the last reduce-scatter + max(0, the other backward collectives - backward compute)
+
+That is the pipeline's time when the blocks are alike (a transformer's layers): each block's gathers hide behind
+the block before. The per-operator times of FSDP2's collectives are 0 (they are not a unit's recomputation:
+FSDP2 gathers a block's parameters for its backward whether it is checkpointed or not, and the recomputation runs
+inside that gather), so checkpointing changes the step by its recomputation alone, and a recomputation's
+compute hides more of the backward's communication than the step is credited with (a bound from above).
+A tensor-parallel collective (``_c10d_functional.*``) sits between the operators that need it: it is timed as an
+operator over the TP group, and recomputing its block runs it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from remat.costs.device_time import EFFICIENCY, GPU_LAUNCH_S, DeviceRates, Efficiency, collective_seconds, op_class, \
+    op_seconds
+from remat.costs.recording import ForwardOp, Recording
+from remat.target.devices import DeviceSpec
+
+#: efficiencies on this machine's CPU: its rates are measured (:func:`measure_cpu`) with the operators a step
+#: runs (a matrix product, a copy), so every class is taken at the measured rate
+CPU_EFFICIENCY = {cls: Efficiency(1.0, 1.0, "measured here (remat.target.timing.measure_cpu)")
+                  for cls in EFFICIENCY if "@" not in cls}
+
+#: generation of the built-in devices, which selects "attention@<generation>" in the efficiency table
+GENERATION = {"a100": "ampere", "h100": "hopper", "h200": "hopper", "b200": "blackwell", "l4": "ada",
+              "mi300x": "cdna3"}
+
+
+def measure_cpu() -> dict[str, float]:
+    """This machine's CPU rates, measured now (about 1 s): ``flops_per_s`` from float32 matrix products
+    (1024 x 1024, the best of 5), ``memory_bytes_per_s`` from copying 128 MiB (read and written; the best of 5),
+    ``dispatch_s`` from 2,000 one-element additions (eager dispatch, which a CPU pays on every operator)."""
+    with torch.no_grad():
+        n = 1024
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        mm = min(_timed(lambda: a @ b) for _ in range(5))
+        x = torch.empty(32 * 2**20)
+        y = torch.empty_like(x)
+        y.copy_(x)
+        copy = min(_timed(lambda: y.copy_(x)) for _ in range(5))
+        one = torch.ones(1)
+        started = time.perf_counter()
+        for _ in range(2000):
+            torch.add(one, one)
+        dispatch = (time.perf_counter() - started) / 2000
+    return {"flops_per_s": 2 * n ** 3 / mm, "memory_bytes_per_s": 2 * x.nbytes / copy, "dispatch_s": dispatch,
+            "threads": float(torch.get_num_threads())}
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def measured_cpu_spec(memory_bytes: int | None = None) -> tuple[DeviceSpec, float, str]:
+    """This machine as a device: :func:`~remat.target.devices.cpu_spec` with its FP32 FLOP/s and memory bandwidth
+    measured (:func:`measure_cpu`, cached in remat's timing cache), the per-operator dispatch seconds, and where
+    the figures came from."""
+    from remat.profile import cache
+    from remat.target.devices import cpu_spec
+
+    rates, where = cache.device_rates(measure_cpu)
+    base = cpu_spec(memory_bytes)
+    how = (f"measured on this machine ({where}; {int(rates.get('threads', 0))} threads): float32 1024 x 1024 "
+           "matrix products, 128 MiB copies")
+    spec = dataclasses.replace(base, fp32_flops_per_s=rates["flops_per_s"], hbm_bytes_per_s=rates["memory_bytes_per_s"],
+                               sources=base.sources + (("fp32_flops_per_s", how, "best of 5"),
+                                                       ("hbm_bytes_per_s", how, "read + written, best of 5")))
+    return spec, rates["dispatch_s"], where
+
+
+def compute_dtype(target: Any, model_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the target's matrix products run in: FSDP2's ``param_dtype`` when FSDP2 casts, else the
+    model's parameters' (float32 when unknown)."""
+    if target.fsdp and target.param_dtype is not None:
+        return target.param_dtype
+    return model_dtype or torch.float32
+
+
+def rates_of(target: Any, model_dtype: torch.dtype | None = None) -> DeviceRates:
+    """What the time model reads of ``target``'s device for a model whose products run in ``model_dtype``
+    (Note [Device time model] in remat.costs.device_time). The ``cpu`` device is this machine, measured."""
+    spec: DeviceSpec = target.spec
+    dtype = compute_dtype(target, model_dtype)
+    if spec.name == "cpu":
+        if spec.fp32_flops_per_s is None or spec.hbm_bytes_per_s is None:
+            measured, dispatch_s, _ = measured_cpu_spec(spec.memory_bytes)
+            spec = dataclasses.replace(spec, fp32_flops_per_s=spec.fp32_flops_per_s or measured.fp32_flops_per_s,
+                                       hbm_bytes_per_s=spec.hbm_bytes_per_s or measured.hbm_bytes_per_s)
+        else:
+            dispatch_s = _cpu_dispatch()
+        return DeviceRates(name=f"{spec.title or 'cpu'} (measured here), {str(dtype).removeprefix('torch.')}",
+                           flops_per_s=float(spec.fp32_flops_per_s), memory_bytes_per_s=float(spec.hbm_bytes_per_s),
+                           launch_s=0.0, dispatch_s=dispatch_s, link_bytes_per_s=None, network_bytes_per_s=None,
+                           devices_per_node=target.devices_per_node, efficiency=CPU_EFFICIENCY, generation="cpu")
+    field = {torch.bfloat16: "bf16_flops_per_s", torch.float16: "fp16_flops_per_s"}.get(dtype, "fp32_flops_per_s")
+    flops = getattr(spec, field) or spec.fp32_flops_per_s
+    missing = [f for f, v in ((field, flops), ("hbm_bytes_per_s", spec.hbm_bytes_per_s)) if not v]
+    if missing:
+        from remat.errors import InvalidInputError
+
+        raise InvalidInputError(
+            f"device {spec.name!r} lacks {' and '.join(missing)}, which the time model needs (issue #40: "
+            f"seconds = max(FLOPs / peak, bytes / bandwidth)): give them in its spec (DeviceSpec(..., {missing[0]}=...)"
+            ", dense FLOP/s, bytes/s)")
+    generation = next((g for prefix, g in GENERATION.items() if spec.name.startswith(prefix)), "")
+    return DeviceRates(name=f"{spec.title or spec.name}, {str(dtype).removeprefix('torch.')}",
+                       flops_per_s=float(flops), memory_bytes_per_s=float(spec.hbm_bytes_per_s), launch_s=GPU_LAUNCH_S,
+                       link_bytes_per_s=spec.link_bytes_per_s / 2 if spec.link_bytes_per_s else None,
+                       network_bytes_per_s=target.network_bytes_per_s, devices_per_node=target.devices_per_node,
+                       generation=generation)
+
+
+def _cpu_dispatch() -> float:
+    from remat.profile import cache
+
+    return cache.device_rates(measure_cpu)[0]["dispatch_s"]
+
+
+def group_of(op_name: str, target: Any) -> tuple[int, bool]:
+    """The ranks a collective runs over and whether they span nodes: FSDP2's (``c10d.*``) over the FSDP
+    dimension (its ranks ``tp`` apart), tensor parallelism's (``_c10d_functional.*``) over the TP dimension."""
+    if op_name.startswith("c10d."):
+        n = target.fsdp or 1
+        return n, n * target.tp > target.devices_per_node
+    return target.tp, target.tp > target.devices_per_node
+
+
+def _moved_bytes(op: ForwardOp, n: int) -> int:
+    """The size a ring collective moves, from the bytes it reads and writes: an all-gather's output (its input is
+    1/n of it), a reduce-scatter's input, an all-reduce's tensor (read and written)."""
+    if "all_reduce" in op.name or "allreduce" in op.name:
+        return op.bytes_accessed // 2
+    return op.bytes_accessed * n // (n + 1)
+
+
+def operator_seconds(op: ForwardOp, rates: DeviceRates, target: Any) -> float:
+    """One operator's predicted seconds on the target: a TP collective over its group; FSDP2's collectives 0
+    (the step's, Note [FSDP2 prefetch]); any other by the roofline."""
+    cls = op_class(op.name)
+    if cls == "collective":
+        if op.name.startswith("c10d."):
+            return 0.0
+        n, across = group_of(op.name, target)
+        return collective_seconds(op.name, _moved_bytes(op, n), n, rates, across_nodes=across)
+    return op_seconds(op.name, op.flops, op.bytes_accessed, rates)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One plain step's predicted seconds on the target (no checkpointing beyond the model's own)."""
+
+    #: forward and loss: operators, plus FSDP2's gathers compute does not hide
+    forward_s: float
+    #: backward: operators, plus FSDP2's collectives compute does not hide
+    backward_s: float
+    #: FSDP2's collectives in all (forward and backward), hidden or not
+    fsdp_comm_s: float
+    #: of ``fsdp_comm_s``, not hidden behind compute (Note [FSDP2 prefetch])
+    exposed_comm_s: float
+    #: FLOPs of the forward and backward (a model FLOPs figure for MFU: the plain step's)
+    flops: int
+
+
+def step_time(rec: Recording, rates: DeviceRates, target: Any) -> StepTime:
+    """The plain step's predicted forward and backward seconds from its recording (Note [FSDP2 prefetch])."""
+    def comm(ops: Iterable[ForwardOp]) -> list[float]:
+        out = []
+        for op in ops:
+            if op.name.startswith("c10d.") and op_class(op.name) == "collective":
+                n, across = group_of(op.name, target)
+                out.append(collective_seconds(op.name, _moved_bytes(op, n), n, rates, across_nodes=across))
+        return out
+
+    fwd_compute = sum(operator_seconds(op, rates, target) for op in rec.forward_ops)
+    bwd_compute = sum(operator_seconds(op, rates, target) for op in rec.backward_ops)
+    fwd_comm, bwd_comm = comm(rec.forward_ops), comm(rec.backward_ops)
+    fwd_exposed = (fwd_comm[0] + max(0.0, sum(fwd_comm[1:]) - fwd_compute)) if fwd_comm else 0.0
+    bwd_exposed = (bwd_comm[-1] + max(0.0, sum(bwd_comm[:-1]) - bwd_compute)) if bwd_comm else 0.0
+    flops = sum(op.flops for op in rec.forward_ops) + sum(op.flops for op in rec.backward_ops)
+    return StepTime(fwd_compute + fwd_exposed, bwd_compute + bwd_exposed, sum(fwd_comm) + sum(bwd_comm),
+                    fwd_exposed + bwd_exposed, flops)
+
+
+class OperatorTimes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every operator's predicted seconds on the target (a DTensor's on its local shards), e.g. over an
+    optimizer step on fake tensors."""
+
+    def __init__(self, rates: DeviceRates, target: Any) -> None:
+        super().__init__()
+        self.rates, self.target, self.seconds = rates, target, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from remat._compat import is_dtensor_class, op_bytes, op_flops
+
+        kwargs = kwargs or {}
+        if any(is_dtensor_class(t) for t in types):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        if func.namespace != "prim":
+            op = ForwardOp(str(func), (), flops=op_flops(func, args, kwargs, out),
+                           bytes_accessed=op_bytes(func, args, kwargs, out))
+            self.seconds += operator_seconds(op, self.rates, self.target)
+        return out
