@@ -1,0 +1,127 @@
+"""The device time model (remat.costs.device_time, remat.target.timing; issue #40) on hand-made operators whose
+times the model's formulas fix."""
+
+import pytest
+import torch
+
+from remat.costs.device_time import COLLECTIVE_EFFICIENCY, EFFICIENCY, DeviceRates, collective_seconds, op_class, \
+    op_seconds
+from remat.costs.recording import ForwardOp, Recording
+
+H100 = DeviceRates(name="h100 bf16", flops_per_s=989e12, memory_bytes_per_s=3.35e12, launch_s=2e-6,
+                   link_bytes_per_s=450e9, network_bytes_per_s=50e9, devices_per_node=8, generation="hopper")
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("aten.mm.default", "matmul"), ("aten.addmm.default", "matmul"), ("aten.bmm.default", "matmul"),
+    ("aten.convolution.default", "conv"), ("aten.convolution_backward.default", "conv"),
+    ("aten._scaled_dot_product_flash_attention_for_cpu.default", "attention"),
+    ("aten._flash_attention_backward.default", "attention"),
+    ("aten.native_layer_norm.default", "reduction"), ("aten._log_softmax_backward_data.default", "pointwise"),
+    ("aten.sum.dim_IntList", "reduction"), ("aten.mul.Tensor", "pointwise"), ("aten.gelu.default", "pointwise"),
+    ("c10d._allgather_base_.default", "collective"), ("_c10d_functional.all_reduce.default", "collective"),
+    ("_c10d_functional.wait_tensor.default", "none"),
+])
+def test_operators_fall_in_their_class(name, cls):
+    assert op_class(name) == cls
+
+
+def test_the_roofline_takes_the_slower_of_arithmetic_and_memory_and_never_less_than_a_launch():
+    # a large matrix product: FLOP-bound, at 78% of the dense peak
+    flops, nbytes = 2 * 8192 * 4096 * 4096, 2 * (8192 * 4096 * 2 + 4096 * 4096)
+    assert op_seconds("aten.mm.default", flops, nbytes, H100) == pytest.approx(flops / (989e12 * 0.78))
+    # a pointwise operator over 64 MiB: bytes-bound, at 92% of the bandwidth
+    assert op_seconds("aten.mul.Tensor", 2**24, 3 * 2**26, H100) == pytest.approx(3 * 2**26 / (3.35e12 * 0.92))
+    # a tiny one: the launch
+    assert op_seconds("aten.add.Tensor", 4, 48, H100) == 2e-6
+    # a view moves nothing and launches nothing
+    assert op_seconds("aten.view.default", 0, 0, H100) == 0.0
+    # waiting on a collective is not a kernel
+    assert op_seconds("_c10d_functional.wait_tensor.default", 0, 1024, H100) == 0.0
+
+
+def test_attention_on_hopper_uses_flash_attention_2s_measured_share_and_elsewhere_the_default():
+    flops = 10**13
+    assert op_seconds("aten._flash_attention_forward.default", flops, 1, H100) == pytest.approx(
+        flops / (989e12 * EFFICIENCY["attention@hopper"].compute))
+    a100 = DeviceRates(name="a100", flops_per_s=312e12, memory_bytes_per_s=1.555e12, launch_s=2e-6,
+                       generation="ampere")
+    assert op_seconds("aten._flash_attention_forward.default", flops, 1, a100) == pytest.approx(
+        flops / (312e12 * EFFICIENCY["attention"].compute))
+
+
+def test_a_cpu_pays_its_dispatch_on_every_operator():
+    cpu = DeviceRates(name="cpu", flops_per_s=1e11, memory_bytes_per_s=1e10, launch_s=0.0, dispatch_s=5e-6,
+                      efficiency={})  # rates measured with the operators themselves: no fraction
+    assert op_seconds("aten.mm.default", 10**9, 10**6, cpu) == pytest.approx(1e-2 + 5e-6)
+    assert op_seconds("aten.mul.Tensor", 1, 12, cpu) == pytest.approx(5e-6 + 12 / 1e10)
+
+
+def test_ring_collectives_move_n_minus_1_over_n_of_their_bytes_once_or_twice():
+    s = 2**30
+    within = s * 7 / 8 / (450e9 * COLLECTIVE_EFFICIENCY) + 2e-6
+    assert collective_seconds("c10d._allgather_base_.default", s, 8, H100) == pytest.approx(within)
+    assert collective_seconds("c10d._reduce_scatter_base_.default", s, 8, H100) == pytest.approx(within)
+    assert collective_seconds("_c10d_functional.all_reduce.default", s, 8, H100) == pytest.approx(
+        2 * s * 7 / 8 / (450e9 * COLLECTIVE_EFFICIENCY) + 2e-6)
+    # 16 ranks span two nodes: the network's 50 GB/s
+    assert collective_seconds("c10d._allgather_base_.default", s, 16, H100) == pytest.approx(
+        s * 15 / 16 / (50e9 * COLLECTIVE_EFFICIENCY) + 2e-6)
+    # 2 ranks that are 8 apart (FSDP over TP 8) span nodes too
+    assert collective_seconds("c10d._allgather_base_.default", s, 2, H100, across_nodes=True) == pytest.approx(
+        s / 2 / (50e9 * COLLECTIVE_EFFICIENCY) + 2e-6)
+    assert collective_seconds("c10d._allgather_base_.default", s, 1, H100) == 0.0
+
+
+def _recording(forward: list[ForwardOp], backward: list[ForwardOp]) -> Recording:
+    n = len(forward) + len(backward)
+    return Recording(n_ops=n, backward_start=len(forward), after_backward_bytes=0, storages=(), saved=(),
+                     forward_ops=tuple(forward), writes=(), spans={}, calls={}, inputs={}, last_use={}, flops={},
+                     backward_ops=tuple(backward))
+
+
+def test_fsdp2s_gathers_hide_behind_compute_except_the_first_and_the_last_reduce_scatter():
+    from types import SimpleNamespace
+
+    from remat.target.timing import step_time
+
+    target = SimpleNamespace(fsdp=8, tp=1, devices_per_node=8)
+    gather = ForwardOp("c10d._allgather_base_.default", (), bytes_accessed=9 * 2**27)  # gathers 8 x 2^27 bytes
+    scatter = ForwardOp("c10d._reduce_scatter_base_.default", (), bytes_accessed=9 * 2**28)
+    one_gather = collective_seconds(gather.name, 2**30, 8, H100)
+    one_scatter = collective_seconds(scatter.name, 2**31, 8, H100)
+    mm = 2 * 8192 * 4096 * 4096 * 32
+    matmul = ForwardOp("aten.mm.default", (), flops=mm, bytes_accessed=1)
+    compute = op_seconds(matmul.name, mm, 1, H100)
+    assert compute > one_gather + one_scatter  # each block's compute hides the next block's communication
+
+    st = step_time(_recording([gather, matmul, gather, matmul], [gather, matmul, scatter, gather, matmul, scatter]),
+                   H100, target)
+    assert st.fsdp_comm_s == pytest.approx(4 * one_gather + 2 * one_scatter)
+    assert st.forward_s == pytest.approx(2 * compute + one_gather)
+    assert st.backward_s == pytest.approx(2 * compute + one_scatter)
+    assert st.exposed_comm_s == pytest.approx(one_gather + one_scatter)
+    assert st.flops == 4 * mm
+
+    # with compute too short to hide them, the rest of the communication shows
+    small = ForwardOp("aten.mm.default", (), flops=mm // 1000, bytes_accessed=1)
+    st = step_time(_recording([gather, small, gather, small], []), H100, target)
+    assert st.forward_s == pytest.approx(2 * op_seconds(small.name, mm // 1000, 1, H100) + one_gather
+                                         + (one_gather - 2 * op_seconds(small.name, mm // 1000, 1, H100)))
+
+
+def test_attention_flops_are_counted_on_cpus_flash_kernel_and_halved_when_causal():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat._compat import op_bytes, op_flops
+
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 128, 64)
+        for causal in (False, True):
+            op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+            out = op(q, q, q, 0.0, causal)
+            full = 4 * 2 * 4 * 128 * 128 * 64
+            assert op_flops(op, (q, q, q, 0.0, causal), {}, out) == (full // 2 if causal else full)
+        # a view moves nothing; a copy reads and writes its bytes
+        assert op_bytes(torch.ops.aten.view.default, (q, [8, 128, 64]), {}, q.view(8, 128, 64)) == 0
+        assert op_bytes(torch.ops.aten.clone.default, (q,), {}, q.clone()) == 2 * q.numel() * 4
