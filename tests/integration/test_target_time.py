@@ -84,3 +84,24 @@ def test_a_plan_for_gpus_shows_its_predicted_step_time_tokens_per_second_and_mfu
     assert d["predicted_tokens_per_s"] == pytest.approx(plan.predicted_tokens_per_s)
     assert d["predicted_mfu"] == pytest.approx(plan.predicted_mfu)
     assert remat.Plan.load(saved).predicted_mfu == pytest.approx(plan.predicted_mfu)
+
+
+def test_the_command_line_shows_predicted_step_time_tokens_per_second_and_mfu(capsys, tmp_path):
+    from remat.cli import main
+
+    code = main(["tradeoff", "gpt", "--layers", "2", "--batch", "4", "--seq", "32", "--d-model", "32", "--device",
+                 "h100-80gb", "--points", "2", "--json", str(tmp_path / "rows.json")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "tokens/s per" in out and "MFU" in out and "step time" in out and "not measured" in out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert rows["predicted"] is True and rows["measured"] is False
+    first = rows["rows"][0]
+    assert first["predicted_tokens_per_s"] == pytest.approx(4 * 32 / first["predicted_step_time_s"])
+    assert 0 < first["predicted_mfu"] < 1
+    code = main(["plan", "gpt", "--layers", "2", "--batch", "4", "--seq", "32", "--d-model", "32", "--device",
+                 "h100-80gb", "--budget", "1", "--json", str(tmp_path / "plan.json")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "predicted throughput:" in out and "tokens/s per device" in out
+    assert json.loads((tmp_path / "plan.json").read_text())["predicted_tokens_per_s"] > 0

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", parents=[common], help="solve one budget, print and save the plan")
     pl.add_argument("--budget", type=_gib, required=True, help="GiB of peak memory for one training step")
-    pl.add_argument("--out", type=Path, help="write the plan as JSON (for remat.apply_plan)")
+    pl.add_argument("--out", "--json", type=Path, dest="out",
+                    help="write the plan as JSON (for remat.apply_plan; with predicted tokens/s and MFU for a target)")
     pl.add_argument("--granularity", choices=["block", "op"], default="op",
                     help="allow selective (op-level) units (op, the default) or whole units only (block)")
     _compile_args(pl)
@@ -184,7 +185,15 @@ def _modelled_tradeoff(args, out, err, model, inputs, loss_fn) -> int:
                                   points=args.points)
     out.print(_predicted_table(rows, args.modelled))
     out.print("every figure predicted on this machine for the target, not measured: peaks per rank, the reserved "
-              "one by replaying the CUDA caching allocator (docs/targets.md); step time by FLOPs (issue #40)")
+              "one by replaying the CUDA caching allocator; step time by the target's device model (roofline per "
+              "operator, ring collectives, FSDP2's prefetch: docs/targets.md)")
+    if args.json:
+        import dataclasses
+        import json
+
+        Path(args.json).write_text(json.dumps({"target": args.modelled.describe(), "predicted": True, "measured": False,
+                                               "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
+        out.print(f"rows written to {args.json}")
     return 0
 
 

@@ -100,13 +100,16 @@ def _predicted_table(rows, target):
                   title_justify="left")
     for col, just in [("budget", "right"), ("strategy", "left"), ("units", "right"),
                       ("peak allocated\npredicted", "right"), ("peak reserved\npredicted", "right"),
-                      ("fits the\ndevice", "center"), ("step time\npredicted (FLOPs)", "right"),
-                      ("overhead\npredicted", "right")]:
+                      ("fits the\ndevice", "center"), ("step time\npredicted", "right"),
+                      ("overhead\npredicted", "right"), ("tokens/s per\ndevice, predicted", "right"),
+                      ("MFU\npredicted", "right")]:
         table.add_column(col, justify=just, no_wrap=True)
     base = rows[0].predicted_step_time_s if rows else 0.0
     for r in rows:
         table.add_row(fmt_bytes(r.budget_bytes), r.strategy, str(len(r.checkpointed)),
                       fmt_bytes(r.predicted_peak_bytes), fmt_bytes(r.predicted_reserved_bytes),
                       "yes" if r.fits_device else "[red]NO[/red]", f"{r.predicted_step_time_s * 1e3:.3f} ms",
-                      f"{r.predicted_step_time_s / base - 1:+.1%}" if base > 0 else "-")
+                      f"{r.predicted_step_time_s / base - 1:+.1%}" if base > 0 else "-",
+                      f"{r.predicted_tokens_per_s:,.0f}" if r.predicted_tokens_per_s is not None else "-",
+                      f"{r.predicted_mfu:.1%}" if r.predicted_mfu is not None else "-")
     return table

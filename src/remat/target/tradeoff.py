@@ -1,5 +1,6 @@
 """The tradeoff table for a target that is not here: plans per budget and the hand rules, each predicted for the
-target (the allocator's reserved peak replayed over its recorded steps, recompute by FLOPs), nothing measured.
+target (the allocator's reserved peak replayed over its recorded steps, step time by the target's device model:
+remat.target.timing), nothing measured.
 
 In: the model (meta device allowed), example inputs, a :class:`~remat.target.world.Target`. Out: one
 :class:`PredictedRow` per plan, for ``remat tradeoff ... --device GPU``.
@@ -34,6 +35,9 @@ class PredictedRow:
     predicted_step_time_s: float
     #: the reserved (else allocated) peak is within the device's memory
     fits_device: bool
+    #: tokens per second per device and model FLOPs utilization at the predicted step time (None: unknown)
+    predicted_tokens_per_s: float | None = None
+    predicted_mfu: float | None = None
 
 
 def predicted_tradeoff(model: nn.Module, example_inputs: Any, target: Target, *, loss_fn: Any = None,
@@ -67,5 +71,5 @@ def predicted_tradeoff(model: nn.Module, example_inputs: Any, target: Target, *,
         rows.append(PredictedRow(plan.strategy, plan.budget_bytes, plan.checkpointed, plan.predicted_peak_bytes,
                                  reserved, plan.predicted_step_time_s,
                                  (reserved if reserved is not None else plan.predicted_peak_bytes)
-                                 <= target.spec.memory_bytes))
+                                 <= target.spec.memory_bytes, plan.predicted_tokens_per_s, plan.predicted_mfu))
     return rows
