@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import resource
 import sys
 import time
@@ -126,7 +127,7 @@ def compare_plans(world: int = 8, budgets: tuple[float, ...] = (70.0, 80.0)) -> 
     opt = tt.build_optimizer(model.model)
     profile = remat.make_profile(model, inputs, loss_fn=loss_fn, optimizer=opt, output_alive=False, target=target)
     planner = Planner(profile, granularity="op")
-    layers = tuple(u.name for u in profile.units if u.name.count(".") == 2 and u.name.startswith("model.layers."))
+    layers = tuple(u.name for u in profile.units if re.fullmatch(r"model\.layers\.\d+", u.name))
     for name, plan in (("full checkpointing", planner.make_plan(layers, "every layer")),
                        ("remat, least memory", planner.least_memory())):
         peaks = predict_peaks(model, inputs, target, loss_fn=loss_fn, optimizer=opt, output_alive=False, plan=plan)
@@ -147,11 +148,13 @@ def main() -> None:
     p.add_argument("--world", type=int, action="append", help="world sizes (default 8 and 128)")
     p.add_argument("--plans", action="store_true", help="also remat's plans under 70 and 80 GiB on 8 GPUs")
     p.add_argument("--no-memory", action="store_true", help="skip the memory table")
+    p.add_argument("--no-time", action="store_true", help="skip the time table")
     a = p.parse_args()
     worlds = a.world or [8, 128]
     if not a.no_memory:
         memory_table(worlds)
-    time_table(worlds)
+    if not a.no_time:
+        time_table(worlds)
     if a.plans:
         print()
         print("Plans for the step without checkpointing, 8 H100s (96 GB), FSDP, batch 2 x 8192; predicted, not measured")

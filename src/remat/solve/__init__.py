@@ -333,5 +333,5 @@ def _communication(profile: Profile, chosen: Sequence[str]) -> tuple[str, ...]:
             f"collective(s) again, {total:,} bytes in all (" + "; ".join(f"{u}: {summary(o)}" for u, o in per_unit)
             + ("); their time is in the predicted step time (each recomputation was timed for real, collectives "
                "included: Note [Recomputed communication] in remat.costs.effects)" if not profile.target else
-               "); their time is not in the predicted step time: for a modelled target it counts FLOPs only "
-               "(Note [Recomputed communication] in remat.costs.effects)"),)
+               "); their time is in the predicted step time: for a modelled target each is timed as a ring "
+               "collective over the tensor-parallel group (Note [Device time model] in remat.costs.device_time)"),)

@@ -211,15 +211,31 @@ class OperatorTimes(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self, rates: DeviceRates, target: Any) -> None:
         super().__init__()
         self.rates, self.target, self.seconds = rates, target, 0.0
+        self._marked: Any = None
+
+    def __enter__(self):
+        from remat._compat import sharding_propagation_marked
+
+        self._marked = sharding_propagation_marked()
+        self._marked.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._marked.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from remat._compat import is_dtensor_class, op_bytes, op_flops
+        from remat._compat import in_sharding_propagation, is_dtensor_class, op_bytes, op_flops
 
         kwargs = kwargs or {}
         if any(is_dtensor_class(t) for t in types):
             return NotImplemented
         out = func(*args, **kwargs)
-        if func.namespace != "prim":
+        # DTensor's sharding propagation runs operators at global shapes, once per new signature (then cached):
+        # no kernel of the step (Note [Sharded tensors] in remat.runtime.tracker)
+        if func.namespace != "prim" and not in_sharding_propagation():
             op = ForwardOp(str(func), (), flops=op_flops(func, args, kwargs, out),
                            bytes_accessed=op_bytes(func, args, kwargs, out))
             self.seconds += operator_seconds(op, self.rates, self.target)
