@@ -126,7 +126,13 @@ def main() -> None:
         for k in r["step"]:
             print(f"  {r['name']}: {len(k):>2} units: modelled {r['predicted'][k] * 1e3:7.2f} ms, measured "
                   f"{r['step'][k] * 1e3:7.2f} ms ({r['errors'][k]:+.1%})")
-    print(summary[0]["rates"] if summary else "")
+    from remat.target.timing import measured_cpu_spec
+    from remat.profile import cache
+
+    spec = measured_cpu_spec()
+    print(f"this CPU as a device: {spec.fp32_flops_per_s / 1e9:.0f} GFLOP/s float32, {spec.hbm_bytes_per_s / 1e9:.0f} "
+          f"GB/s elementwise, " + ", ".join(f"{k} {v:.3g}" for k, v in cache.device_rates(dict)[0].items()
+                                            if k in ("random_bytes_per_s", "dispatch_s")))
     print(f"threads: {torch.get_num_threads()}; measured on this machine (CPU), the modelled figures predicted")
 
 

@@ -121,6 +121,9 @@ class DeviceRates:
     network_bytes_per_s: float | None = None
     #: GPUs a node holds (a group larger than this crosses the network)
     devices_per_node: int = 8
+    #: bytes/s (as :func:`op_seconds` counts them) of an operator that draws random numbers, where the generator
+    #: and not memory bounds it (a CPU's: measured); None: a pointwise operator like any other (a GPU's Philox)
+    random_bytes_per_s: float | None = None
     #: per operator class, the efficiencies (keys of :data:`EFFICIENCY`, one suffixed "@generation" preferred)
     efficiency: Mapping[str, Efficiency] = field(default_factory=lambda: EFFICIENCY)
     #: e.g. "hopper": selects "attention@hopper" where the table has it
@@ -131,12 +134,16 @@ class DeviceRates:
             1.0, 1.0, "no figure: peak")
 
 
-def op_seconds(name: str, flops: int, bytes_accessed: int, rates: DeviceRates) -> float:
+def op_seconds(name: str, flops: int, bytes_accessed: int, rates: DeviceRates, *, random: bool = False) -> float:
     """Predicted seconds of one operator on the device (Note [Device time model]); 0 for one that launches no
-    kernel (no FLOPs and no bytes: a view). A collective's time comes from :func:`collective_seconds`."""
-    if (flops <= 0 and bytes_accessed <= 0) or op_class(name) == "none":
+    kernel (no FLOPs and no bytes: a view). A collective's time comes from :func:`collective_seconds`.
+    ``random``: the operator draws random numbers (dropout), at ``rates.random_bytes_per_s`` where known."""
+    cls = op_class(name)
+    if (flops <= 0 and bytes_accessed <= 0) or cls == "none":
         return 0.0
-    eff = rates.efficiency_of(op_class(name))
+    if random and rates.random_bytes_per_s and cls == "pointwise":
+        return max(bytes_accessed / rates.random_bytes_per_s, rates.launch_s) + rates.dispatch_s
+    eff = rates.efficiency_of(cls)
     compute = flops / (rates.flops_per_s * eff.compute) if flops > 0 else 0.0
     memory = bytes_accessed / (rates.memory_bytes_per_s * eff.memory) if bytes_accessed > 0 else 0.0
     return max(compute, memory, rates.launch_s) + rates.dispatch_s

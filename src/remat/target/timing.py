@@ -24,6 +24,7 @@ operator over the TP group, and recomputing its block runs it again.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,25 +48,61 @@ GENERATION = {"a100": "ampere", "h100": "hopper", "h200": "hopper", "b200": "bla
 
 
 def measure_cpu() -> dict[str, float]:
-    """This machine's CPU rates, measured now (about 1 s): ``flops_per_s`` from float32 matrix products
-    (1024 x 1024, the best of 5), ``memory_bytes_per_s`` from copying 128 MiB (read and written; the best of 5),
-    ``dispatch_s`` from 2,000 one-element additions (eager dispatch, which a CPU pays on every operator)."""
+    """This machine's CPU rates, measured now (about 2 s; on a quiet machine, or they read low and stay cached):
+    ``flops_per_s`` from float32 matrix products (512 and 1024 square, the best of 10 each after 3 warm-up
+    runs), ``memory_bytes_per_s`` from an elementwise product of two 4 MiB tensors (read and written, the best of
+    20), ``random_bytes_per_s`` from drawing dropout's mask (``bernoulli_`` over 4 MiB, the best of 5),
+    ``dispatch_s`` what an eager training step costs per operator beyond its arithmetic (:func:`_per_operator_s`:
+    a CPU runs its operators as the host dispatches them)."""
     with torch.no_grad():
-        n = 1024
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b
-        mm = min(_timed(lambda: a @ b) for _ in range(5))
-        x = torch.empty(32 * 2**20)
-        y = torch.empty_like(x)
-        y.copy_(x)
-        copy = min(_timed(lambda: y.copy_(x)) for _ in range(5))
-        one = torch.ones(1)
-        started = time.perf_counter()
-        for _ in range(2000):
-            torch.add(one, one)
-        dispatch = (time.perf_counter() - started) / 2000
-    return {"flops_per_s": 2 * n ** 3 / mm, "memory_bytes_per_s": 2 * x.nbytes / copy, "dispatch_s": dispatch,
-            "threads": float(torch.get_num_threads())}
+        mm = 0.0
+        for n in (512, 1024):
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            for _ in range(3):
+                a @ b
+            mm = max(mm, 2 * n ** 3 / min(_timed(lambda: a @ b) for _ in range(10)))
+        # elementwise operators at an activation's size (4 MiB): read two, write one, as op_bytes counts them
+        x, y = torch.randn(2**20), torch.randn(2**20)
+        for _ in range(3):
+            x * y
+        product = 3 * x.nbytes / min(_timed(lambda: x * y) for _ in range(20))
+        # dropout's mask: a CPU's generator, not its memory, bounds it (bernoulli_ in place: read and written)
+        for _ in range(2):
+            x.bernoulli_(0.9)
+        draws = 2 * x.nbytes / min(_timed(lambda: x.bernoulli_(0.9)) for _ in range(5))
+    return {"flops_per_s": mm, "memory_bytes_per_s": product, "random_bytes_per_s": draws,
+            "dispatch_s": _per_operator_s(), "threads": float(torch.get_num_threads())}
+
+
+def _per_operator_s() -> float:
+    """Seconds an eager training step spends per operator beyond the operator's arithmetic and memory traffic:
+    forward and backward of 16 x (Linear, LayerNorm, GELU) on 4 x 8 tensors (nothing to compute), the median of
+    10 steps over the operators one of them dispatches (modules, autograd's records and its engine included)."""
+    from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        layers = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU()) for _ in range(16)))
+        x = torch.randn(4, 8)
+
+    def step() -> None:
+        layers(x).sum().backward()
+
+    with Count() as counted:
+        step()
+    for _ in range(3):
+        step()
+    return statistics.median(_timed(step) for _ in range(10)) / counted.n
 
 
 def _timed(fn) -> float:
@@ -74,21 +111,23 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def measured_cpu_spec(memory_bytes: int | None = None) -> tuple[DeviceSpec, float, str]:
+def measured_cpu_spec(memory_bytes: int | None = None) -> DeviceSpec:
     """This machine as a device: :func:`~remat.target.devices.cpu_spec` with its FP32 FLOP/s and memory bandwidth
-    measured (:func:`measure_cpu`, cached in remat's timing cache), the per-operator dispatch seconds, and where
-    the figures came from."""
+    measured (:func:`measure_cpu`, cached in remat's timing cache), each with where it came from. (What the time
+    model reads of ``Target(device="cpu")``; the dispatch and random-number rates are in :func:`measure_cpu`'s
+    figures.)"""
     from remat.profile import cache
     from remat.target.devices import cpu_spec
 
     rates, where = cache.device_rates(measure_cpu)
     base = cpu_spec(memory_bytes)
-    how = (f"measured on this machine ({where}; {int(rates.get('threads', 0))} threads): float32 1024 x 1024 "
-           "matrix products, 128 MiB copies")
+    how = (f"measured on this machine ({where}; {int(rates.get('threads', 0))} threads): float32 512 and 1024 "
+           "square matrix products, elementwise products of 4 MiB tensors (delete the cached rates, or set "
+           "REMAT_CACHE=0, to measure again)")
     spec = dataclasses.replace(base, fp32_flops_per_s=rates["flops_per_s"], hbm_bytes_per_s=rates["memory_bytes_per_s"],
-                               sources=base.sources + (("fp32_flops_per_s", how, "best of 5"),
-                                                       ("hbm_bytes_per_s", how, "read + written, best of 5")))
-    return spec, rates["dispatch_s"], where
+                               sources=base.sources + (("fp32_flops_per_s", how, "best of 10"),
+                                                       ("hbm_bytes_per_s", how, "read + written, best of 20")))
+    return spec
 
 
 def compute_dtype(target: Any, model_dtype: torch.dtype | None) -> torch.dtype:
@@ -105,16 +144,17 @@ def rates_of(target: Any, model_dtype: torch.dtype | None = None) -> DeviceRates
     spec: DeviceSpec = target.spec
     dtype = compute_dtype(target, model_dtype)
     if spec.name == "cpu":
-        if spec.fp32_flops_per_s is None or spec.hbm_bytes_per_s is None:
-            measured, dispatch_s, _ = measured_cpu_spec(spec.memory_bytes)
-            spec = dataclasses.replace(spec, fp32_flops_per_s=spec.fp32_flops_per_s or measured.fp32_flops_per_s,
-                                       hbm_bytes_per_s=spec.hbm_bytes_per_s or measured.hbm_bytes_per_s)
-        else:
-            dispatch_s = _cpu_dispatch()
+        from remat.profile import cache
+
+        measured = cache.device_rates(measure_cpu)[0]
+        spec = dataclasses.replace(spec, fp32_flops_per_s=spec.fp32_flops_per_s or measured["flops_per_s"],
+                                   hbm_bytes_per_s=spec.hbm_bytes_per_s or measured["memory_bytes_per_s"])
+        dispatch_s, random_bytes_per_s = measured["dispatch_s"], measured.get("random_bytes_per_s")
         return DeviceRates(name=f"{spec.title or 'cpu'} (measured here), {str(dtype).removeprefix('torch.')}",
                            flops_per_s=float(spec.fp32_flops_per_s), memory_bytes_per_s=float(spec.hbm_bytes_per_s),
                            launch_s=0.0, dispatch_s=dispatch_s, link_bytes_per_s=None, network_bytes_per_s=None,
-                           devices_per_node=target.devices_per_node, efficiency=CPU_EFFICIENCY, generation="cpu")
+                           devices_per_node=target.devices_per_node, efficiency=CPU_EFFICIENCY, generation="cpu",
+                           random_bytes_per_s=random_bytes_per_s)
     field = {torch.bfloat16: "bf16_flops_per_s", torch.float16: "fp16_flops_per_s"}.get(dtype, "fp32_flops_per_s")
     flops = getattr(spec, field) or spec.fp32_flops_per_s
     missing = [f for f, v in ((field, flops), ("hbm_bytes_per_s", spec.hbm_bytes_per_s)) if not v]
@@ -131,12 +171,6 @@ def rates_of(target: Any, model_dtype: torch.dtype | None = None) -> DeviceRates
                        link_bytes_per_s=spec.link_bytes_per_s / 2 if spec.link_bytes_per_s else None,
                        network_bytes_per_s=target.network_bytes_per_s, devices_per_node=target.devices_per_node,
                        generation=generation)
-
-
-def _cpu_dispatch() -> float:
-    from remat.profile import cache
-
-    return cache.device_rates(measure_cpu)[0]["dispatch_s"]
 
 
 def group_of(op_name: str, target: Any) -> tuple[int, bool]:
@@ -165,7 +199,7 @@ def operator_seconds(op: ForwardOp, rates: DeviceRates, target: Any) -> float:
             return 0.0
         n, across = group_of(op.name, target)
         return collective_seconds(op.name, _moved_bytes(op, n), n, rates, across_nodes=across)
-    return op_seconds(op.name, op.flops, op.bytes_accessed, rates)
+    return op_seconds(op.name, op.flops, op.bytes_accessed, rates, random=op.random)
 
 
 @dataclass(frozen=True)
