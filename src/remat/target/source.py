@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from remat.costs.allocator import Alloc, AllocatorPeaks, Free, events_of, replay
+from remat.costs.device_time import DeviceRates
 from remat.costs.recording import CheckpointOverhead, Recording
 from remat.costs.unit_costs import Profile
 from remat.errors import UnsupportedError
@@ -49,7 +50,6 @@ from remat.profile.optimizer import NO_OPTIMIZER, OptimizerCost, hyperparameters
 from remat.runtime.measure import StorageTracker, allocated_bytes, input_tensors, run_step, tensor_bytes
 from remat.solve import Planner
 from remat.solve.plan import Plan, fmt_bytes
-from remat.costs.device_time import DeviceRates
 from remat.target.timing import OperatorTimes, operator_seconds, rates_of, step_time
 from remat.target.world import Target, built
 
@@ -101,6 +101,7 @@ class ModelledTarget:
             graphs.append(capture(fake, *inputs))
 
         rates = rates_of(self.target, _model_dtype(req.model))
+        self.time_notes = []
         with built(self.target, req.model, (req.args, req.kwargs), before=capture_unwrapped) as (
                 fake, (args, kwargs), mode):
             opt = _optimizer_cost(req.optimizer, req.model, fake, mode, self.target)
