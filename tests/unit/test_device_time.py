@@ -124,4 +124,11 @@ def test_attention_flops_are_counted_on_cpus_flash_kernel_and_halved_when_causal
             assert op_flops(op, (q, q, q, 0.0, causal), {}, out) == (full // 2 if causal else full)
         # a view moves nothing; a copy reads and writes its bytes
         assert op_bytes(torch.ops.aten.view.default, (q, [8, 128, 64]), {}, q.view(8, 128, 64)) == 0
+        # _unsafe_view is a view its schema does not call one (matmul's backward returns them)
+        unsafe = torch.ops.aten._unsafe_view.default
+        assert op_bytes(unsafe, (q, [8, 128, 64]), {}, unsafe(q, [8, 128, 64])) == 0
+        # an embedding reads the rows it looks up, not its whole table
+        table, ids = torch.empty(50000, 64), torch.zeros(4, 8, dtype=torch.long)
+        emb = torch.ops.aten.embedding.default
+        assert op_bytes(emb, (table, ids), {}, emb(table, ids)) == 2 * 4 * 8 * 64 * 4 + ids.numel() * 8
         assert op_bytes(torch.ops.aten.clone.default, (q,), {}, q.clone()) == 2 * q.numel() * 4

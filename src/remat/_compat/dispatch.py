@@ -82,18 +82,26 @@ def op_flops(func, args: tuple, kwargs: dict, out) -> int:
 
 #: operators that launch no kernel and move no data (views, metadata, allocation without a fill)
 _NO_KERNEL = frozenset({"aten.empty", "aten.empty_strided", "aten.empty_like", "aten.detach", "aten.alias",
-                        "aten.lift_fresh", "aten.set_", "aten.resize_", "aten._local_scalar_dense"})
+                        "aten.lift_fresh", "aten.set_", "aten.resize_", "aten._local_scalar_dense",
+                        # a view that autograd does not track as one (its schema says no alias): no copy either
+                        "aten._unsafe_view", "aten._reshape_alias"})
+
+
+#: operators whose first argument is a table they read only some rows of (an embedding's weight)
+_GATHERS = frozenset({"aten.embedding", "aten.index_select", "aten.gather"})
 
 
 def op_bytes(func, args: tuple, kwargs: dict, out) -> int:
     """Bytes an operator call reads and writes in device memory: its tensor arguments' and outputs' elements
     (a DTensor's local shard), 0 for views and operators that launch no kernel (``OpOverload.is_view``, checked
-    on 2.8, 2.13, 2.15). A model for the roofline (remat.costs.device_time), not a measurement: a broadcast
-    argument counts once, an in-place output again."""
+    on 2.8, 2.13, 2.15); a gather (an embedding) its rows, not its table. A model for the roofline
+    (remat.costs.device_time), not a measurement: a broadcast argument counts once, an in-place output again."""
     name = str(func).rsplit(".", 1)[0]
     if getattr(func, "is_view", False) or name in _NO_KERNEL or func.namespace == "prim":
         return 0
     total = 0
+    if name in _GATHERS:  # reads the rows it gathers, not the whole table: the output's bytes twice, the indices
+        args, out = args[1:], (out, out)
     for t in tree_flatten((args, kwargs, out))[0]:
         if isinstance(t, torch.Tensor):
             t = local_tensor(t)
