@@ -79,7 +79,10 @@ _MATMUL = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "linear", "matmul", "a
 _REDUCTION = ("sum", "mean", "norm", "softmax", "_log_softmax", "_softmax", "amax", "amin", "max", "min", "var",
               "std", "nll_loss", "cross_entropy", "layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm",
               "group_norm", "native_group_norm", "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
-              "cumsum", "argmax", "argmin", "logsumexp", "prod", "_foreach_norm", "embedding_dense_backward")
+              "cumsum", "argmax", "argmin", "logsumexp", "prod", "_foreach_norm", "embedding_dense_backward",
+              # windowed reductions
+              "max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "adaptive_avg_pool2d", "max_pool3d_with_indices",
+              "avg_pool3d", "_adaptive_avg_pool2d")
 
 
 def op_class(name: str) -> str:

@@ -32,15 +32,33 @@ from typing import Any
 
 import torch
 
-from remat.costs.device_time import EFFICIENCY, GPU_LAUNCH_S, DeviceRates, Efficiency, collective_seconds, op_class, \
+from remat.costs.device_time import GPU_LAUNCH_S, DeviceRates, Efficiency, collective_seconds, op_class, \
     op_seconds
 from remat.costs.recording import ForwardOp, Recording
 from remat.target.devices import DeviceSpec
 
-#: efficiencies on this machine's CPU: its rates are measured (:func:`measure_cpu`) with the operators a step
-#: runs (a matrix product, a copy), so every class is taken at the measured rate
-CPU_EFFICIENCY = {cls: Efficiency(1.0, 1.0, "measured here (remat.target.timing.measure_cpu)")
-                  for cls in EFFICIENCY if "@" not in cls}
+#: per operator class, small training steps (forward and backward) whose kernels are of that class, at sizes a
+#: small model trains at: what this CPU reaches on them, against its measured peak rates, is the class's
+#: efficiency here (Note [CPU efficiencies])
+CPU_SAMPLES: dict[str, tuple[tuple[str, Any], ...]] = {
+    "matmul": (("Linear 512 x 512, 2,048 rows", lambda: (torch.nn.Linear(512, 512), (2048, 512))),),
+    "conv": (("Conv2d 3x3 32 -> 32, 8 x 32 x 32", lambda: (torch.nn.Conv2d(32, 32, 3, padding=1), (8, 32, 32, 32))),),
+    "reduction": (("LayerNorm 512, 2,048 rows", lambda: (torch.nn.LayerNorm(512), (2048, 512))),
+                  ("softmax over 512, 2,048 rows", lambda: (torch.nn.Softmax(-1), (2048, 512))),
+                  ("BatchNorm2d 32, 8 x 32 x 32", lambda: (torch.nn.BatchNorm2d(32), (8, 32, 32, 32))),
+                  ("MaxPool2d 2, 8 x 32 x 32 x 32", lambda: (torch.nn.MaxPool2d(2), (8, 32, 32, 32)))),
+    "pointwise": (("GELU, 2,048 x 512", lambda: (torch.nn.GELU(), (2048, 512))),
+                  ("ReLU, 8 x 32 x 32 x 32", lambda: (torch.nn.ReLU(), (8, 32, 32, 32)))),
+}
+
+# Note [CPU efficiencies]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A GPU's efficiencies come from published measurements (remat.costs.device_time); this CPU's are measured here,
+# the way torchao measured its GEMM figure: sample inputs of each class, forward and backward, timed (the median
+# of 10 after 3), against what the model predicts for the same operators at the measured peak rates (FLOP/s of
+# a 1024-square product, bandwidth of an elementwise product) and dispatch. The samples are fixed above (sizes a
+# small model trains at), not chosen per model; what a class reaches at other sizes differs (a 3x3 convolution
+# over few channels runs further below peak than over many), and that is what the model leaves out.
 
 #: generation of the built-in devices, which selects "attention@<generation>" in the efficiency table
 GENERATION = {"a100": "ampere", "h100": "hopper", "h200": "hopper", "b200": "blackwell", "l4": "ada",
@@ -70,8 +88,35 @@ def measure_cpu() -> dict[str, float]:
         for _ in range(2):
             x.bernoulli_(0.9)
         draws = 2 * x.nbytes / min(_timed(lambda: x.bernoulli_(0.9)) for _ in range(5))
-    return {"flops_per_s": mm, "memory_bytes_per_s": product, "random_bytes_per_s": draws,
-            "dispatch_s": _per_operator_s(), "threads": float(torch.get_num_threads())}
+    rates = {"flops_per_s": mm, "memory_bytes_per_s": product, "random_bytes_per_s": draws,
+             "dispatch_s": _per_operator_s(), "threads": float(torch.get_num_threads())}
+    peak = DeviceRates(name="cpu", flops_per_s=mm, memory_bytes_per_s=product, launch_s=0.0,
+                       dispatch_s=rates["dispatch_s"], efficiency={}, random_bytes_per_s=draws)
+    for cls, samples in CPU_SAMPLES.items():
+        rates[f"{cls}_efficiency"] = _class_efficiency(samples, peak)
+    return rates
+
+
+def _class_efficiency(samples: tuple[tuple[str, Any], ...], peak: DeviceRates) -> float:
+    """What the samples' operators reach here: the model's seconds for them at the peak rates over the measured
+    seconds less the dispatch (both summed over the samples; Note [CPU efficiencies]), within [0.05, 1]."""
+    modelled = measured = 0.0
+    for _, make in samples:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            module, shape = make()
+            x = torch.randn(*shape, requires_grad=True)
+
+        def step() -> None:
+            module(x).sum().backward()
+
+        with OperatorTimes(peak, None) as timed:
+            step()
+        for _ in range(3):
+            step()
+        measured += statistics.median(_timed(step) for _ in range(10)) - timed.operators * peak.dispatch_s
+        modelled += timed.seconds - timed.operators * peak.dispatch_s
+    return min(1.0, max(0.05, modelled / measured)) if measured > 0 else 1.0
 
 
 def _per_operator_s() -> float:
@@ -150,10 +195,13 @@ def rates_of(target: Any, model_dtype: torch.dtype | None = None) -> DeviceRates
         spec = dataclasses.replace(spec, fp32_flops_per_s=spec.fp32_flops_per_s or measured["flops_per_s"],
                                    hbm_bytes_per_s=spec.hbm_bytes_per_s or measured["memory_bytes_per_s"])
         dispatch_s, random_bytes_per_s = measured["dispatch_s"], measured.get("random_bytes_per_s")
+        efficiency = {cls: Efficiency(e, e, "measured here (Note [CPU efficiencies])") for cls in CPU_SAMPLES
+                      if (e := measured.get(f"{cls}_efficiency")) is not None}
+        efficiency.setdefault("attention", efficiency.get("matmul", Efficiency(1.0, 1.0, "peak")))
         return DeviceRates(name=f"{spec.title or 'cpu'} (measured here), {str(dtype).removeprefix('torch.')}",
                            flops_per_s=float(spec.fp32_flops_per_s), memory_bytes_per_s=float(spec.hbm_bytes_per_s),
                            launch_s=0.0, dispatch_s=dispatch_s, link_bytes_per_s=None, network_bytes_per_s=None,
-                           devices_per_node=target.devices_per_node, efficiency=CPU_EFFICIENCY, generation="cpu",
+                           devices_per_node=target.devices_per_node, efficiency=efficiency, generation="cpu",
                            random_bytes_per_s=random_bytes_per_s)
     field = {torch.bfloat16: "bf16_flops_per_s", torch.float16: "fp16_flops_per_s"}.get(dtype, "fp32_flops_per_s")
     flops = getattr(spec, field) or spec.fp32_flops_per_s
@@ -244,7 +292,7 @@ class OperatorTimes(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __init__(self, rates: DeviceRates, target: Any) -> None:
         super().__init__()
-        self.rates, self.target, self.seconds = rates, target, 0.0
+        self.rates, self.target, self.seconds, self.operators = rates, target, 0.0, 0
         self._marked: Any = None
 
     def __enter__(self):
@@ -272,5 +320,7 @@ class OperatorTimes(torch.utils._python_dispatch.TorchDispatchMode):
         if func.namespace != "prim" and not in_sharding_propagation():
             op = ForwardOp(str(func), (), flops=op_flops(func, args, kwargs, out),
                            bytes_accessed=op_bytes(func, args, kwargs, out))
-            self.seconds += operator_seconds(op, self.rates, self.target)
+            seconds = operator_seconds(op, self.rates, self.target)
+            self.seconds += seconds
+            self.operators += seconds > 0
         return out
