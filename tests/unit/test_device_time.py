@@ -18,7 +18,8 @@ H100 = DeviceRates(name="h100 bf16", flops_per_s=989e12, memory_bytes_per_s=3.35
     ("aten._scaled_dot_product_flash_attention_for_cpu.default", "attention"),
     ("aten._flash_attention_backward.default", "attention"),
     ("aten.native_layer_norm.default", "reduction"), ("aten._log_softmax_backward_data.default", "pointwise"),
-    ("aten.sum.dim_IntList", "reduction"), ("aten.mul.Tensor", "pointwise"), ("aten.gelu.default", "pointwise"),
+    ("aten.gelu_backward.default", "transcendental"), ("aten.silu.default", "transcendental"),
+    ("aten.sum.dim_IntList", "reduction"), ("aten.mul.Tensor", "pointwise"), ("aten.relu.default", "pointwise"),
     ("c10d._allgather_base_.default", "collective"), ("_c10d_functional.all_reduce.default", "collective"),
     ("_c10d_functional.wait_tensor.default", "none"),
 ])

@@ -62,6 +62,7 @@ EFFICIENCY: Mapping[str, Efficiency] = MappingProxyType({
                                                "FlashAttention-2 on H100 reaches 335-350 TFLOP/s in bf16 at head "
                                                "dimension 128 (about 35% of 989), FlashAttention-3 1.5-2x that"),
     "pointwise": Efficiency(1.0, 0.92, _TORCHAO),
+    "transcendental": Efficiency(1.0, 0.92, "as pointwise on a GPU (bandwidth-bound): " + _TORCHAO),
     "reduction": Efficiency(1.0, 0.92, "as pointwise (norms, softmax, losses read their input once): "
                                        + _TORCHAO),
 })
@@ -85,9 +86,14 @@ _REDUCTION = ("sum", "mean", "norm", "softmax", "_log_softmax", "_softmax", "ama
               "avg_pool3d", "_adaptive_avg_pool2d")
 
 
+#: elementwise functions a CPU computes by polynomial or table (compute-bound there, bandwidth-bound on a GPU)
+_TRANSCENDENTAL = ("gelu", "silu", "sigmoid", "tanh", "exp", "log", "erf", "rsqrt", "sqrt", "pow", "softplus",
+                   "mish", "elu", "sin", "cos", "log_sigmoid_forward", "log1p", "expm1", "reciprocal")
+
+
 def op_class(name: str) -> str:
     """The class of an operator (``"aten.addmm.default"``): "matmul", "conv", "attention", "collective",
-    "reduction" or "pointwise" (every other kernel); a backward takes its forward's class; "none" for waiting
+    "reduction", "transcendental" (GELU, SiLU, exp, ...) or "pointwise" (every other kernel); a backward takes its forward's class; "none" for waiting
     on a collective (no kernel)."""
     parts = name.split(".")
     namespace, base = (parts[0], parts[1]) if len(parts) > 1 else ("", parts[0])
@@ -102,6 +108,8 @@ def op_class(name: str) -> str:
         return "matmul"
     if stem in _REDUCTION or stem.removesuffix("_backward") in _REDUCTION:
         return "reduction"
+    if stem in _TRANSCENDENTAL:
+        return "transcendental"
     return "pointwise"
 
 
@@ -144,7 +152,7 @@ def op_seconds(name: str, flops: int, bytes_accessed: int, rates: DeviceRates, *
     cls = op_class(name)
     if (flops <= 0 and bytes_accessed <= 0) or cls == "none":
         return 0.0
-    if random and rates.random_bytes_per_s and cls == "pointwise":
+    if random and rates.random_bytes_per_s and cls in ("pointwise", "transcendental"):
         return max(bytes_accessed / rates.random_bytes_per_s, rates.launch_s) + rates.dispatch_s
     eff = rates.efficiency_of(cls)
     compute = flops / (rates.flops_per_s * eff.compute) if flops > 0 else 0.0

@@ -47,16 +47,24 @@ CPU_SAMPLES: dict[str, tuple[tuple[str, Any], ...]] = {
                   ("softmax over 512, 2,048 rows", lambda: (torch.nn.Softmax(-1), (2048, 512))),
                   ("BatchNorm2d 32, 8 x 32 x 32", lambda: (torch.nn.BatchNorm2d(32), (8, 32, 32, 32))),
                   ("MaxPool2d 2, 8 x 32 x 32 x 32", lambda: (torch.nn.MaxPool2d(2), (8, 32, 32, 32)))),
-    "pointwise": (("GELU, 2,048 x 512", lambda: (torch.nn.GELU(), (2048, 512))),
-                  ("ReLU, 8 x 32 x 32 x 32", lambda: (torch.nn.ReLU(), (8, 32, 32, 32)))),
+    "transcendental": (("GELU, 2,048 x 512", lambda: (torch.nn.GELU(), (2048, 512))),
+                       ("SiLU, 2,048 x 512", lambda: (torch.nn.SiLU(), (2048, 512)))),
+    "pointwise": (("ReLU, 8 x 32 x 32 x 32", lambda: (torch.nn.ReLU(), (8, 32, 32, 32))),
+                  ("x * 2 + 1, 2,048 x 512", lambda: (_Affine(), (2048, 512)))),
 }
+
+class _Affine(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
 
 # Note [CPU efficiencies]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # A GPU's efficiencies come from published measurements (remat.costs.device_time); this CPU's are measured here,
 # the way torchao measured its GEMM figure: sample inputs of each class, forward and backward, timed (the median
 # of 10 after 3), against what the model predicts for the same operators at the measured peak rates (FLOP/s of
-# a 1024-square product, bandwidth of an elementwise product) and dispatch. The samples are fixed above (sizes a
+# a 1024-square product, bandwidth of an elementwise product) and dispatch. A CPU computes GELU, SiLU or exp
+# by polynomial, slower than it moves their bytes (a GPU does not): a class of their own, "transcendental". The samples are fixed above (sizes a
 # small model trains at), not chosen per model; what a class reaches at other sizes differs (a 3x3 convolution
 # over few channels runs further below peak than over many), and that is what the model leaves out.
 
