@@ -133,3 +133,26 @@ def test_attention_flops_are_counted_on_cpus_flash_kernel_and_halved_when_causal
         emb = torch.ops.aten.embedding.default
         assert op_bytes(emb, (table, ids), {}, emb(table, ids)) == 2 * 4 * 8 * 64 * 4 + ids.numel() * 8
         assert op_bytes(torch.ops.aten.clone.default, (q,), {}, q.clone()) == 2 * q.numel() * 4
+
+
+def test_this_cpu_is_modelled_with_its_measured_rates_and_class_efficiencies(monkeypatch):
+    """Target(device="cpu") reads this machine's measured figures (remat.target.timing.measure_cpu, cached): the
+    product rate, the elementwise bandwidth, the dispatch per operator, dropout's generator, and each class's
+    efficiency (given here, so the test does not depend on the machine)."""
+    from remat.profile import cache
+    from remat.target import Target
+    from remat.target.timing import CPU_SAMPLES, rates_of
+
+    measured = {"flops_per_s": 4e11, "memory_bytes_per_s": 6e10, "random_bytes_per_s": 2e9, "dispatch_s": 4e-6,
+                "threads": 2.0, **{f"{cls}_efficiency": 0.1 * (i + 2) for i, cls in enumerate(CPU_SAMPLES)}}
+    monkeypatch.setattr(cache, "device_rates", lambda measure: (measured, "given"))
+    rates = rates_of(Target(device="cpu"), torch.float32)
+    assert (rates.flops_per_s, rates.memory_bytes_per_s, rates.dispatch_s, rates.random_bytes_per_s) == (
+        4e11, 6e10, 4e-6, 2e9)
+    for i, cls in enumerate(CPU_SAMPLES):
+        assert rates.efficiency_of(cls).compute == pytest.approx(0.1 * (i + 2)), cls
+    # a convolution of 1 GFLOP: its FLOPs at the measured rate and the class's efficiency, plus the dispatch
+    conv = 0.1 * (list(CPU_SAMPLES).index("conv") + 2)
+    assert op_seconds("aten.convolution.default", 10**9, 1, rates) == pytest.approx(1e9 / (4e11 * conv) + 4e-6)
+    # dropout's mask at the generator's rate
+    assert op_seconds("aten.bernoulli_.float", 0, 2 * 10**8, rates, random=True) == pytest.approx(0.1 + 4e-6)
