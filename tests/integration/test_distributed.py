@@ -260,9 +260,18 @@ def test_tensor_parallel_modelled_on_the_fake_process_group_predicts_the_real_ra
     # run, 1.920 MB for another plan in another, the modelled 1.713 and 1.935 MB)
     # (the real run's own prediction only for "tp": under sequence parallelism its one-step profile is not
     # reproducible, see the test above)
-    tolerance = 0.01 if case == "tp" else 0.04
-    for meter in ("predicted", "measured", "allocated") if case == "tp" else ("measured", "allocated"):
-        assert abs(predicted - r[meter]) <= tolerance * r[meter], (meter, predicted, r)
+    if case == "tp":
+        for meter in ("predicted", "measured", "allocated"):
+            assert abs(predicted - r[meter]) <= 0.01 * r[meter], (meter, predicted, r)
+    else:
+        # Under sequence parallelism the readings themselves scatter: the least of five moved by 1.6% between CI
+        # runs (1,824,476 and 1,853,404 bytes by the allocator's events), one step reads up to 3.5% above another.
+        # The modelled peak is held within what the real steps read: not below the least of five by more than 1%,
+        # not above the largest of three remat's check read by more than the 3.5% steps scatter (in five local
+        # runs: 0.3% below the least of five to 4.4% above it, 0.8-10.6% below the largest of three).
+        for meter in ("measured", "allocated"):
+            assert predicted >= 0.99 * r[meter], (meter, predicted, r)
+        assert predicted <= 1.04 * r["checked"], ("checked", predicted, r)
 
 
 @needs_fake_world_floor
