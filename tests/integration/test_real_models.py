@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import remat
-from remat._compat import torch_release
 from remat.api import make_profile, plan_checked, split_inputs
 from remat.solve import Planner
 
@@ -159,12 +158,7 @@ def test_t5_decoder_cache_is_turned_off_too():
     assert remat.check_equivalence(model, inputs, loss_fn=loss_fn).equal
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param("gpt2", marks=pytest.mark.skipif(
-        torch_release() < (2, 13), reason=f"torch {torch.__version__}: its selective checkpointing fails inside torch on "
-        "some of GPT-2's options ('Trying to backward an extra time': every run on 2.7, one CI run of four on 2.8; "
-        "docs/limits.md, Torch releases)")),
-    "llama", "mixtral", "bert"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral", "bert"])
 def test_real_model_selective_options(name):
     """Every policy on the menu of the first layer of each transformer (HF attention kernels, GQA,
     mixture-of-experts routing, attention dropout) predicted within 5% and gradient-exact."""

@@ -219,3 +219,20 @@ def test_the_same_model_gets_the_same_options_and_twin_costs_when_profiled_twice
     # what is not asserted: the same plan from both profiles. Plans whose predicted recompute differs by less
     # than the timing noise between two profiles (a few percent on CPU) can still swap (the built-in GPT at
     # 25 MiB: h.0.attn, h.0.mlp, h.1.mlp, h.2 in one run, h.0.mlp, h.1, h.2.attn, h.2.mlp in another)
+
+
+def test_a_product_with_a_new_tensor_where_a_freed_dropout_mask_was_is_named():
+    """Reproduces the torch 2.8 leg's 'Trying to backward an extra time' (HF Llama with attention dropout): the
+    policy left the product of a dropout mask unnamed by the mask's storage identity, which a tensor made after
+    the mask died can take over (the allocator reuses the address), so a later product was left unnamed too,
+    and every operator of its kind after it named differently in the forward and in the recomputation."""
+    aten = torch.ops.aten
+    names = remat.rewrite.PolicyNames()
+    x = torch.randn(64, 64)
+    mask = torch.empty_like(x)
+    names.key(aten.bernoulli_.float, (mask, 0.9), {})
+    assert names.key(aten.mul.Tensor, (x, mask), {}) is None  # the dropout's own product: never named
+    del mask
+    later = [torch.empty_like(x) for _ in range(8)]  # one of them usually where the mask was
+    keys = [names.key(aten.mul.Tensor, (x, t), {}) for t in later]
+    assert keys == [f"aten.mul.Tensor#{k}" for k in range(8)], keys

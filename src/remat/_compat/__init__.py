@@ -39,8 +39,8 @@ from remat._compat.distributed import (  # noqa: F401
     local_tensor, meshes_built_for_real, rng_states_reported, sharding_propagation_marked, storage_resizes_reported)
 from remat._compat.dispatch import (  # noqa: F401
     FakeTensor, FakeTensorMode, TorchDispatchMode, _keystr, _tree_flatten_with_path, argument, fake_mode, flop_count,
-    leaves_with_paths, module_stack, op_bytes, op_flops, outside_dispatch_modes, storage_key, tree_flatten, tree_map,
-    untyped_storage_key, written_arguments)
+    leaves_with_paths, module_stack, op_bytes, op_flops, outside_dispatch_modes, storage_key, storage_ref, tree_flatten,
+    tree_map, untyped_storage_key, written_arguments)
 from remat._compat.modules import (  # noqa: F401
     _module_compile_skips_torch_modules, _unwrapped_forward, cacheable_context_fn, compile_fn, compile_settings,
     compiled_call, compiled_submodules, lightning_compiled, module_call, module_compile_compiles_nothing,

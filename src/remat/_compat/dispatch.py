@@ -4,6 +4,7 @@ dispatch-level recorders rely on (part of remat._compat: see its docstring)."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -30,6 +31,16 @@ def storage_key(t: torch.Tensor) -> int:
     """An identity for the storage behind ``t``, equal for views and aliases and stable while it lives:
     ``UntypedStorage._cdata`` (checked on 2.8, 2.11, 2.13, 2.15)."""
     return local_tensor(t).untyped_storage()._cdata
+
+
+def storage_ref(t: torch.Tensor) -> "weakref.ref":
+    """A weak reference to the storage behind ``t``, dead once the storage is freed; while it is alive the
+    storage holds its address (:func:`storage_key`), which a key alone does not tell apart from a later
+    storage's. A Python weak reference to the ``UntypedStorage``, which torch keeps as long as its storage
+    lives (as :class:`remat.runtime.tracker.StorageBook` relies on; checked on 2.8, 2.13, 2.15). Not
+    ``torch.multiprocessing.reductions.StorageWeakRef``: on 2.8 it kept the Python storage, and the
+    tracker's record of it, alive after the last tensor went."""
+    return weakref.ref(local_tensor(t).untyped_storage())
 
 
 def untyped_storage_key(st: torch.UntypedStorage) -> int:

@@ -59,7 +59,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from remat._compat import argument, cacheable_context_fn, storage_key, tree_flatten, written_arguments
+from remat._compat import argument, cacheable_context_fn, storage_key, storage_ref, tree_flatten, written_arguments
 from remat.costs.unit_costs import op_key
 
 
@@ -88,25 +88,36 @@ class PolicyNames:
     kept. Other decompositions are not known to differ; a policy whose operators compile does not run keeps
     fewer, and the compiled step's memory is measured either way: Note [Compiled steps].)
 
+    The mask is known by its storage, through a weak reference: a storage's key alone (its address) passes
+    to a tensor made after the mask is freed, whose product would then go unnamed too, and the count of
+    every later ``mul.Tensor`` would depend on where the allocator put things, so differ between the forward
+    and the recomputation (on torch 2.8, which asks the policy in both, HF Llama's attention dropout made
+    the recomputation ask for a kept output the forward had not kept: "Trying to backward an extra time").
+
     One instance counts one pass over a unit's forward: ``key`` names each operator call in order."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = defaultdict(int)
-        #: storages written by random operators in place (the eager dropout's mask)
-        self.noise: set[int] = set()
+        #: storages written by random operators in place (the eager dropout's mask), by key
+        self.noise: dict[int, object] = {}
 
     def key(self, func, args: tuple, kwargs: dict) -> str | None:
         """This call's name, or None for the product of a random operator's output (not named, never kept)."""
         if draws_random(func, args, kwargs):
-            self.noise.update(storage_key(t) for t in tree_flatten(written_arguments(func, args, kwargs))[0]
+            self.noise.update((storage_key(t), storage_ref(t))
+                              for t in tree_flatten(written_arguments(func, args, kwargs))[0]
                               if isinstance(t, torch.Tensor))
         elif self.noise and func is torch.ops.aten.mul.Tensor and any(
-                isinstance(t, torch.Tensor) and storage_key(t) in self.noise for t in args):
+                isinstance(t, torch.Tensor) and self._is_noise(t) for t in args):
             return None
         name = str(func)
         k = self.counts[name]
         self.counts[name] = k + 1
         return op_key(name, k)
+
+    def _is_noise(self, t: torch.Tensor) -> bool:
+        ref = self.noise.get(storage_key(t))
+        return ref is not None and ref() is not None
 
 
 def keep_ops_contexts(saved_ops: tuple[str, ...], keep_random: bool = False):
