@@ -141,6 +141,7 @@ def test_this_cpu_is_modelled_with_its_measured_rates_and_class_efficiencies(mon
     efficiency (given here, so the test does not depend on the machine)."""
     from remat.profile import cache
     from remat.target import Target
+    from remat.target.devices import DeviceSpec, cpu_spec
     from remat.target.timing import CPU_SAMPLES, rates_of
 
     measured = {"flops_per_s": 4e11, "memory_bytes_per_s": 6e10, "random_bytes_per_s": 2e9, "dispatch_s": 4e-6,
@@ -156,3 +157,11 @@ def test_this_cpu_is_modelled_with_its_measured_rates_and_class_efficiencies(mon
     assert op_seconds("aten.convolution.default", 10**9, 1, rates) == pytest.approx(1e9 / (4e11 * conv) + 4e-6)
     # dropout's mask at the generator's rate
     assert op_seconds("aten.bernoulli_.float", 0, 2 * 10**8, rates, random=True) == pytest.approx(0.1 + 4e-6)
+    # products in bfloat16 and float16 at the rates measured in those dtypes (AMX: bfloat16 3.8x here)
+    measured.update(bf16_flops_per_s=1.6e12, fp16_flops_per_s=4.2e11)
+    assert rates_of(Target(device="cpu"), torch.bfloat16).flops_per_s == 1.6e12
+    assert rates_of(Target(device="cpu"), torch.float16).flops_per_s == 4.2e11
+    assert rates_of(Target(device="cpu"), torch.float32).flops_per_s == 4e11
+    # a spec that gives its own rates is taken as it is: float32's where it gives no other
+    spec = DeviceSpec(**{**cpu_spec().to_dict(), "fp32_flops_per_s": 1e11, "hbm_bytes_per_s": 1e10, "sources": ()})
+    assert rates_of(Target(device=spec), torch.bfloat16).flops_per_s == 1e11

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: bumped when what a cached entry means changes
 FORMAT = 1
+#: what :func:`device_rates` measures: 2 added the bfloat16 and float16 product rates
+RATES_VERSION = 2
 
 
 def cache_dir() -> Path | None:
@@ -174,7 +176,7 @@ def device_rates(measure: Callable[[], dict[str, float]]) -> tuple[dict[str, flo
     """This machine's CPU rates for the time model (remat.target.timing.measure_cpu: matmul FLOP/s, copy
     bandwidth, the shortest operator), cached like a step's times; ``measure()`` measures them. Returns the rates
     and where they came from."""
-    key = _digest({"format": FORMAT, "machine": machine(torch.device("cpu"))})
+    key = _digest({"format": FORMAT, "machine": machine(torch.device("cpu")), "rates": RATES_VERSION})
     entry = _read("rates", key)
     if entry is not None:
         try:
