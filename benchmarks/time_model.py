@@ -132,7 +132,8 @@ def main() -> None:
     spec = measured_cpu_spec()
     print(f"this CPU as a device: {spec.fp32_flops_per_s / 1e9:.0f} GFLOP/s float32, {spec.hbm_bytes_per_s / 1e9:.0f} "
           f"GB/s elementwise, " + ", ".join(f"{k} {v:.3g}" for k, v in cache.device_rates(dict)[0].items()
-                                            if k in ("random_bytes_per_s", "dispatch_s")))
+                                            if k in ("random_bytes_per_s", "dispatch_s", "bf16_flops_per_s")
+                                            or k.endswith("_efficiency")))
     print(f"threads: {torch.get_num_threads()}; measured on this machine (CPU), the modelled figures predicted")
 
 

@@ -62,10 +62,12 @@ class _Affine(torch.nn.Module):
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # A GPU's efficiencies come from published measurements (remat.costs.device_time); this CPU's are measured here,
 # the way torchao measured its GEMM figure: sample inputs of each class, forward and backward, timed (the median
-# of 10 after 3), against what the model predicts for the same operators at the measured peak rates (FLOP/s of
+# of 40 after 5, the median of three such readings after one unread: of 10 after 3, once, five measurements in
+# one process read transcendental 0.27-0.46 and pointwise 0.43-0.53: a process's first reading ran 5-25% slow,
+# and now and then one ran 20-30% slow throughout, on a quiet machine), against what the model predicts for the same operators at the measured peak rates (FLOP/s of
 # a 1024-square product, bandwidth of an elementwise product) and dispatch. A CPU computes GELU, SiLU or exp
-# by polynomial, slower than it moves their bytes (a GPU does not): a class of their own, "transcendental". The samples are fixed above (sizes a
-# small model trains at), not chosen per model; what a class reaches at other sizes differs (a 3x3 convolution
+# by polynomial, slower than it moves their bytes (a GPU does not): a class of their own, "transcendental". The
+# samples are fixed above (sizes a small model trains at), not chosen per model; what a class reaches at other sizes differs (a 3x3 convolution
 # over few channels runs further below peak than over many), and that is what the model leaves out.
 
 #: generation of the built-in devices, which selects "attention@<generation>" in the efficiency table
@@ -74,13 +76,14 @@ GENERATION = {"a100": "ampere", "h100": "hopper", "h200": "hopper", "b200": "bla
 
 
 def measure_cpu() -> dict[str, float]:
-    """This machine's CPU rates, measured now (about 2 s; on a quiet machine, or they read low and stay cached):
+    """This machine's CPU rates, measured now (about 4 s; on a quiet machine, or they read low and stay cached):
     ``flops_per_s`` from float32 matrix products (512 and 1024 square, the best of 10 each after 3 warm-up
     runs), ``bf16_flops_per_s`` and ``fp16_flops_per_s`` from the same products in those dtypes (a CPU with AMX
-    multiplies bfloat16 3.8 times as fast as float32 here, float16 no faster), ``memory_bytes_per_s`` from an elementwise product of two 4 MiB tensors (read and written, the best of
-    20), ``random_bytes_per_s`` from drawing dropout's mask (``bernoulli_`` over 4 MiB, the best of 5),
-    ``dispatch_s`` what an eager training step costs per operator beyond its arithmetic (:func:`_per_operator_s`:
-    a CPU runs its operators as the host dispatches them)."""
+    multiplies bfloat16 3.8 times as fast as float32 here, float16 no faster), ``memory_bytes_per_s`` from an
+    elementwise product of two 4 MiB tensors (read and written, the best of 20), ``random_bytes_per_s`` from
+    drawing dropout's mask (``bernoulli_`` over 4 MiB, the best of 5), ``dispatch_s`` what an eager training
+    step costs per operator beyond its arithmetic (:func:`_per_operator_s`: a CPU runs its operators as the host
+    dispatches them)."""
     with torch.no_grad():
         products = {}
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -106,8 +109,11 @@ def measure_cpu() -> dict[str, float]:
              "dispatch_s": _per_operator_s(), "threads": float(torch.get_num_threads())}
     peak = DeviceRates(name="cpu", flops_per_s=mm, memory_bytes_per_s=product, launch_s=0.0,
                        dispatch_s=rates["dispatch_s"], efficiency={}, random_bytes_per_s=draws)
+    for samples in CPU_SAMPLES.values():  # once unread: a process's first readings ran 5-25% slow
+        _class_efficiency(samples, peak)
     for cls, samples in CPU_SAMPLES.items():
-        rates[f"{cls}_efficiency"] = _class_efficiency(samples, peak)
+        # the median of three readings: now and then one ran 20-30% slow throughout (on a quiet machine)
+        rates[f"{cls}_efficiency"] = statistics.median(_class_efficiency(samples, peak) for _ in range(3))
     return rates
 
 
@@ -126,9 +132,9 @@ def _class_efficiency(samples: tuple[tuple[str, Any], ...], peak: DeviceRates) -
 
         with OperatorTimes(peak, None) as timed:
             step()
-        for _ in range(3):
+        for _ in range(5):
             step()
-        measured += statistics.median(_timed(step) for _ in range(10)) - timed.operators * peak.dispatch_s
+        measured += statistics.median(_timed(step) for _ in range(40)) - timed.operators * peak.dispatch_s
         modelled += timed.seconds - timed.operators * peak.dispatch_s
     return min(1.0, max(0.05, modelled / measured)) if measured > 0 else 1.0
 
