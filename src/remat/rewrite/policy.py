@@ -54,6 +54,7 @@ stays one kernel whose kept output is the dropped-out activation, 37.44 MiB agai
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import defaultdict
 from typing import Callable, Iterable
 
@@ -99,7 +100,7 @@ class PolicyNames:
     def __init__(self) -> None:
         self.counts: dict[str, int] = defaultdict(int)
         #: storages written by random operators in place (the eager dropout's mask), by key
-        self.noise: dict[int, object] = {}
+        self.noise: dict[int, weakref.ref] = {}
 
     def key(self, func, args: tuple, kwargs: dict) -> str | None:
         """This call's name, or None for the product of a random operator's output (not named, never kept)."""

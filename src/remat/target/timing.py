@@ -61,14 +61,16 @@ class _Affine(torch.nn.Module):
 # Note [CPU efficiencies]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # A GPU's efficiencies come from published measurements (remat.costs.device_time); this CPU's are measured here,
-# the way torchao measured its GEMM figure: sample inputs of each class, forward and backward, timed (the median
-# of 40 after 5, the median of three such readings after one unread: of 10 after 3, once, five measurements in
-# one process read transcendental 0.27-0.46 and pointwise 0.43-0.53: a process's first reading ran 5-25% slow,
-# and now and then one ran 20-30% slow throughout, on a quiet machine), against what the model predicts for the same operators at the measured peak rates (FLOP/s of
-# a 1024-square product, bandwidth of an elementwise product) and dispatch. A CPU computes GELU, SiLU or exp
-# by polynomial, slower than it moves their bytes (a GPU does not): a class of their own, "transcendental". The
-# samples are fixed above (sizes a small model trains at), not chosen per model; what a class reaches at other sizes differs (a 3x3 convolution
-# over few channels runs further below peak than over many), and that is what the model leaves out.
+# the way torchao measured its GEMM figure: sample inputs of each class, forward and backward, timed against what
+# the model predicts for the same operators at the measured peak rates (FLOP/s of a 1024-square float32
+# product, bandwidth of an elementwise product) and dispatch. Each class is timed as the median of 40 steps after
+# 5, three times, and the median of the three taken, after one unread pass over every sample: with one median of
+# 10 steps, five measurements in one process read transcendental 0.27-0.46 and pointwise 0.43-0.53 (a process's
+# first reading ran 5-25% slow, and now and then one ran 20-30% slow throughout, on a quiet machine). The samples
+# run in float32 and their efficiencies apply to every dtype. A CPU computes GELU, SiLU or exp by polynomial,
+# slower than it moves their bytes (a GPU does not): a class of their own, "transcendental". The samples are fixed
+# above (sizes a small model trains at), not chosen per model; what a class reaches at other sizes differs (a 3x3
+# convolution over few channels runs further below peak than over many), and that is what the model leaves out.
 
 #: generation of the built-in devices, which selects "attention@<generation>" in the efficiency table
 GENERATION = {"a100": "ampere", "h100": "hopper", "h200": "hopper", "b200": "blackwell", "l4": "ada",
@@ -208,17 +210,15 @@ def rates_of(target: Any, model_dtype: torch.dtype | None = None) -> DeviceRates
     (Note [Device time model] in remat.costs.device_time). The ``cpu`` device is this machine, measured."""
     spec: DeviceSpec = target.spec
     dtype = compute_dtype(target, model_dtype)
+    # the products' dtype's rate: the spec's (float32's where it gives no other)
+    field = {torch.bfloat16: "bf16_flops_per_s", torch.float16: "fp16_flops_per_s"}.get(dtype, "fp32_flops_per_s")
+    flops = getattr(spec, field) or spec.fp32_flops_per_s
     if spec.name == "cpu":
         from remat.profile import cache
 
         measured = cache.device_rates(measure_cpu)[0]
-        # the products' dtype's rate: the spec's if it gives rates (float32's where it gives no other), else
-        # the rate measured here in that dtype
-        field = {torch.bfloat16: "bf16_flops_per_s", torch.float16: "fp16_flops_per_s"}.get(dtype, "fp32_flops_per_s")
-        if spec.fp32_flops_per_s:
-            flops = getattr(spec, field) or spec.fp32_flops_per_s
-        else:
-            flops = measured.get(field.replace("fp32_", "")) or measured["flops_per_s"]
+        # a spec without rates: those measured here in that dtype (float32's is measure_cpu's "flops_per_s")
+        flops = flops or measured.get(field, measured["flops_per_s"])
         spec = dataclasses.replace(spec, fp32_flops_per_s=spec.fp32_flops_per_s or measured["flops_per_s"],
                                    hbm_bytes_per_s=spec.hbm_bytes_per_s or measured["memory_bytes_per_s"])
         dispatch_s, random_bytes_per_s = measured["dispatch_s"], measured.get("random_bytes_per_s")
@@ -230,8 +230,6 @@ def rates_of(target: Any, model_dtype: torch.dtype | None = None) -> DeviceRates
                            launch_s=0.0, dispatch_s=dispatch_s, link_bytes_per_s=None, network_bytes_per_s=None,
                            devices_per_node=target.devices_per_node, efficiency=efficiency, generation="cpu",
                            random_bytes_per_s=random_bytes_per_s)
-    field = {torch.bfloat16: "bf16_flops_per_s", torch.float16: "fp16_flops_per_s"}.get(dtype, "fp32_flops_per_s")
-    flops = getattr(spec, field) or spec.fp32_flops_per_s
     missing = [f for f, v in ((field, flops), ("hbm_bytes_per_s", spec.hbm_bytes_per_s)) if not v]
     if missing:
         from remat.errors import InvalidInputError
