@@ -141,6 +141,7 @@ def run(rank: int, world: int, port: int, out: str) -> None:
     result["tp-loss"] = loss_parallel_case()
     result["cli"] = cli(rank)
     result["mismatch"] = mismatch(rank)
+    result["gloo-scratch"] = gloo_scratch_case()
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # no rank tears the group down while another still talks to it (a failing rank ends spawn)
     dist.destroy_process_group()
@@ -433,7 +434,6 @@ def allocator_peak(model, inputs, loss_fn, opt, readings: int = 3, keep=min):
     benchmarks/tensor_parallel.py's larger one, 99.08 and 100.08 MiB in two runs (docs/limits.md). ``keep``: what is
     kept of the readings, the least (the default); ``max`` keeps the largest (as remat's own check does: Note
     [Steps under gloo] in remat.runtime.distributed), ``list`` all of them."""
-    from remat._compat import profiler_memory_peak
     from remat.runtime.measure import tensor_bytes
 
     def step():
@@ -446,7 +446,73 @@ def allocator_peak(model, inputs, loss_fn, opt, readings: int = 3, keep=min):
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     state = [local(p) for p in model.parameters()] + [x for x in inputs if torch.is_tensor(x)]
     state += [local(t) for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
-    return keep(tensor_bytes(state) + profiler_memory_peak(step, torch.device("cpu")) for _ in range(readings))
+    return keep(tensor_bytes(state) + step_thread_peak(step)[0] for _ in range(readings))
+
+
+def step_thread_peak(work) -> tuple[int, int]:
+    """The most bytes allocated on the CPU while ``work()`` runs, above what was allocated when it began, by
+    the profiler's allocator-level events, written here apart from remat's meter: what the calling thread
+    allocates (and whichever thread frees it), and apart, the most alive at once of what other threads allocate
+    (gloo's worker threads: a scratch buffer per collective, which is not the step's and meets the step's peak
+    or not as the threads happen to be scheduled: issue #46, Note [The step's threads] in remat._compat.profiler).
+    Returns (the calling thread's peak, the other threads' peak)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("test::caller"):
+            pass
+        work()
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        events.append(e)
+        todo += e.children
+    caller = next(e.start_tid for e in events if e.name == "test::caller")
+    others: set[int] = set()
+    mine = theirs = peak = their_peak = 0
+    for e in sorted((e for e in events if e.tag == torch._C._profiler._EventType.Allocation),
+                    key=lambda e: e.start_time_ns):
+        f = e.extra_fields
+        if f.device.type != "cpu":
+            continue
+        if f.alloc_size > 0 and e.start_tid != caller or f.alloc_size < 0 and f.ptr in others:
+            (others.add if f.alloc_size > 0 else others.discard)(f.ptr)
+            theirs += f.alloc_size
+        else:
+            mine += f.alloc_size
+        peak, their_peak = max(peak, mine), max(their_peak, theirs)
+    return peak, their_peak
+
+
+def gloo_scratch_case() -> dict:
+    """One all-gather (FSDP2's collective) read by remat's allocator-level meter and by :func:`step_thread_peak`
+    (Note [The step's threads] in remat._compat.profiler). Its work waits on gloo's thread for the last rank to
+    join, which joins 0.3 s late, while the caller allocates the step's larger tensor: gloo's own buffer, allocated
+    when its work starts, is alive at the caller's peak (a schedule that happened by chance in CI)."""
+    import time
+
+    from remat._compat import ProfilerSession
+
+    n, world, rank = 25_000, dist.get_world_size(), dist.get_rank()
+    inp = torch.ones(n)
+
+    def gather() -> None:
+        if rank == world - 1:
+            time.sleep(0.3)
+        out = torch.empty(n * world)
+        work = dist.all_gather_into_tensor(out, inp, async_op=True)
+        larger = torch.ones(4 * n * world)  # the caller's peak, while the collective waits for the last rank
+        del larger
+        work.wait()
+        del out
+
+    with ProfilerSession(torch.device("cpu")) as session:
+        gather()
+    dist.barrier()
+    caller, others = step_thread_peak(gather)
+    dist.barrier()
+    return dict(peak=session.peak_bytes, scratch=session.foreign_peak_bytes, caller=caller, others=others,
+                output=n * world * 4)
 
 
 def cli_target():
