@@ -955,3 +955,12 @@ def llama3_8b(device: Union[str, torch.device] = "meta", batch_size: int = 2, se
 def llama3_70b(device: Union[str, torch.device] = "meta", batch_size: int = 2, seq_len: int = 8192) -> tuple:
     """Llama 3 70B (torchtitan's), batch 2 x 8192 by default, FSDP as torchtitan wraps it."""
     return remat_target("70B", device=device, batch_size=batch_size, seq_len=seq_len)
+
+
+def llama3_8b_as_built(device: Union[str, torch.device] = "meta", batch_size: int = 2, seq_len: int = 8192) -> tuple:
+    """Llama 3 8B as torchtitan builds it and a user would hand it to ``remat plan`` (issue #47): its ``ModuleDict``
+    of layers, its op-level selective checkpointing with the save list as shipped (CUDA's attention kernels named,
+    not the CPU's), and no ``parallelize``: remat's default FSDP2 wrapping and its policy stand-ins do the rest."""
+    model = WithLoss(build_train_model("8B", device="meta", selective_ac=True, save_list=_save_list))
+    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    return model, (tokens, tokens), (lambda loss: loss)

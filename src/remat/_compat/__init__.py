@@ -38,7 +38,8 @@ from remat._compat.distributed import (  # noqa: F401
     _IS_DTENSOR, active_fake_mode, default_store, fake_store, fsdp_modules, in_sharding_propagation, is_dtensor_class,
     local_tensor, meshes_built_for_real, rng_states_reported, sharding_propagation_marked, storage_resizes_reported)
 from remat._compat.dispatch import (  # noqa: F401
-    FakeTensor, FakeTensorMode, TorchDispatchMode, _keystr, _tree_flatten_with_path, argument, fake_mode, flop_count,
+    FakeTensor, FakeTensorMode, TorchDispatchMode, _keystr, _tree_flatten_with_path, argument,
+    checkpoint_policies_asked_for, fake_mode, fake_tensor_exceptions, flop_count,
     leaves_with_paths, module_stack, op_bytes, op_flops, outside_dispatch_modes, storage_key, storage_ref, tree_flatten,
     tree_map, untyped_storage_key, written_arguments)
 from remat._compat.modules import (  # noqa: F401

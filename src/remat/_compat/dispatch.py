@@ -159,3 +159,55 @@ def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
         return [(_keystr(path), leaf) for path, leaf in _tree_flatten_with_path(tree)[0]]
     except Exception:  # noqa: BLE001 - a node type registered without flatten_with_keys
         return [(f" <leaf {i}>", leaf) for i, leaf in enumerate(tree_flatten(tree)[0])]
+
+
+@contextlib.contextmanager
+def checkpoint_policies_asked_for(stand_ins: dict[Any, tuple[Any, ...]]) -> Iterator[None]:
+    """Within the block, every selective-checkpointing policy (``create_selective_checkpoint_contexts``, the user's
+    list or ``policy_fn`` as written) that is asked about an operator in ``stand_ins`` and would not save its
+    output is asked again about the operators it stands in for, in order, and the first answer that saves is
+    taken (Note [Policies for the target's kernels] in remat.target.world). By wrapping the policy that
+    torch.utils.checkpoint's ``_CachingTorchDispatchMode`` and ``_CachedTorchDispatchMode`` are made with (their
+    ``__init__``'s first argument; checked on 2.8, 2.13, 2.15); restored after, also on error."""
+    from torch.utils import checkpoint as cp
+
+    def saves(decision: Any) -> bool:
+        return decision is True or decision in (cp.CheckpointPolicy.MUST_SAVE, cp.CheckpointPolicy.PREFER_SAVE)
+
+    def asking(policy_fn: Any) -> Any:
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            decision = policy_fn(ctx, func, *args, **kwargs)
+            if saves(decision) or func not in stand_ins:
+                return decision
+            for op in stand_ins[func]:
+                if saves(again := policy_fn(ctx, op, *args, **kwargs)):
+                    return again
+            return decision
+        return policy
+
+    originals = {cls: cls.__init__ for cls in (cp._CachingTorchDispatchMode, cp._CachedTorchDispatchMode)}
+    for cls, init in originals.items():
+        def patched(self: Any, policy_fn: Any, *args: Any, _init: Any = init, **kwargs: Any) -> None:
+            _init(self, asking(policy_fn), *args, **kwargs)
+        cls.__init__ = patched
+    try:
+        yield
+    finally:
+        for cls, init in originals.items():
+            cls.__init__ = init
+
+
+def fake_tensor_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """The exceptions fake tensors raise for (an operator that needs values, a tensor of another device or not fake),
+    from ``torch._subclasses.fake_tensor`` and symbolic shapes (checked on 2.8, 2.13, 2.15)."""
+    from torch._subclasses import fake_tensor as ft
+
+    data = tuple(c for c in (getattr(ft, "DataDependentOutputException", None),
+                             getattr(ft, "DynamicOutputShapeException", None)) if c is not None)
+    try:
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+        data += (GuardOnDataDependentSymNode,)
+    except ImportError:  # pragma: no cover - older layouts
+        pass
+    device = tuple(c for c in (getattr(ft, "FakeTensorDeviceMismatchError", None),) if c is not None)
+    return data, device

@@ -67,18 +67,23 @@ def loop_grads(profile: Profile, grad_accumulation: bool, zero_grad_after_forwar
 
 
 @contextlib.contextmanager
-def stage(name: str, model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn) -> Iterator[None]:
+def stage(name: str, model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, *,
+          judge: bool = True) -> Iterator[None]:
     """Note [Whose failure]: an exception that is not a RematError, raised while remat runs one of its
     stages, is either the user's (the training step itself fails on these inputs) or remat's. To tell
     which, the plain step runs once (forward, loss, gradients by autograd.grad: ``.grad`` untouched;
     model, buffers and RNG restored): if it fails too, the user gets InvalidInputError with their own
     exception chained; if it runs, remat failed, and says so (InternalError, naming the stage, with
-    the cause chained). The model is restored by the callers either way."""
+    the cause chained). The model is restored by the callers either way. ``judge`` False: the exception goes on
+    as it is (a step recorded on fake tensors for a target, whose plain step cannot tell: Note [Limits of fake
+    tensors] in remat.target.source sorts it)."""
     try:
         yield
     except RematError:
         raise
     except Exception as e:  # noqa: BLE001 - sorted into the user's failure or remat's below
+        if not judge:
+            raise
         user_error = plain_step_error(model, args, kwargs, loss_fn)
         if user_error is not None:
             if isinstance(user_error, RematError):

@@ -74,7 +74,7 @@ def _make_profile(
     wrapped = None if wrapping.kind == "none" else f"the model is wrapped by {wrapping}"
     with preserved(model), found_storages_are_fresh(wrapping.kind == "fsdp2"):
         remove_checkpointing(model)
-        with stage("profile", model, args, kwargs, loss_fn):
+        with stage("profile", model, args, kwargs, loss_fn, judge=modelled is None):
             # Note [Tracing without module hooks]: torch.fx traces on proxies, running no kernel and no
             # collective, and here without module hooks (capture's _WithoutModuleHooks): what it sees is the
             # Python of the forwards, which is what decides whether the operator sequence can depend on the data

@@ -139,7 +139,18 @@ def hf_from_config(config_json: Path, device: torch.device, options: dict[str, A
         raise InvalidInputError(f"{config_json} is not a config transformers can read ({type(e).__name__}: {e})") \
             from e
     with torch.device("meta" if device.type == "meta" else "cpu"):  # no weights for a target not here
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError as e:
+            if "Unrecognized configuration class" not in str(e):
+                raise
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
+            raise InvalidInputError(
+                f"{config_json}: a {config.model_type!r} config ({', '.join(getattr(config, 'architectures', None) or [])}"
+                f") has no causal language model in transformers {transformers.__version__}, and a config.json target is "
+                f"trained as one (token ids in, next-token loss). Those it builds: {', '.join(sorted(causal))}. For an "
+                "encoder-decoder, a vision model or another task, write a function target returning (model, "
+                "example_inputs, loss_fn): docs/cli.md") from None
     context = getattr(config, "max_position_embeddings", None) or 4096
     batch, seq = options.get("batch_size") or 1, options.get("seq_len") or min(context, 4096)
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)

@@ -144,13 +144,14 @@ class Planner:
         )
 
     def infeasible(self, budget_bytes: int, *, least_bytes: int | None = None,
-                   compiled: str = "", steps: int = 1, source: str = "") -> InfeasibleBudgetError:
+                   compiled: str = "", steps: int = 1, source: str = "", remedy: str = "") -> InfeasibleBudgetError:
         """The error for a budget below the least achievable peak, with that peak and its breakdown.
         ``least_bytes``: the least-memory plan's checked (measured) peak, when known (Note [Least peak
         is a promise] in remat.api); else its prediction. ``compiled``: how the loop compiles the model, when
         ``least_bytes`` was measured on compiled steps (Note [Compiled steps] in remat.solve.calibrated);
         ``steps``: how many real steps it was the largest of (Note [Steps under gloo] in remat.runtime.distributed);
-        ``source``: where ``least_bytes`` comes from, when not from real steps (a modelled target's allocator replay)."""
+        ``source``: where ``least_bytes`` comes from, when not from real steps (a modelled target's allocator replay);
+        ``remedy``: what to do, where raising the budget cannot help (default: raise it to ``least_bytes``)."""
         least = self.make_plan(self._min_units, "least-memory")
         b = least.breakdown
         fixed = self.profile.fixed_bytes
@@ -173,8 +174,9 @@ class Planner:
             f"(parameters {fmt_bytes(b.params_bytes)}, optimizer state {fmt_bytes(b.optimizer_state_bytes)}, "
             f"buffers {fmt_bytes(b.buffers_bytes)}, inputs {fmt_bytes(b.inputs_bytes)}), plus gradients "
             f"{fmt_bytes(b.grads_bytes)}, saved activations {fmt_bytes(b.saved_activations_bytes)} and "
-            f"temporaries {fmt_bytes(b.temporaries_bytes)}.{holds} Raise budget_gb to at least "
-            f"{math.ceil(least_bytes / 2**30 * 1000) / 1000:.3f}, or shrink the batch.",
+            f"temporaries {fmt_bytes(b.temporaries_bytes)}.{holds} " + (remedy or (
+                f"Raise budget_gb to at least {math.ceil(least_bytes / 2**30 * 1000) / 1000:.3f}, or shrink the "
+                "batch.")),
             budget_bytes=budget_bytes,
             min_feasible_bytes=least_bytes,
         )

@@ -107,6 +107,9 @@ class Plan:
     #: for a modelled target, the peak the CUDA caching allocator is predicted to reserve with this plan (bytes; the
     #: budget applies to it); None otherwise
     predicted_reserved_bytes: int | None = None
+    #: for a modelled GPU target, the device memory its CUDA caching allocator can get (bytes); the plan fits the
+    #: device when ``predicted_reserved_bytes`` is within it (:attr:`fits_device`); None otherwise
+    device_memory_bytes: int | None = None
     #: tokens one device trains on per step, FLOPs of one plain step there and the device's peak FLOP/s (from the
     #: profile: remat.costs.unit_costs.Profile), for tokens/s and MFU; None / 0 where unknown
     tokens_per_step: int | None = None
@@ -131,6 +134,14 @@ class Plan:
         return self.model_flops / self.predicted_step_time_s / self.peak_flops_per_s
 
     @property
+    def fits_device(self) -> bool | None:
+        """For a modelled GPU target, whether the predicted reserved peak is within the device's memory (the replay
+        did not run out of it); None where unknown (no target, or not replayed)."""
+        if self.device_memory_bytes is None or self.predicted_reserved_bytes is None:
+            return None
+        return self.predicted_reserved_bytes <= self.device_memory_bytes
+
+    @property
     def predicted_overhead(self) -> float:
         """Predicted step-time overhead over no checkpointing, as a fraction (0.1 = 10%)."""
         if self.baseline_step_time_s <= 0:
@@ -147,7 +158,11 @@ class Plan:
             f"  (no checkpointing: {fmt_bytes(self.baseline_peak_bytes)}, least possible: {fmt_bytes(self.min_peak_bytes)})",
             *([f"  target:               {self.target} (predicted, not measured)",
                f"  predicted reserved:   {fmt_bytes(self.predicted_reserved_bytes)}  (the CUDA caching allocator "
-               "replayed over two recorded steps; the budget applies to it)"] if self.target else []),
+               "replayed over two recorded steps; the budget applies to it)",
+               *([f"  fits the device:      {'yes' if self.fits_device else 'NO'} ({fmt_bytes(self.device_memory_bytes)}"
+                  " the allocator can get, predicted)" if self.fits_device is not None else
+                  "  fits the device:      not replayed (check=False)"] if self.device_memory_bytes is not None
+                 else [])] if self.target else []),
             *([f"  checked peak:         {fmt_bytes(self.checked_peak_bytes)}  (one real "
                f"{'compiled ' if self.compiled else ''}step: forward and backward measured, optimizer predicted)"]
               if self.checked_peak_bytes is not None else []),
@@ -195,12 +210,13 @@ class Plan:
         d["format"] = PLAN_FORMAT
         # derived, for readers of --json (from_dict drops them)
         d["predicted_tokens_per_s"], d["predicted_mfu"] = self.predicted_tokens_per_s, self.predicted_mfu
+        d["fits_device"] = self.fits_device
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         d = dict(d)
-        for derived in ("format", "predicted_tokens_per_s", "predicted_mfu"):
+        for derived in ("format", "predicted_tokens_per_s", "predicted_mfu", "fits_device"):
             d.pop(derived, None)
         d["checkpointed"] = tuple(d["checkpointed"])
         d["model_signature"] = tuple((n, tuple(s)) for n, s in d.get("model_signature", ()))

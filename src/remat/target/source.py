@@ -33,8 +33,10 @@ build] in remat.target.world), and how each is taken into account (docs/targets.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,14 +46,14 @@ from remat.costs.allocator import Alloc, AllocatorPeaks, Free, events_of, replay
 from remat.costs.device_time import DeviceRates
 from remat.costs.recording import CheckpointOverhead, Recording
 from remat.costs.unit_costs import Profile
-from remat.errors import UnsupportedError
+from remat.errors import RematError, UnsupportedError
 from remat.profile.modelled import Modelled
 from remat.profile.optimizer import NO_OPTIMIZER, OptimizerCost, hyperparameters, independent_copy, optimizer_costs
 from remat.runtime.measure import StorageTracker, allocated_bytes, input_tensors, run_step, tensor_bytes
 from remat.solve import Planner
 from remat.solve.plan import Plan, fmt_bytes
 from remat.target.timing import OperatorTimes, operator_seconds, rates_of, step_time
-from remat.target.world import Target, built
+from remat.target.world import Target, as_target, built, wrapping_assumed
 
 if TYPE_CHECKING:
     from remat.api.request import Request
@@ -68,8 +70,8 @@ class ModelledTarget:
     come from]). Nothing of the user's runs: the model is copied onto fake tensors (no weight read or
     allocated), its optimizer is read for its class and settings only."""
 
-    def __init__(self, target: Target) -> None:
-        self.target = target
+    def __init__(self, target: Target | str) -> None:
+        self.target = as_target(target)
         #: the allocator replay of the last plan checked: (plan's units, peaks)
         self.replayed: dict[tuple[str, ...], AllocatorPeaks] = {}
         #: what the time model found worth saying about the last profile (FSDP2's communication)
@@ -102,7 +104,8 @@ class ModelledTarget:
 
         rates = rates_of(self.target, _model_dtype(req.model))
         self.time_notes = []
-        with built(self.target, req.model, (req.args, req.kwargs), before=capture_unwrapped) as (
+        with fake_tensor_limits(self.target), \
+                built(self.target, req.model, (req.args, req.kwargs), before=capture_unwrapped) as (
                 fake, (args, kwargs), mode):
             opt = _optimizer_cost(req.optimizer, req.model, fake, mode, self.target)
             modelled = Modelled(optimizer=opt, op_seconds=lambda op: operator_seconds(op, rates, self.target),
@@ -125,6 +128,7 @@ class ModelledTarget:
             optimizer_s=optimizer_s, tokens_per_step=_tokens(req.args, req.kwargs, self.target),
             peak_flops_per_s=rates.flops_per_s,
             notes=profile.notes + tuple(self.time_notes) + (
+                f"wrapping assumed: {wrapping_assumed(self.target, req.model)}",
                 f"recorded on fake tensors in {time.perf_counter() - started:.1f} s",))
 
     def _step_time(self, rec: Recording, rates: DeviceRates) -> tuple[float, float, int]:
@@ -163,17 +167,23 @@ class ModelledTarget:
     # -- the plan ----------------------------------------------------------------------------------------
     def choose(self, req: Request, planner: Planner, profile: Profile) -> tuple[Plan, tuple[str, ...]]:
         """The plan for the budget, which applies to the reserved peak: planned for the budget; when its replayed
-        reserved peak exceeds it, the budget asked of the planner is lowered by the excess until a plan fits, then
-        bisected between that and the lowest that failed, to 1% of the budget (Note [Reserved budget])."""
-        budget = req.budget_bytes
+        reserved peak exceeds it, or the replay runs out of the device's memory, the budget asked of the planner is
+        lowered by the excess until a plan fits, then bisected between that and the lowest that failed, to 1% of
+        the budget (Note [Reserved budget]). A budget above the device's memory is lowered to it, with a note."""
+        budget, notes = req.budget_bytes, ()
+        capacity = self.target.allocator.capacity_bytes if self.target.is_cuda else None
+        if capacity is not None and budget > capacity:
+            notes = (f"the budget ({fmt_bytes(budget)}) is above the memory of {self.target.spec} that the CUDA caching "
+                     f"allocator can get ({fmt_bytes(capacity)}): planned for {fmt_bytes(capacity)}",)
+            budget = capacity
         plan = planner.plan_for_budget(budget)
         if not (req.check and self.target.is_cuda):
-            return _labelled(plan, None, self.target), ()
+            return _labelled(plan, None, self.target), notes
         best: tuple[Plan, AllocatorPeaks] | None = None
         fits, fails, asked = planner.min_peak_bytes, budget + 1, budget
         for _ in range(TIGHTENINGS):
             peaks = self.replay(req, plan)
-            if peaks.reserved_peak_bytes <= budget:
+            if _fits(peaks, budget):
                 best, fits = (plan, peaks), asked
                 if asked == budget:
                     break
@@ -183,19 +193,29 @@ class ModelledTarget:
                 break
             # Note [Reserved budget]: the allocator's segments and pools cost more than a plan's live bytes, by an
             # amount that depends on the plan: ask for less by the excess and 1% more until a plan fits (by the
-            # excess alone, the steps shrink as a plan nears the budget), then bisect
-            asked = (fits + fails) // 2 if best is not None else max(
+            # excess alone, the steps shrink as a plan nears the budget), then bisect; a replay that ran out of the
+            # device's memory says no excess (it stopped there): bisect at once
+            asked = (fits + fails) // 2 if best is not None or peaks.oom is not None else max(
                 planner.min_peak_bytes, asked - (peaks.reserved_peak_bytes - budget) - budget // 100)
             plan = dataclasses.replace(planner.plan_for_budget(asked), budget_bytes=budget)
         if best is not None:
-            return _labelled(*best, self.target), ()
+            return _labelled(*best, self.target), notes
         least = dataclasses.replace(planner.least_memory(), budget_bytes=budget)
         peaks = self.replay(req, least)
-        if peaks.reserved_peak_bytes <= budget:
-            return _labelled(least, peaks, self.target), ()
+        if _fits(peaks, budget):
+            return _labelled(least, peaks, self.target), notes
+        where = f"reserved, predicted for {self.target.describe()}, not measured: the CUDA caching allocator " \
+                "replayed over two recorded steps"
+        remedy = ""
+        if peaks.oom is not None:
+            oom = peaks.oom
+            where += (f"; even the least-memory plan runs out of the device's {fmt_bytes(capacity)}: the replay "
+                      f"stopped where it asks for a segment of {fmt_bytes(oom.segment_bytes)} with "
+                      f"{fmt_bytes(oom.reserved_bytes)} reserved and the cache released")
+            remedy = (f"No budget on {self.target.spec} holds this step with checkpointing alone: shrink the batch or "
+                      f"the sequence, shard over more ranks (fsdp), or plan for a device with more memory.")
         raise planner.infeasible(budget, least_bytes=max(peaks.reserved_peak_bytes, least.predicted_peak_bytes),
-                                 source=f"reserved, predicted for {self.target.describe()}, not measured: the CUDA "
-                                     "caching allocator replayed over two recorded steps")
+                                 source=where, remedy=remedy)
 
     def replay(self, req: Request, plan: Plan | None) -> AllocatorPeaks:
         """The target allocator's peaks over two training steps with ``plan`` (forward, loss, backward, the
@@ -211,7 +231,8 @@ class ModelledTarget:
         sees them: the parameters and the batch first, the cuBLAS workspace at the first step."""
         from remat.rewrite import checkpoint_plan
 
-        with built(self.target, req.model, (req.args, req.kwargs)) as (fake, (args, kwargs), mode), mode:
+        with fake_tensor_limits(self.target), \
+                built(self.target, req.model, (req.args, req.kwargs)) as (fake, (args, kwargs), mode), mode:
             if plan is not None:
                 checkpoint_plan(fake, plan)
             held = {id(t): t for t in [*fake.parameters(), *fake.buffers(), *input_tensors(args, kwargs)]}
@@ -233,6 +254,58 @@ class ModelledTarget:
             streams = [r.stream for r in tracker.records]
         return before + [Alloc(e.handle + len(before), e.nbytes, streams[e.handle]) if isinstance(e, Alloc)
                          else Free(e.handle + len(before)) for e in events_of(recorded)]
+
+
+@contextlib.contextmanager
+def fake_tensor_limits(target: Target) -> Iterator[None]:
+    """Note [Limits of fake tensors]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    A target's step is recorded on fake CPU tensors (Note [Fake CUDA on a CPU build] in remat.target.world), which
+    have shapes but no values and run the CPU's kernels. A step that trains where it runs can fail there, and that
+    is a limit of planning for a device that is not here, not the user's fault (issue #47): an operator that needs
+    values (``.item()``, ``nonzero``, a boolean mask), a tensor the model or ``loss_fn`` captured from outside the
+    inputs and parameters (labels made on the meta device: remat copies only the inputs, parameters and buffers),
+    a CPU kernel without the target's dtype (a mixture of experts' grouped matmul in bfloat16). The plain-step test
+    of Note [Whose failure] cannot tell them apart here (its step runs on the same fake tensors), so every failure
+    of the recording is an UnsupportedError that names what failed and what to do, its cause chained."""
+    try:
+        yield
+    except RematError:
+        raise
+    except Exception as e:  # noqa: BLE001 - sorted below; the cause is chained
+        raise _fake_limit(e, target) from e
+
+
+def _fake_limit(e: Exception, target: Target) -> UnsupportedError:
+    from remat._compat import fake_tensor_exceptions
+
+    data_dependent, device_mismatch = fake_tensor_exceptions()
+    text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    func = getattr(e, "func", None)
+    op = f" at {func}" if func is not None else ""
+    where = (f"recording the step for {target.describe()} on fake tensors (shapes, no values, this machine's CPU "
+             f"kernels: Note [Limits of fake tensors] in remat.target.source) failed{op} ({type(e).__name__}: {text})")
+    if isinstance(e, data_dependent) or "data-dependent" in text or "data dependent" in text:
+        return UnsupportedError(
+            f"{where}: the operator needs the values of its inputs (.item(), nonzero, a boolean mask), which fake "
+            "tensors do not have. This is a limit of planning for a device that is not here, not of your step: "
+            "compute the value from shapes, mark it with torch._check where it is a size, or plan on the device "
+            "where the model runs (without target=)")
+    if isinstance(e, device_mismatch) or "FakeTensor" in text and ("device" in text.lower() or "convert" in text):
+        return UnsupportedError(
+            f"{where}: a tensor that is not among example_inputs, the model's parameters or its buffers reached an "
+            "operator (one the model or loss_fn captured, such as labels made on the meta device); remat copies only "
+            "those onto fake tensors. Pass such tensors as example inputs (a Hugging Face model takes labels=), or "
+            "make them inside loss_fn from the output's shape and device")
+    dtypes = ("BFloat16", "BF16", "Half", "Float8", "bfloat16", "float16")
+    if any(d in text for d in dtypes) and ("xpected" in text or "not implemented" in text):
+        return UnsupportedError(
+            f"{where}: a CPU kernel lacks the dtype the target trains in. The step is recorded with the CPU's "
+            "kernels (torch's CPU build cannot run fake CUDA tensors): plan with Target(param_dtype=torch.float32) "
+            "and a float32 model to plan the memory of the float32 step, or plan on the device where it runs")
+    return UnsupportedError(
+        f"{where}. This is a limit of planning for a device that is not here, not a failure of your step; "
+        "plan on the device where the model runs (without target=), and report this with the traceback")
 
 
 def predict_peaks(model: nn.Module, example_inputs: Any, target: Target, *, loss_fn: Any = None,
@@ -359,6 +432,11 @@ def _optimizer_cost(optimizer: torch.optim.Optimizer | None, user_model: nn.Modu
     return OptimizerCost(_round(cost.state_bytes), _round(cost.step_bytes), 0.0, cost.label)
 
 
+def _fits(peaks: AllocatorPeaks, budget: int) -> bool:
+    """Whether a replayed step holds the budget: its reserved peak within it, and no out-of-memory on the way."""
+    return peaks.oom is None and peaks.reserved_peak_bytes <= budget
+
+
 def _labelled(plan: Plan, peaks: AllocatorPeaks | None, target: Target) -> Plan:
     """The plan with what it predicts for the target, labelled predicted."""
     notes = (f"predicted for {target.describe()}, not measured",)
@@ -367,5 +445,6 @@ def _labelled(plan: Plan, peaks: AllocatorPeaks | None, target: Target) -> Plan:
                   f"{fmt_bytes(peaks.reserved_peak_bytes)}; allocated {fmt_bytes(peaks.allocated_peak_bytes)}; "
                   "the budget applies to reserved",)
     return dataclasses.replace(plan, predicted_reserved_bytes=None if peaks is None else peaks.reserved_peak_bytes,
+                               device_memory_bytes=target.allocator.capacity_bytes if target.is_cuda else None,
                                target=target.describe(), notes=plan.notes + notes)
 

@@ -18,7 +18,7 @@ from remat.errors import InfeasibleBudgetError
 from remat.solve import Planner
 from remat.solve.plan import Plan
 from remat.target.source import predict_peaks
-from remat.target.world import Target
+from remat.target.world import Target, as_target
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ def predicted_tradeoff(model: nn.Module, example_inputs: Any, target: Target, *,
     the user's."""
     from remat.api.profiling import make_profile
 
+    target = as_target(target)
     profile = make_profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, output_alive=output_alive,
                            target=target)
     planner = Planner(profile, granularity="op")
@@ -70,6 +71,7 @@ def predicted_tradeoff(model: nn.Module, example_inputs: Any, target: Target, *,
         reserved = peaks.reserved_peak_bytes if target.is_cuda else None
         rows.append(PredictedRow(plan.strategy, plan.budget_bytes, plan.checkpointed, plan.predicted_peak_bytes,
                                  reserved, plan.predicted_step_time_s,
-                                 (reserved if reserved is not None else plan.predicted_peak_bytes)
-                                 <= target.spec.memory_bytes, plan.predicted_tokens_per_s, plan.predicted_mfu))
+                                 peaks.oom is None and (reserved if reserved is not None else
+                                                        plan.predicted_peak_bytes) <= target.spec.memory_bytes,
+                                 plan.predicted_tokens_per_s, plan.predicted_mfu))
     return rows

@@ -24,16 +24,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat._compat import FAKE_WORLD_FLOOR, FAKE_WORLD_FLOOR_WHY, fake_mode, fake_store, meshes_built_for_real, \
-    require_torch, tree_map
+from remat._compat import FAKE_WORLD_FLOOR, FAKE_WORLD_FLOOR_WHY, checkpoint_policies_asked_for, fake_mode, \
+    fake_store, meshes_built_for_real, require_torch, tree_map
 from remat.costs.allocator import AllocatorConfig
-from remat.errors import InvalidInputError, UnsupportedError
+from remat.errors import InvalidInputError, RematError, UnsupportedError
 from remat.target.devices import DeviceSpec, device_spec
 
 #: ``parallelize(model, mesh)``: applies the run's FSDP2 / tensor parallelism to ``model`` in place
@@ -72,21 +72,49 @@ class Target:
     devices_per_node: int = 8
 
     def __post_init__(self) -> None:
+        if not isinstance(self.device, (DeviceSpec, str)):
+            raise InvalidInputError(f"Target.device takes a device name such as 'h100-80gb', a JSON file of a spec or a "
+                                    f"DeviceSpec, got {type(self.device).__name__} {self.device!r}")
         object.__setattr__(self, "device", device_spec(self.device))
-        for name in ("world", "tp"):
+        for name in ("world", "tp", "rank", "devices_per_node"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidInputError(f"Target.{name} must be a whole number of ranks >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "rank" else 1):
+                raise InvalidInputError(f"Target.{name} must be a whole number {'>= 0' if name == 'rank' else '>= 1'}, "
+                                        f"got {type(value).__name__} {value!r}")
         fsdp = self.fsdp if self.fsdp is not None else (self.world // self.tp if self.world // self.tp > 1 else None)
         if fsdp is not None and (isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1):
             raise InvalidInputError(f"Target.fsdp must be a whole number of ranks >= 1, got {fsdp!r}")
+        if self.fsdp is None and self.world % self.tp:
+            raise InvalidInputError(f"Target: world {self.world} is not a multiple of tp {self.tp}: the ranks of a "
+                                    f"tensor-parallel group split the world evenly (e.g. world={self.world // self.tp * self.tp or self.tp})")
         if (fsdp or 1) * self.tp != self.world:
             raise InvalidInputError(
                 f"Target: fsdp {fsdp or 1} x tp {self.tp} = {(fsdp or 1) * self.tp} ranks, but world is {self.world}: "
                 f"give world = fsdp x tp (e.g. world={(fsdp or 1) * self.tp})")
-        if not 0 <= self.rank < self.world:
+        if self.rank >= self.world:
             raise InvalidInputError(f"Target.rank must be in [0, {self.world}), got {self.rank}")
         object.__setattr__(self, "fsdp", fsdp)
+        for name in ("param_dtype", "reduce_dtype"):
+            object.__setattr__(self, name, _dtype(name, getattr(self, name)))
+        for name in ("network_bytes_per_s", "clip_grad_norm"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise InvalidInputError(f"Target.{name} takes a number > 0 or None, got {value!r}")
+        if self.parallelize is not None and not callable(self.parallelize):
+            raise InvalidInputError(f"Target.parallelize takes a function fn(model, mesh), got {self.parallelize!r}")
+        allocator = self.allocator
+        if isinstance(allocator, Mapping):
+            known = [f.name for f in dataclasses.fields(AllocatorConfig)]
+            if set(allocator) - set(known):
+                raise InvalidInputError(f"Target.allocator: unknown settings {sorted(set(allocator) - set(known))}; "
+                                        f"AllocatorConfig takes {known}")
+            allocator = AllocatorConfig(**allocator)
+        if not isinstance(allocator, AllocatorConfig):
+            raise InvalidInputError(f"Target.allocator takes an AllocatorConfig (or a dict of its fields), got "
+                                    f"{allocator!r}")
+        if self.is_cuda and allocator.capacity_bytes is None:  # the device's memory is the allocator's limit
+            allocator = dataclasses.replace(allocator, capacity_bytes=self.spec.memory_bytes)
+        object.__setattr__(self, "allocator", allocator)
 
     @property
     def spec(self) -> DeviceSpec:
@@ -105,6 +133,51 @@ class Target:
         parts += [f"TP {self.tp}"] if self.tp > 1 else []
         ranks = f" x {self.world} ranks ({', '.join(parts)})" if self.world > 1 or parts else ""
         return f"{self.spec}{ranks}"
+
+
+def _aten(name: str) -> Any:
+    return getattr(torch.ops.aten, name).default
+
+
+#: Note [Policies for the target's kernels]
+#: ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+#: A run's selective-checkpointing policy names the operators its device runs: torchtitan's save list names CUDA's
+#: flash and memory-efficient attention. The step is recorded on fake CPU tensors (Note [Fake CUDA on a CPU build]),
+#: where ``scaled_dot_product_attention`` runs the CPU flash kernel, which such a policy does not name: as shipped
+#: it would recompute attention where the run saves it (Llama 3 8B, FSDP 4 x TP 2, batch 1 x 8192, torchtitan's
+#: list: 39.17 GiB predicted reserved as shipped, 44.13 with the CPU kernel added by hand; issue #47). So while a
+#: CUDA target's step is recorded, a policy asked about a CPU stand-in that it would not save is asked again about
+#: the CUDA operators it stands in for (``remat._compat.checkpoint_policies_asked_for``), and saves where the run
+#: would. The stand-ins (docs/targets.md lists them):
+CUDA_STAND_INS: dict[Any, tuple[Any, ...]] = {
+    _aten("_scaled_dot_product_flash_attention_for_cpu"): tuple(
+        _aten(n) for n in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                           "_scaled_dot_product_cudnn_attention")),
+}
+
+def as_target(target: Any) -> Target:
+    """``target`` as a :class:`Target`: a Target as it is, a device name (``"h100-80gb"``) or a
+    :class:`~remat.target.devices.DeviceSpec` as ``Target(device=...)``; anything else refused."""
+    if isinstance(target, Target):
+        return target
+    if isinstance(target, (str, DeviceSpec)):
+        return Target(device=target)
+    raise InvalidInputError(f"target= takes a remat.Target (e.g. Target(device='h100-80gb', world=8)) or a device "
+                            f"name, got {type(target).__name__} {target!r}")
+
+
+#: dtype names a Target takes for param_dtype and reduce_dtype
+DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+               "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+
+
+def _dtype(name: str, value: Any) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype) and value in DTYPE_NAMES.values():
+        return value
+    if isinstance(value, str) and value.lower().removeprefix("torch.") in DTYPE_NAMES:
+        return DTYPE_NAMES[value.lower().removeprefix("torch.")]
+    raise InvalidInputError(f"Target.{name} takes torch.bfloat16, torch.float16, torch.float32, None or one of the "
+                            f"names {sorted(DTYPE_NAMES)}, got {value!r}")
 
 
 @contextlib.contextmanager
@@ -175,20 +248,52 @@ def fake_inputs(example_inputs: Any, mode: Any) -> Any:
     return tree_map(conv, example_inputs)
 
 
-def repeated_blocks(model: nn.Module) -> list[str]:
-    """The qualified names of the blocks of the model's repeated layers: the children of every ``ModuleList``
-    (or ``Sequential``) of two or more modules of one class (a transformer's layers), in order."""
-    blocks = []
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2 and len({type(c) for c in m}) == 1:
-            blocks += [f"{name}.{k}" if name else k for k in m._modules]
-    return blocks
+def repeated_blocks(model: nn.Module) -> tuple[list[str], str]:
+    """The qualified names of the blocks a run shards one by one, in order, and how they were found: the modules
+    of the classes a Hugging Face model declares it must not split (``_no_split_modules``: its decoder layers,
+    as accelerate's FSDP2 wrapping uses them), else the children of every ``ModuleList``, ``Sequential`` or
+    ``ModuleDict`` (torchtitan's layers) of two or more modules of one class. Blocks inside another block (a
+    mixture of experts' ``ModuleList``) are left to it."""
+    declared = set(getattr(model, "_no_split_modules", None) or ())
+    found = [n for n, m in model.named_modules() if n and type(m).__name__ in declared]
+    how = f"the classes the model declares in _no_split_modules ({', '.join(sorted(declared))})"
+    if not found:
+        how = "the repeated children of its ModuleList, Sequential and ModuleDict containers"
+        for name, m in model.named_modules():
+            if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and len(m) >= 2 \
+                    and len({type(c) for c in m.children()}) == 1:
+                found += [f"{name}.{k}" if name else k for k in m._modules]
+    blocks: list[str] = []
+    for name in found:
+        if not any(name.startswith(b + ".") for b in blocks):
+            blocks.append(name)
+    return blocks, how
+
+
+def wrapping_assumed(target: Target, model: nn.Module) -> str:
+    """What the plan assumes of the run's FSDP2 / TP wrapping, for its notes (issue #47: a wrapping other than
+    the run's predicts another step)."""
+    if target.parallelize is not None:
+        fn = getattr(target.parallelize, "__qualname__", None) or type(target.parallelize).__name__
+        return f"parallelism as the run applies it: the given parallelize ({fn}) on a {target.describe()} mesh"
+    if not target.fsdp:
+        return "one rank, no FSDP2"
+    mp = f"MixedPrecisionPolicy(param_dtype={target.param_dtype}, reduce_dtype={target.reduce_dtype})"
+    blocks, how = repeated_blocks(model)
+    if not blocks:
+        return (f"FSDP2 by default over {target.fsdp} ranks: no repeated blocks found, so the whole model is one "
+                f"FSDP2 unit (every parameter gathered at once), {mp}; if the run shards blocks, pass "
+                "Target(parallelize=fn) (or a 4th value from a command-line target) applying its fully_shard calls")
+    shown = ", ".join(blocks) if len(blocks) <= 4 else f"{blocks[0]}, {blocks[1]}, ..., {blocks[-1]}"
+    return (f"FSDP2 by default over {target.fsdp} ranks: fully_shard on {len(blocks)} blocks ({shown}: {how}), "
+            f"then the root, {mp}, blocks resharded after forward; if the run wraps otherwise, pass "
+            "Target(parallelize=fn)")
 
 
 def default_parallelize(target: Target) -> Parallelize:
-    """FSDP2 as most runs apply it: every repeated block ``fully_shard``-ed, then the root, parameters gathered
-    in ``target.param_dtype`` and gradients reduced in ``target.reduce_dtype``; blocks reshard after their
-    forward. Tensor parallelism needs the model's own plan: refused."""
+    """FSDP2 as most runs apply it: every repeated block (:func:`repeated_blocks`) ``fully_shard``-ed, then the
+    root, parameters gathered in ``target.param_dtype`` and gradients reduced in ``target.reduce_dtype``; blocks
+    reshard after their forward. Tensor parallelism needs the model's own plan: refused."""
     def parallelize(model: nn.Module, mesh: Any) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -199,7 +304,7 @@ def default_parallelize(target: Target) -> Parallelize:
                 "fully_shard on mesh['dp'] as your run does (torchtitan's parallelize_llama is such a function)")
         mp = MixedPrecisionPolicy(param_dtype=target.param_dtype, reduce_dtype=target.reduce_dtype)
         mods = dict(model.named_modules())
-        for name in repeated_blocks(model):
+        for name in repeated_blocks(model)[0]:
             fully_shard(mods[name], mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
 
@@ -214,13 +319,27 @@ def built(target: Target, model: nn.Module, example_inputs: Any,
     inputs)`` runs on the copy before it is parallelized (the capture: Note [Capture before parallelizing] in
     remat.target.source)."""
     mode = fake_mode()
-    with fake_world(target) as mesh:
+    with fake_world(target) as mesh, \
+            checkpoint_policies_asked_for(CUDA_STAND_INS) if target.is_cuda else contextlib.nullcontext():
         fake = fake_copy(model, mode)
         inputs = fake_inputs(example_inputs, mode)
         if before is not None:
             before(fake, inputs)
         if mesh is not None:
             with mode, meshes_built_for_real():
-                (target.parallelize or default_parallelize(target))(fake, mesh)
+                if target.parallelize is None:
+                    default_parallelize(target)(fake, mesh)
+                else:
+                    try:
+                        target.parallelize(fake, mesh)
+                    except RematError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - the user's function: theirs, traceback chained
+                        fn = getattr(target.parallelize, "__qualname__", None) or repr(target.parallelize)
+                        raise InvalidInputError(
+                            f"Target.parallelize ({fn}) raised {type(e).__name__}: {str(e).strip()[:300]} -- while "
+                            f"applied to a copy of the model on fake tensors over a mesh of {mesh.mesh_dim_names} = "
+                            f"{tuple(mesh.shape)} (torch's fake process group); its traceback is chained below") \
+                            from e
         yield fake, inputs, mode
 
