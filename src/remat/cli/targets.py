@@ -148,7 +148,8 @@ def hf_from_config(config_json: Path, device: torch.device, options: dict[str, A
             raise InvalidInputError(
                 f"{config_json}: a {config.model_type!r} config ({', '.join(getattr(config, 'architectures', None) or [])}"
                 f") has no causal language model in transformers {transformers.__version__}, and a config.json target is "
-                f"trained as one (token ids in, next-token loss). Those it builds: {', '.join(sorted(causal))}. For an "
+                f"trained as one (token ids in, next-token loss). It builds {len(causal)} model types, among them "
+                f"{', '.join(t for t in _FAMILIAR if t in causal)}. For an "
                 "encoder-decoder, a vision model or another task, write a function target returning (model, "
                 "example_inputs, loss_fn): docs/cli.md") from None
     context = getattr(config, "max_position_embeddings", None) or 4096
@@ -156,6 +157,11 @@ def hf_from_config(config_json: Path, device: torch.device, options: dict[str, A
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     desc = f"{config.model_type} from {config_json} batch_size={batch} seq_len={seq}"
     return model.to(device).train(), {"input_ids": ids, "labels": ids}, None, desc
+
+
+#: model types named first when a config without a causal language model is refused
+_FAMILIAR = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gpt2", "phi3",
+             "deepseek_v3", "olmo2")
 
 
 def sized_batches(target: str, key: str, *, device: torch.device, options: dict[str, Any] | None = None
