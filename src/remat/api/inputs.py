@@ -76,7 +76,7 @@ def stage(name: str, model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossF
     exception chained; if it runs, remat failed, and says so (InternalError, naming the stage, with
     the cause chained). The model is restored by the callers either way. ``judge`` False: the exception goes on
     as it is (a step recorded on fake tensors for a target, whose plain step cannot tell: Note [Limits of fake
-    tensors] in remat.target.source sorts it)."""
+    tensors] in remat.target.limits sorts it)."""
     try:
         yield
     except RematError:

@@ -8,6 +8,7 @@ The second implementation of where costs come from (Note [Where costs come from]
                process group at the target's world size, the batch from shapes (Note [Fake CUDA on a CPU build])
 - ``source``   ModelledTarget: the step recorded there -> Profile; plans checked by replaying the CUDA caching
                allocator (remat.costs.allocator) -> Plan with its predicted reserved peak (Note [Target kernels])
+- ``limits``   what planning on fake tensors cannot do -> an UnsupportedError naming it (Note [Limits of fake tensors])
 - ``tradeoff`` plans per budget and the hand rules, each predicted for the target -> PredictedRow
 
 In: a Target and the user's model (on the meta device or anywhere; never changed) and example inputs (shapes). Out:
