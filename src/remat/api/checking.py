@@ -105,7 +105,7 @@ def measure_checked_peak(
     ``model``); ``allocator_level``: meter every allocation, as compiled code needs (the profiler's memory
     events on CPU; on CUDA the allocator always is). ``steps``: read that many steps by the allocator's
     events and keep the largest peak; None: as many as ``model`` needs (:func:`remat.runtime.distributed.steps_checked`:
-    3 for a tensor-parallel model on CPU, under gloo, Note [Steps under gloo]; else one).
+    3 for a tensor-parallel or compiled model on CPU, under gloo, Note [Steps under gloo]; else one).
 
     The model's gradients (``.grad`` objects and values), buffers and the RNG state are as they were."""
     inputs = input_tensors(args, kwargs)
@@ -128,7 +128,7 @@ def measure_checked_peak(
                 p.grad = torch.zeros_like(p)
         run_step(call, args, kwargs, loss_fn, output_alive=output_alive, on=lambda event: on(event, live_now))
 
-    steps = steps_checked(model, device) if steps is None else steps
+    steps = steps_checked(model, device, compiled=allocator_level) if steps is None else steps
     with preserved(model), fresh_grads(leaves):
         if (allocator_level or steps) and device.type != "cuda":  # Note [Compiled steps] in remat.solve.calibrated
             base, peaks = tensor_bytes(state, device), []
