@@ -53,8 +53,11 @@ def test_a_hugging_face_model_is_sharded_by_the_blocks_it_declares():
     transformers = pytest.importorskip("transformers")
     config = transformers.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except ModuleNotFoundError as e:  # (transformers 5's Mixtral does not import on torch 2.8: a circular import)
+        pytest.skip(f"transformers {transformers.__version__}'s Mixtral does not import on torch {torch.__version__}: {e}")
     blocks, how = repeated_blocks(model)
     assert blocks == ["model.layers.0", "model.layers.1"], blocks  # not the experts inside them
     assert "_no_split_modules" in how
@@ -77,6 +80,8 @@ def test_torchtitans_save_list_as_shipped_saves_attention_as_on_its_gpus():
 def test_the_policy_is_asked_about_the_kernels_the_cpu_stands_in_for():
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from remat._compat import checkpoint_policies_asked_for
     from remat.target.world import CUDA_STAND_INS
 
@@ -87,19 +92,32 @@ def test_the_policy_is_asked_about_the_kernels_the_cpu_stands_in_for():
         return CheckpointPolicy.MUST_SAVE if func == torch.ops.aten._scaled_dot_product_efficient_attention.default \
             else CheckpointPolicy.PREFER_RECOMPUTE
 
+    cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    class Runs(TorchDispatchMode):  # entered outside checkpoint: sees the kernels that run, not those served saved
+        def __init__(self):
+            super().__init__()
+            self.cpu = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.cpu += func == cpu
+            return func(*args, **(kwargs or {}))
+
     q = torch.randn(1, 2, 8, 16, requires_grad=True)
-    step = lambda: checkpoint(F.scaled_dot_product_attention, q, q, q, use_reentrant=False,  # noqa: E731
-                              context_fn=lambda: create_selective_checkpoint_contexts(policy)).sum().backward()
-    step()
-    assert torch.ops.aten._scaled_dot_product_efficient_attention.default not in asked  # outside: never asked
+
+    def step():
+        with Runs() as runs:
+            checkpoint(F.scaled_dot_product_attention, q, q, q, use_reentrant=False,
+                       context_fn=lambda: create_selective_checkpoint_contexts(policy)).sum().backward()
+        return runs.cpu
+
+    assert step() == 2  # outside: the CPU kernel is recomputed
+    assert torch.ops.aten._scaled_dot_product_efficient_attention.default not in asked  # and never asked about
     asked.clear()
     with checkpoint_policies_asked_for(CUDA_STAND_INS):
-        step()
-    cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        assert step() == 1  # saved, as the policy saves the memory-efficient kernel it stands in for
     assert asked[:3] == [cpu, torch.ops.aten._scaled_dot_product_flash_attention.default,
                          torch.ops.aten._scaled_dot_product_efficient_attention.default]
-    # the recomputation asks again, and finds it saved: the CPU kernel did not run a second time
-    assert asked.count(cpu) == 1
 
 
 def _gpt():
