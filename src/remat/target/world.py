@@ -86,7 +86,8 @@ class Target:
             raise InvalidInputError(f"Target.fsdp must be a whole number of ranks >= 1, got {fsdp!r}")
         if self.fsdp is None and self.world % self.tp:
             raise InvalidInputError(f"Target: world {self.world} is not a multiple of tp {self.tp}: the ranks of a "
-                                    f"tensor-parallel group split the world evenly (e.g. world={self.world // self.tp * self.tp or self.tp})")
+                                    f"tensor-parallel group split the world evenly "
+                                    f"(e.g. world={self.world // self.tp * self.tp or self.tp})")
         if (fsdp or 1) * self.tp != self.world:
             raise InvalidInputError(
                 f"Target: fsdp {fsdp or 1} x tp {self.tp} = {(fsdp or 1) * self.tp} ranks, but world is {self.world}: "
@@ -154,6 +155,7 @@ CUDA_STAND_INS: dict[Any, tuple[Any, ...]] = {
         _aten(n) for n in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                            "_scaled_dot_product_cudnn_attention")),
 }
+
 
 def as_target(target: Any) -> Target:
     """``target`` as a :class:`Target`: a Target as it is, a device name (``"h100-80gb"``) or a
