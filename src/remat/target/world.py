@@ -48,9 +48,13 @@ class Target:
     ``world`` ranks, of which ``fsdp`` shard parameters with FSDP2 (default: ``world // tp`` when ``world`` > 1)
     and ``tp`` split them with tensor parallelism (a mesh ``(fsdp, tp)`` named ``("dp", "tp")``). ``parallelize``
     applies the run's parallelism to the model (``parallelize(model, mesh)``, as torchtitan's
-    ``parallelize_llama`` does); without it, FSDP2 wraps every block of the model's repeated layers, then the
-    root, with ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``, and tensor parallelism is refused (it needs
-    the model's own plan). ``allocator``: the CUDA caching allocator's settings (``expandable_segments``)."""
+    ``parallelize_llama`` does); without it, FSDP2 wraps every block of the model (:func:`repeated_blocks`: those a
+    Hugging Face model declares in ``_no_split_modules``, else the repeated children of a ``ModuleList``,
+    ``Sequential`` or ``ModuleDict``), then the root, with ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``, and
+    tensor parallelism is refused (it needs the model's own plan); every plan says which wrapping it assumed.
+    ``allocator``: the CUDA caching allocator's settings (an :class:`AllocatorConfig` or a dict of its fields); its
+    capacity is the device's memory unless given. Fields are checked when the Target is made (dtype names such as
+    ``"bf16"`` are taken)."""
 
     device: DeviceSpec | str = "cpu"
     world: int = 1
