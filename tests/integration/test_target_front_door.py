@@ -150,6 +150,9 @@ def test_a_step_the_device_cannot_hold_is_refused_not_planned():
     for budget_gb in (3 / 1024, 1.0):  # under the device's memory (the predicted live peak fits), and above it
         with pytest.raises(remat.InfeasibleBudgetError, match="runs out of the device's 4.0 MiB"):
             remat.optimize_checkpointing(model, budget_gb, inputs, target=tiny)
+    smaller = Target(device="h100-80gb", allocator=AllocatorConfig(capacity_bytes=1 << 20))  # under the live least
+    with pytest.raises(remat.InfeasibleBudgetError, match="No budget on NVIDIA H100 SXM 80GB .* holds this step"):
+        remat.optimize_checkpointing(model, 1.0, inputs, target=smaller)
     assert remat.checkpointed_modules(model) == []
     rows = predicted_tradeoff(model, inputs, tiny, budgets=[])
     assert rows and not any(r.fits_device for r in rows)

@@ -175,6 +175,10 @@ class ModelledTarget:
             notes = (f"the budget ({fmt_bytes(budget)}) is above the memory of {self.target.spec} that the CUDA caching "
                      f"allocator can get ({fmt_bytes(capacity)}): planned for {fmt_bytes(capacity)}",)
             budget = capacity
+        no_budget = (f"No budget on {self.target.spec} holds this step with checkpointing alone: shrink the batch or "
+                     "the sequence, shard over more ranks (fsdp), or plan for a device with more memory.")
+        if capacity is not None and planner.min_peak_bytes > capacity:
+            raise planner.infeasible(budget, remedy=no_budget)
         plan = planner.plan_for_budget(budget)
         if not (req.check and self.target.is_cuda):
             return _labelled(plan, None, self.target), notes
@@ -211,8 +215,7 @@ class ModelledTarget:
             where += (f"; even the least-memory plan runs out of the device's {fmt_bytes(capacity)}: the replay "
                       f"stopped where it asks for a segment of {fmt_bytes(oom.segment_bytes)} with "
                       f"{fmt_bytes(oom.reserved_bytes)} reserved and the cache released")
-            remedy = (f"No budget on {self.target.spec} holds this step with checkpointing alone: shrink the batch or "
-                      f"the sequence, shard over more ranks (fsdp), or plan for a device with more memory.")
+            remedy = no_budget
         raise planner.infeasible(budget, least_bytes=max(peaks.reserved_peak_bytes, least.predicted_peak_bytes),
                                  source=where, remedy=remedy)
 
