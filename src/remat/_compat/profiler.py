@@ -31,9 +31,9 @@ class ProfilerSession:
     a communication library allocates on its own worker threads is its scratch, not the step's tensors. Gloo
     allocates such a buffer per collective on its threads (an all-gather's output-sized one: on the tests' FSDP2
     GPT 199,936 bytes per block and 82,432 for the root, each group's unsharded bytes), and when it is alive
-    against the step's own peak depends on how the threads are scheduled: six identical compiled FSDP2 steps
-    read 7,886,024 bytes five times and 7,968,456 (the root's 82,432 more) once, and a check that read the
-    lower figure accepted a plan that the next steps read 3,264 bytes over its budget (issue #46). The
+    against the step's own peak depends on how the threads are scheduled (``benchmarks/gloo_threads.py``), and a
+    check that read a step without it accepted a plan that the next steps read 3,264 bytes over its budget
+    (issue #46). The
     dispatch-level meter of eager steps never saw those buffers either (a dispatch mode is thread-local), and on
     a GPU NCCL's buffers are outside the caching allocator's counts. ``foreign_peak_bytes``: the most such
     scratch alive at once, for the record."""

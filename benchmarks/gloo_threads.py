@@ -1,0 +1,108 @@
+"""What gloo's worker threads allocate during a compiled FSDP2 step, and whether it meets the step's peak (issue #46,
+Note [The step's threads] in remat._compat.profiler): the tests' GPT (2 blocks of width 64, vocabulary 256, batch 8 x
+64 per rank), FSDP2 over 2 gloo ranks on this CPU, its first block's MLP checkpointed, compiled with aot_eager, AdamW.
+Each of ``STEPS`` steps is read by the profiler's allocator-level events three ways: every thread counted, the
+step's own thread only (remat's meter), and the most that gloo's threads held at once.
+
+    python benchmarks/gloo_threads.py [STEPS]     (default 12; about 30 s)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils.checkpoint import checkpoint
+
+import remat
+from remat.examples import make_gpt
+
+
+def readings(work) -> tuple[int, int, int]:
+    """(every thread's peak, the calling thread's peak, the other threads' peak) of ``work()``, in bytes above the
+    start, from the profiler's event tree (allocations' addresses and threads)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("bench::caller"):
+            pass
+        work()
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        events.append(e)
+        todo += e.children
+    caller = next(e.start_tid for e in events if e.name == "bench::caller")
+    theirs_live: set[int] = set()
+    every = mine = theirs = peaks_every = peaks_mine = peaks_theirs = 0
+    for e in sorted((e for e in events if e.tag == torch._C._profiler._EventType.Allocation),
+                    key=lambda e: e.start_time_ns):
+        f = e.extra_fields
+        if f.device.type != "cpu":
+            continue
+        every += f.alloc_size
+        if f.alloc_size > 0 and e.start_tid != caller or f.alloc_size < 0 and f.ptr in theirs_live:
+            (theirs_live.add if f.alloc_size > 0 else theirs_live.discard)(f.ptr)
+            theirs += f.alloc_size
+        else:
+            mine += f.alloc_size
+        peaks_every, peaks_mine, peaks_theirs = max(peaks_every, every), max(peaks_mine, mine), max(peaks_theirs,
+                                                                                                   theirs)
+    return peaks_every, peaks_mine, peaks_theirs
+
+
+def rank(r: int, world: int, port: int, steps: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=r, world_size=world)
+    torch.set_num_threads(1)
+    model, _, _ = make_gpt(layers=2, batch_size=8, seq_len=64, d_model=64, vocab=256, seed=0)
+    g = torch.Generator().manual_seed(100 + r)
+    idx, targets = (torch.randint(0, 256, (8, 64), generator=g) for _ in range(2))
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    mlp = model.h[0].mlp
+    forward = mlp.forward
+    mlp.forward = lambda *a, **k: checkpoint(forward, *a, use_reentrant=False, **k)
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        loss = remat.default_loss(compiled(idx, targets))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    step()
+    rows = [readings(step) for _ in range(steps)]
+    out = [None] * world
+    dist.all_gather_object(out, rows)
+    if r == 0:
+        print(f"torch {torch.__version__}, {world} gloo ranks, {steps} identical compiled steps; bytes above the "
+              "step's start (parameters, optimizer state and batch not included)")
+        print("| rank | every thread: least - largest (steps at the largest) | the step's thread | gloo's threads at "
+              "once |")
+        print("|---|---|---|---|")
+        for k, rs in enumerate(out):
+            every = [x[0] for x in rs]
+            mine = sorted({x[1] for x in rs})
+            theirs = sorted({x[2] for x in rs})
+            print(f"| {k} | {min(every):,} - {max(every):,} ({every.count(max(every))} of {len(every)}) | "
+                  f"{', '.join(f'{m:,}' for m in mine)} | {', '.join(f'{t:,}' for t in theirs)} |")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 12
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    torch.multiprocessing.spawn(rank, args=(2, free, n), nprocs=2, join=True)
