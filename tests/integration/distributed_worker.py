@@ -451,37 +451,19 @@ def allocator_peak(model, inputs, loss_fn, opt, readings: int = 3, keep=min):
 
 def step_thread_peak(work) -> tuple[int, int]:
     """The most bytes allocated on the CPU while ``work()`` runs, above what was allocated when it began, by
-    the profiler's allocator-level events, written here apart from remat's meter: what the calling thread
-    allocates (and whichever thread frees it), and apart, the most alive at once of what other threads allocate
-    (gloo's worker threads: a scratch buffer per collective, which is not the step's and meets the step's peak
-    or not as the threads happen to be scheduled: issue #46, Note [The step's threads] in remat._compat.profiler).
-    Returns (the calling thread's peak, the other threads' peak)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    the profiler's allocator-level events, read apart from remat's meter (``benchmarks/gloo_threads.readings``):
+    what the calling thread allocates (and whichever thread frees it), and apart, the most alive at once of what
+    other threads allocate (gloo's worker threads: a scratch buffer per collective, which is not the step's and
+    meets the step's peak or not as the threads happen to be scheduled: issue #46, Note [The step's threads] in
+    remat._compat.profiler). Returns (the calling thread's peak, the other threads' peak)."""
+    import sys
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function("test::caller"):
-            pass
-        work()
-    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        e = todo.pop()
-        events.append(e)
-        todo += e.children
-    caller = next(e.start_tid for e in events if e.name == "test::caller")
-    others: set[int] = set()
-    mine = theirs = peak = their_peak = 0
-    for e in sorted((e for e in events if e.tag == torch._C._profiler._EventType.Allocation),
-                    key=lambda e: e.start_time_ns):
-        f = e.extra_fields
-        if f.device.type != "cpu":
-            continue
-        if f.alloc_size > 0 and e.start_tid != caller or f.alloc_size < 0 and f.ptr in others:
-            (others.add if f.alloc_size > 0 else others.discard)(f.ptr)
-            theirs += f.alloc_size
-        else:
-            mine += f.alloc_size
-        peak, their_peak = max(peak, mine), max(their_peak, theirs)
-    return peak, their_peak
+    bench = str(Path(__file__).parents[2] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from gloo_threads import readings
+
+    return readings(work)[1:]
 
 
 def gloo_scratch_case() -> dict:
