@@ -176,6 +176,7 @@ def test_a_bad_target_is_refused_when_it_is_made_with_its_cause(kwargs, match):
 
 def test_dtype_names_are_taken_and_a_device_name_is_a_target():
     assert Target(device="h100-80gb", param_dtype="bf16", reduce_dtype="fp32").param_dtype == torch.bfloat16
+    assert Target(device="h100-80gb", reduce_dtype=torch.float64).reduce_dtype == torch.float64
     model, inputs = _gpt()
     with pytest.raises(remat.InvalidInputError, match="target= takes a remat.Target"):
         remat.make_profile(model, inputs, target=8)

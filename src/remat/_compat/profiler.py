@@ -33,9 +33,8 @@ class ProfilerSession:
     GPT 199,936 bytes per block and 82,432 for the root, each group's unsharded bytes), and when it is alive
     against the step's own peak depends on how the threads are scheduled (``benchmarks/gloo_threads.py``), and a
     check that read a step without it accepted a plan that the next steps read 3,264 bytes over its budget
-    (issue #46). The
-    dispatch-level meter of eager steps never saw those buffers either (a dispatch mode is thread-local), and on
-    a GPU NCCL's buffers are outside the caching allocator's counts. ``foreign_peak_bytes``: the most such
+    (issue #46). The dispatch-level meter of eager steps never saw those buffers either (a dispatch mode is
+    thread-local), and on a GPU NCCL's buffers are outside the caching allocator's counts. ``foreign_peak_bytes``: the most such
     scratch alive at once, for the record."""
 
     def __init__(self, device: torch.device) -> None:

@@ -135,8 +135,9 @@ class Plan:
 
     @property
     def fits_device(self) -> bool | None:
-        """For a modelled GPU target, whether the predicted reserved peak is within the device's memory (the replay
-        did not run out of it); None where unknown (no target, or not replayed)."""
+        """For a modelled GPU target, whether the predicted reserved peak is within the device's memory (a plan whose
+        replay ran out of it is never returned: remat.target.source); None where unknown (no target, or not
+        replayed)."""
         if self.device_memory_bytes is None or self.predicted_reserved_bytes is None:
             return None
         return self.predicted_reserved_bytes <= self.device_memory_bytes

@@ -69,9 +69,10 @@ def predicted_tradeoff(model: nn.Module, example_inputs: Any, target: Target, *,
                                                     plan=plan if plan.checkpointed else None)
         peaks = seen[plan.checkpointed]
         reserved = peaks.reserved_peak_bytes if target.is_cuda else None
+        # (the device's memory as the replay was limited to it: the allocator's capacity on a GPU)
+        memory = target.allocator.capacity_bytes or target.spec.memory_bytes
+        fits = peaks.oom is None and (reserved if reserved is not None else plan.predicted_peak_bytes) <= memory
         rows.append(PredictedRow(plan.strategy, plan.budget_bytes, plan.checkpointed, plan.predicted_peak_bytes,
-                                 reserved, plan.predicted_step_time_s,
-                                 peaks.oom is None and (reserved if reserved is not None else
-                                                        plan.predicted_peak_bytes) <= target.spec.memory_bytes,
-                                 plan.predicted_tokens_per_s, plan.predicted_mfu))
+                                 reserved, plan.predicted_step_time_s, fits, plan.predicted_tokens_per_s,
+                                 plan.predicted_mfu))
     return rows

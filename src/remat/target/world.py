@@ -178,12 +178,12 @@ DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch
 
 
 def _dtype(name: str, value: Any) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype) and value in DTYPE_NAMES.values():
+    if value is None or isinstance(value, torch.dtype) and value.is_floating_point:
         return value
     if isinstance(value, str) and value.lower().removeprefix("torch.") in DTYPE_NAMES:
         return DTYPE_NAMES[value.lower().removeprefix("torch.")]
-    raise InvalidInputError(f"Target.{name} takes torch.bfloat16, torch.float16, torch.float32, None or one of the "
-                            f"names {sorted(DTYPE_NAMES)}, got {value!r}")
+    raise InvalidInputError(f"Target.{name} takes a floating-point torch.dtype (torch.bfloat16, ...), None or one of "
+                            f"the names {sorted(DTYPE_NAMES)}, got {value!r}")
 
 
 @contextlib.contextmanager
