@@ -39,6 +39,7 @@ import torch
 import remat
 from remat._compat import profiler_memory_peak
 from remat.api import checked_reading
+from remat.check.compiled import CompiledComparison
 from remat.runtime.compiled import compiled_loop
 from remat.examples import make_gpt
 from remat.runtime.measure import outside_autocast, split_inputs, tensor_bytes
@@ -154,13 +155,16 @@ class RematCompiled:
         self.measured: dict = {}
         self.programs: dict = {}  # what each measured plan's compiled program says (Note [Compiled programs])
         self.args, self.kwargs = split_inputs(self.inputs)
+        # each measured step compared with the plain compiled step, as the library does (Note [Two programs per plan])
+        self.compare = CompiledComparison(self.loop)
 
     def plan(self, budget: int):
         t0 = time.perf_counter()
         before = len(self.measured)
         plan = plan_compiled(self.planner, budget, lambda p: checked_reading(
-            self.model, p, self.args, self.kwargs, self.loss_fn, self.device, self.profile, self.loop),
-            loop=str(self.loop), measured=self.measured, programs=self.programs)
+            self.model, p, self.args, self.kwargs, self.loss_fn, self.device, self.profile, self.loop,
+            compare=self.compare), loop=str(self.loop), measured=self.measured, programs=self.programs,
+            proved=self.compare.proved)
         return plan, time.perf_counter() - t0, len(self.measured) - before
 
 

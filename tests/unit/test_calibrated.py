@@ -181,3 +181,92 @@ def test_a_compiled_program_predicts_a_plan_without_its_own_measured_step():
     odd = plan_compiled(p, budget, ProgramStand(p, odd=plan.checkpointed, off_by=10240), loop="stand-in")
     assert odd.checked_peak_bytes == plan.checked_peak_bytes
     assert odd.predicted_peak_bytes == plan.checked_peak_bytes + 10240
+
+
+def random_planner(random_units: int = 8) -> Planner:
+    """:func:`planner` whose first ``random_units`` units run dropout (``UnitCost.draws_random``)."""
+    import dataclasses
+
+    profile = random_chain_profile(8, seed=3)
+    units = tuple(dataclasses.replace(u, draws_random=i < random_units) for i, u in enumerate(profile.units))
+    return Planner(dataclasses.replace(profile, units=units), granularity="block")
+
+
+class TwoPrograms(CompiledStand):
+    """A compiled step whose random operators' kept outputs cost ``kept`` bytes per checkpointed unit that draws
+    random numbers (Note [Two programs per plan]); recomputed they cost nothing, and are proved where ``proves``
+    says so (``proved``: the stand-in for the compiled comparison)."""
+
+    def __init__(self, planner: Planner, kept: int, proves=lambda plan: True) -> None:
+        super().__init__(planner)
+        self.kept, self.proves, self.variants = kept, proves, []
+
+    def __call__(self, plan) -> int:
+        self.variants.append(plan.variant)
+        random = sum(self.planner.profile.unit(u).draws_random for u in plan.checkpointed)
+        return super().__call__(plan) + (self.kept * random if plan.compiled_random == "keep" else 0)
+
+    def proved(self, plan) -> bool:
+        assert plan.variant in self.variants, "a plan is proved by its own measured step"
+        return self.proves(plan)
+
+
+def test_recomputed_random_operators_lower_the_least_compiled_peak_where_proved():
+    """Issue #48: every block kept measures over every block recomputed; recomputing is proved, so the least
+    peak is the recomputing program's, a budget equal to it gets a plan, and every plan after the anchors is
+    solved and measured recomputing (one more compile than keeping alone)."""
+    p = random_planner()
+    meter = TwoPrograms(p, kept=4 * MiB)
+    recomputed = min(CompiledStand(p)(p.least_memory()), CompiledStand(p)(p.every_nth_block(1)))
+    kept_least = min(meter(p.least_memory()), meter(p.every_nth_block(1)))
+    assert recomputed < kept_least
+    meter.variants.clear()
+    plan = plan_compiled(p, recomputed, meter, loop="stand-in", proved=meter.proved)
+    assert plan.checked_peak_bytes <= recomputed
+    assert plan.compiled_random == "recompute" and "random operators recomputed" in plan.notes[-1]
+    every = p.every_nth_block(1).checkpointed
+    assert meter.variants[:3] == [((), "keep"), (every, "keep"), (every, "recompute")]
+    assert all(r == "recompute" for units, r in meter.variants[3:])
+    with pytest.raises(InfeasibleBudgetError) as e:
+        plan_compiled(p, recomputed - 1, meter, loop="stand-in", proved=meter.proved)
+    assert e.value.min_feasible_bytes == recomputed
+    # where it cannot be proved (None: a distributed loop), nothing is recomputed and the budget is refused
+    with pytest.raises(InfeasibleBudgetError) as e:
+        plan_compiled(p, recomputed, TwoPrograms(p, kept=4 * MiB), loop="stand-in")
+    assert e.value.min_feasible_bytes == kept_least
+
+
+def test_recomputing_random_operators_is_refused_where_its_step_is_not_the_plain_compiled_steps():
+    """The proof decides: a recomputing program that drew other numbers is not taken, though it measured less;
+    the plan keeps random operators' outputs and says why and what recomputing measured."""
+    p = random_planner()
+    meter = TwoPrograms(p, kept=4 * MiB, proves=lambda plan: False)
+    kept_least = min(meter(p.least_memory()), meter(p.every_nth_block(1)))
+    plan = plan_compiled(p, kept_least, meter, loop="stand-in", proved=meter.proved)
+    assert plan.compiled_random == "keep" and plan.min_peak_bytes == kept_least
+    assert "drew other numbers than the plain compiled step" in plan.notes[-1], plan.notes
+    assert "with them recomputed" in plan.notes[-1]
+
+
+def test_a_later_recomputing_plan_not_proved_is_measured_again_keeping():
+    """Every block's recomputing step is proved, a later plan's is not: that plan is measured again with random
+    operators kept, the search keeps them from then on, and the plan returned is within the budget."""
+    p = random_planner()
+    every = p.every_nth_block(1).checkpointed
+    meter = TwoPrograms(p, kept=MiB // 2, proves=lambda plan: plan.checkpointed == every)
+    lo, hi = CompiledStand(p)(p.least_memory()), meter(p.no_checkpointing())
+    budget = (lo + hi) // 2
+    meter.variants.clear()
+    plan = plan_compiled(p, budget, meter, loop="stand-in", proved=meter.proved)
+    assert plan.checked_peak_bytes <= budget and plan.compiled_random == "keep"
+    refused = [units for units, r in meter.variants if r == "recompute" and units != every]
+    assert refused and all((units, "keep") in meter.variants for units in refused)
+
+
+def test_units_without_random_operators_compile_once():
+    """No unit draws random numbers: one program per plan, as before (no second compile of every block)."""
+    p = random_planner(random_units=0)
+    meter = TwoPrograms(p, kept=4 * MiB)
+    plan_compiled(p, 0 + min(meter(p.least_memory()), meter(p.every_nth_block(1))), meter, loop="stand-in",
+                  proved=meter.proved)
+    assert all(r == "keep" for _, r in meter.variants)

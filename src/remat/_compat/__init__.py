@@ -49,4 +49,4 @@ from remat._compat.modules import (  # noqa: F401
 from remat._compat.profiler import (  # noqa: F401
     ProfilerSession, _stderr_silenced, profiler_memory_peak, profiler_memory_trace)
 from remat._compat.inductor import (  # noqa: F401
-    _PROGRAM_SIZES, _PROGRAM_SIZES_FORMAT, _program_sizes_path, inductor_programs)
+    _PROGRAM_SIZES, _PROGRAM_SIZES_FORMAT, _program_sizes_path, inductor_programs, random_numbers)

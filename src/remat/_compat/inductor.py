@@ -17,6 +17,14 @@ _PROGRAM_SIZES: dict[str, dict[str, int | None]] = {}
 _PROGRAM_SIZES_FORMAT = 2
 
 
+def random_numbers() -> str:
+    """Which random numbers inductor's programs draw, as a plan proved under them says it
+    (``torch._inductor.config.fallback_random``: checked on torch 2.8, 2.13 and 2.15)."""
+    if torch._inductor.config.fallback_random:
+        return "eager's random numbers (torch._inductor.config.fallback_random=True)"
+    return "inductor's own random numbers (torch._inductor.config.fallback_random=False)"
+
+
 def _program_sizes_path(key: str):
     from pathlib import Path
 

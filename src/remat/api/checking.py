@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from remat._compat import inductor_programs, profiler_memory_trace, uncompiled
+from remat._compat import inductor_programs, profiler_memory_trace, random_numbers, uncompiled
 from remat.api.inputs import validate
 from remat.api.profiling import prepare_hf_for_training
 from remat.check.verify import CompiledComparison, check_compiled_plan
@@ -53,14 +53,15 @@ def proved_compiled(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, los
                 "Note [Compiled plans are proved] in remat.check.compiled runs in one process)")
     if not plan.checkpointed:
         return "nothing checkpointed: the compiled step is the plain compiled step"
-    report = compare.reports.get(plan.checkpointed)
+    report = compare.reports.get(plan.variant)
     if report is None or not report.equal:  # (the slope check needs the planned step's gradients: run it again)
         report = check_compiled_plan(model, plan, args, kwargs, loss_fn, loop)
     if report.equal:
         name, diff = report.worst(1)[0] if report.max_abs_diff else ("", 0.0)
         return (f"proved on one compiled step: loss, outputs, gradients and buffers equal the plain compiled "
                 f"step's within rtol {report.rtol:g} ({len(report.max_abs_diff)} tensors; largest difference "
-                f"{diff:.2e}, {name}; Note [Compiled plans are proved] in remat.check.compiled)")
+                f"{diff:.2e}, {name}), with {random_numbers()}: another setting compiles other programs, not proved "
+                "(Note [Compiled plans are proved] in remat.check.compiled)")
     own = report.slope is not None and report.slope.consistent
     alike = check_compiled_plan(model, plan, args, kwargs, loss_fn, loop, deterministic=True) if own else None
     if alike is not None and alike.equal:
@@ -176,7 +177,7 @@ def checked_reading(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, los
                 with preserved(model), torch.random.fork_rng(devices=[]), fresh_grads(trainable_parameters(model)), \
                         inductor_programs() if read else contextlib.nullcontext(None) as programs:
                     if compare is not None:
-                        compare.step(plan.checkpointed, call, model, args, kwargs, loss_fn,
+                        compare.step(plan.variant, call, model, args, kwargs, loss_fn,
                                      output_alive=profile.output_alive)
                     else:
                         run_step(call, args, kwargs, loss_fn, output_alive=profile.output_alive)

@@ -125,7 +125,8 @@ def _choose(req: Request, planner: Planner, profile: Profile, first: _MemoryFirs
             plan = plan_compiled(
                 planner, req.budget_bytes, lambda p: _ranks_reading(ranks, checked_reading(
                     model, p, args, kwargs, loss_fn, device, profile, loop, compare=compare)),
-                agree=ranks.broadcast if ranks is not None else (lambda p: p), loop=str(loop))
+                agree=ranks.broadcast if ranks is not None else (lambda p: p), loop=str(loop),
+                proved=compare.proved if compare is not None else None)
             notes += (proved_compiled(model, plan, args, kwargs, loss_fn, loop, compare),)
     elif req.check:
         with stage("check", model, args, kwargs, loss_fn):

@@ -34,20 +34,27 @@ class CompiledComparison:
         self.loop = loop
         self.seed = seed
         self.plain: _Taken | None = None
-        #: the report of each plan compared, by its units
-        self.reports: dict[tuple[str, ...], EquivalenceReport] = {}
+        #: the report of each plan compared, by ``Plan.variant``
+        self.reports: dict[tuple[tuple[str, ...], str], EquivalenceReport] = {}
 
-    def step(self, units: tuple[str, ...], call: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict,
-             loss_fn: LossFn, *, output_alive: bool) -> None:
-        """One training step of ``call`` (``module`` checkpointed as ``units``, compiled as the loop compiles
-        it), seeded; kept (no checkpointing) or compared with the plain one. Leaves ``module``'s gradients set."""
+    def proved(self, plan: Plan) -> bool:
+        """Whether ``plan``'s compiled step, run by :meth:`step`, equalled the plain compiled step."""
+        report = self.reports.get(plan.variant)
+        return report is not None and report.equal
+
+    def step(self, variant: tuple[tuple[str, ...], str], call: Callable[..., Any], module: nn.Module, args: tuple,
+             kwargs: dict, loss_fn: LossFn, *, output_alive: bool) -> None:
+        """One training step of ``call`` (``module`` checkpointed as ``variant``, a ``Plan.variant``, compiled as the
+        loop compiles it), seeded; kept (no checkpointing) or compared with the plain one. Leaves ``module``'s
+        gradients set."""
+        units = variant[0]
         taken = _take(call, module, args, kwargs, loss_fn, self.seed, model_device(module), input_grads=False,
                       output_alive=output_alive, host=True)
         if not units:
             self.plain = taken
         elif self.plain is not None:
             rtol, atol = _tolerance(self.loop, None, None)
-            self.reports[units] = compare_steps(self.plain, taken, rtol=rtol, atol=atol, checkpointed=units,
+            self.reports[variant] = compare_steps(self.plain, taken, rtol=rtol, atol=atol, checkpointed=units,
                                                 compiled=str(self.loop))
 
 

@@ -170,6 +170,7 @@ def _unit_cost(rec: Recording, spec: UnitSpec, live: tuple[int, ...], saved_as: 
         later_calls=tuple(CallSpan(sp[0], sp[1], e.recompute_at, e.recompute_peak_bytes)
                           for sp, e in zip(spans[1:], effects[1:])),
         made=head.made, backward_end=head.backward_end,
+        draws_random=any(op.random for a, b in spans for op in rec.forward_ops[a:b + 1]),
     )
 
 

@@ -186,6 +186,9 @@ class UnitCost:
     #: timeline index of the last backward operator that reads a tensor saved inside its first call (where its
     #: backward ends); None if it saves nothing or one is never read back
     backward_end: int | None = None
+    #: its forward runs an operator that draws random numbers (dropout): under torch.compile such a unit's plan
+    #: has two programs (Note [Random operators under compile] in remat.rewrite)
+    draws_random: bool = False
 
     @property
     def calls(self) -> int:

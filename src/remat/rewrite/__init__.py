@@ -24,7 +24,7 @@ The package, stage by stage (each Note lives with the code it describes):
   and ``remove_checkpointing``.
 
 Every name is re-exported here. A name is looked up in the module that uses it: to replace one (a test's
-``monkeypatch.setattr``), set it there (``remat.rewrite.policy.draws_random``, ``remat.rewrite.call.KEEP_RANDOM``,
+``monkeypatch.setattr``), set it there (``remat.rewrite.policy.draws_random``, ``remat.rewrite.forwards.unit_policy``,
 ``remat.rewrite.forwards._checkpointed_call``).
 """
 
@@ -38,5 +38,6 @@ from remat.rewrite.forwards import (CheckpointedForward, RegionForward, Segmente
                                     _rebuild, is_checkpointed)
 from remat.rewrite.install import (check_units, checkpoint_modules, checkpoint_plan, checkpointed_modules,  # noqa: F401
                                    parse_unit, remove_checkpointing)
-from remat.rewrite.policy import (_POLICY_CODE, KEEP_RANDOM, PolicyNames, _policy_code, compiled_policy,  # noqa: F401
-                                  draws_random, keep_ops, keep_ops_contexts)
+from remat.rewrite.policy import (_POLICY_CODE, KEEP_RANDOM, RANDOM_CHOICES, RECOMPUTE_RANDOM, PolicyNames,  # noqa: F401
+                                  _policy_code, compiled_policy, draws_random, keep_ops, keep_ops_contexts,
+                                  unit_policy)

@@ -24,7 +24,7 @@ from torch import nn
 from remat.capture import RegionProgram
 from remat.costs.unit_costs import region_name, segment_name
 from remat.rewrite.call import _checkpointed_call
-from remat.rewrite.policy import compiled_policy
+from remat.rewrite.policy import unit_policy
 
 
 class _RematForward:
@@ -47,7 +47,7 @@ class CheckpointedForward(_RematForward):
 
     def __init__(
         self, module: nn.Module, *, preserve_rng_state: bool = True, buffers: Iterable[str] | None = None,
-        saved_ops: Iterable[str] | None = None, policy: str = "",
+        saved_ops: Iterable[str] | None = None, policy: str = "", random: str = "keep",
     ) -> None:
         self.module = module
         self.preserve_rng_state = preserve_rng_state
@@ -62,8 +62,9 @@ class CheckpointedForward(_RematForward):
         self.previous = module.__dict__.get("forward")
         #: a context-manager factory wrapped around each recomputation (set by the profiler only)
         self.recompute_timer = None
-        #: the policy under torch.compile (Note [Random operators under compile])
-        self.compiled = None if self.saved_ops is None else compiled_policy(self.saved_ops)
+        #: the policy under torch.compile: what it keeps, random operators' outputs kept or recomputed (Note [Random
+        #: operators under compile]; ``Plan.compiled_random``)
+        self.compiled = unit_policy(self.saved_ops, random)
 
     def __call__(self, *args, **kwargs):
         original = self._original()
@@ -88,10 +89,11 @@ class SegmentedForward(_RematForward):
 
     def __init__(self, module: nn.Sequential, segments: Iterable[tuple[int, int]], *,
                  preserve_rng_state: bool = True,
-                 buffers: dict[tuple[int, int], tuple[str, ...] | None] | None = None) -> None:
+                 buffers: dict[tuple[int, int], tuple[str, ...] | None] | None = None, random: str = "keep") -> None:
         self.module = module
         self.segments = tuple(sorted(segments))
         self.preserve_rng_state = preserve_rng_state
+        self.compiled = unit_policy(None, random)  # under torch.compile (as CheckpointedForward's)
         #: per segment, names (relative to the Sequential) of the buffers to replay; None: all of them
         self.buffers = dict(buffers or {})
         self.previous = module.__dict__.get("forward")
@@ -119,7 +121,8 @@ class SegmentedForward(_RematForward):
                 bufs = [b for c in children[k:stop] for b in c.buffers() if b is not None]
             else:
                 bufs = _buffers(self.module, names)
-            x = _checkpointed_call(run, (x,), {}, bufs, self.preserve_rng_state, None)
+            x = _checkpointed_call(run, (x,), {}, bufs, self.preserve_rng_state, None,
+                                   compiled=self.__dict__.get("compiled"))
             k = stop
         return x
 
@@ -129,7 +132,7 @@ class SegmentedForward(_RematForward):
     def __reduce__(self):
         return (_rebuild, (SegmentedForward, dict(
             module=self.module, segments=self.segments, preserve_rng_state=self.preserve_rng_state,
-            buffers=self.buffers, previous=self.previous)))
+            buffers=self.buffers, previous=self.previous, compiled=self.compiled)))
 
 
 class RegionForward(_RematForward):
@@ -139,10 +142,12 @@ class RegionForward(_RematForward):
 
     def __init__(self, module: nn.Module, regions: Iterable[tuple[str, str | None]], *,
                  preserve_rng_state: bool = True,
-                 buffers: dict[tuple[str, str | None], tuple[str, ...] | None] | None = None) -> None:
+                 buffers: dict[tuple[str, str | None], tuple[str, ...] | None] | None = None,
+                 random: str = "keep") -> None:
         self.module = module
         self.regions = tuple(regions)
         self.preserve_rng_state = preserve_rng_state
+        self.compiled = unit_policy(None, random)  # under torch.compile (as CheckpointedForward's)
         #: per region, names (relative to the module) of the buffers to replay; None: all of its submodules'
         self.buffers = dict(buffers or {})
         self.previous = module.__dict__.get("forward")
@@ -165,7 +170,8 @@ class RegionForward(_RematForward):
         names = self.buffers.get(region)
         bufs = _buffers(self.module, names) if names is not None else \
             [b for m in submodules for b in m.buffers() if b is not None]
-        return _checkpointed_call(fn, (x,), {}, bufs, self.preserve_rng_state, None)
+        return _checkpointed_call(fn, (x,), {}, bufs, self.preserve_rng_state, None,
+                                  compiled=self.__dict__.get("compiled"))
 
     def unit_names(self, name: str) -> list[str]:
         return [region_name(name, a, b) for a, b in self.regions]
@@ -173,7 +179,7 @@ class RegionForward(_RematForward):
     def __reduce__(self):
         return (_rebuild, (RegionForward, dict(
             module=self.module, regions=self.regions, preserve_rng_state=self.preserve_rng_state,
-            buffers=self.buffers, previous=self.previous, _programs={})))
+            buffers=self.buffers, previous=self.previous, _programs={}, compiled=self.compiled)))
 
 
 def _rebuild(cls, state):

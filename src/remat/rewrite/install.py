@@ -62,6 +62,7 @@ def checkpoint_modules(
     preserve_rng_state: bool = True,
     mutated_buffers: dict[str, Iterable[str]] | None = None,
     saved_ops: dict[str, Iterable[str]] | None = None,
+    random: str = "keep",
 ) -> None:
     """Checkpoint the named units of ``model`` in place (mutates ``model``).
 
@@ -71,7 +72,8 @@ def checkpoint_modules(
     ``mutated_buffers`` maps a unit to the names (relative to its module, or for a segment to its
     Sequential) of the buffers its forward mutates (Note [Buffers replay]); units not in it replay
     all their buffers. Parameter names, ``state_dict`` keys, parameter identity and module hooks
-    are unchanged."""
+    are unchanged. ``random``: under torch.compile, keep the outputs of random operators (``"keep"``, Note [Random
+    operators under compile]) or ``"recompute"`` them (``Plan.compiled_random``)."""
     names = list(names)
     bad = check_units(model, names)
     if bad:
@@ -105,7 +107,8 @@ def checkpoint_modules(
                                     f"({[region_name(module, *r) for r in regs]}): call remove_checkpointing first")
         bufs = {r: (tuple(mutated[region_name(module, *r)]) if region_name(module, *r) in mutated else None)
                 for r in regs}
-        region_forwards[module] = RegionForward(m, regs, preserve_rng_state=preserve_rng_state, buffers=bufs)
+        region_forwards[module] = RegionForward(m, regs, preserve_rng_state=preserve_rng_state, buffers=bufs,
+                                                random=random)
         region_forwards[module].program()  # refuses a region the module's forward cannot be cut into
     for module, f in region_forwards.items():
         mods[module].forward = f
@@ -118,7 +121,7 @@ def checkpoint_modules(
                                     f"it ({segs}) around that: call remove_checkpointing first")
         bufs = {s: (tuple(mutated[segment_name(container, *s)]) if segment_name(container, *s) in mutated
                     else None) for s in segs}
-        m.forward = SegmentedForward(m, segs, preserve_rng_state=preserve_rng_state, buffers=bufs)
+        m.forward = SegmentedForward(m, segs, preserve_rng_state=preserve_rng_state, buffers=bufs, random=random)
     for n in names:
         container, seg = parse_unit(n)
         if parse_region(n) is not None:
@@ -128,15 +131,17 @@ def checkpoint_modules(
             bufs = tuple(mutated[n]) if n in mutated else None
             policy = n[len(container):]
             m.forward = CheckpointedForward(m, preserve_rng_state=preserve_rng_state, buffers=bufs,
-                                            saved_ops=policies[n] if policy else None, policy=policy)
+                                            saved_ops=policies[n] if policy else None, policy=policy,
+                                            random=random)
     keep_compiled_nothing_eager(model)
 
 
 def checkpoint_plan(model: nn.Module, plan: Plan) -> None:
     """Checkpoint ``model`` in place as ``plan`` says: its units, with the buffers each replays and the
-    policy of each selective unit (mutates ``model``; no compatibility check: see ``remat.apply_plan``)."""
+    policy of each selective unit, and under torch.compile what they do with random operators (mutates ``model``; no
+    compatibility check: see ``remat.apply_plan``)."""
     checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
-                       saved_ops=dict(plan.saved_ops))
+                       saved_ops=dict(plan.saved_ops), random=plan.compiled_random)
 
 
 def remove_checkpointing(model: nn.Module) -> list[str]:

@@ -62,6 +62,7 @@ import torch
 
 from remat._compat import argument, cacheable_context_fn, storage_key, storage_ref, tree_flatten, written_arguments
 from remat.costs.unit_costs import op_key
+from remat.errors import InvalidInputError
 
 
 def draws_random(func, args: tuple, kwargs: dict) -> bool:
@@ -156,16 +157,31 @@ def _policy_code() -> str:
 _POLICY_CODE = _policy_code()
 
 
-def compiled_policy(saved_ops: tuple[str, ...]) -> Callable:
-    """The ``context_fn`` under torch.compile: keep ``saved_ops`` and every random operator's output (Note
-    [Random operators under compile]), keyed for AOTAutograd's cache by what it keeps and the code deciding it
-    (``remat._compat.cacheable_context_fn``). Made when a forward is installed, not while Dynamo traces it."""
-    return cacheable_context_fn(functools.partial(keep_ops_contexts, saved_ops, True),
-                                f"remat-policy:{_POLICY_CODE}:{','.join(saved_ops)}:keep-random")
+def compiled_policy(saved_ops: tuple[str, ...], random: str = "keep") -> Callable:
+    """The ``context_fn`` under torch.compile: keep ``saved_ops``, and with ``random="keep"`` every random
+    operator's output (Note [Random operators under compile]; ``"recompute"``: they run again in backward, as
+    torch's own checkpoint has them, for a plan proved so: ``Plan.compiled_random``), keyed for AOTAutograd's
+    cache by what it keeps and the code deciding it (``remat._compat.cacheable_context_fn``). Made when a forward
+    is installed, not while Dynamo traces it."""
+    if random not in RANDOM_CHOICES:
+        raise InvalidInputError(f"random operators under compile are kept or recomputed: {RANDOM_CHOICES}, not {random!r}")
+    return cacheable_context_fn(functools.partial(keep_ops_contexts, saved_ops, random == "keep"),
+                                f"remat-policy:{_POLICY_CODE}:{','.join(saved_ops)}:{random}-random")
 
 
+#: what a checkpointed unit may do with random operators' outputs under torch.compile (``Plan.compiled_random``)
+RANDOM_CHOICES = ("keep", "recompute")
 #: the policy of whole units, segments and regions under torch.compile: every random operator's output kept
 KEEP_RANDOM = compiled_policy(())
+#: the same, random operators recomputed (a plan whose compiled step was proved so)
+RECOMPUTE_RANDOM = compiled_policy((), "recompute")
+
+
+def unit_policy(saved_ops: tuple[str, ...] | None, random: str) -> Callable:
+    """The compiled policy of one checkpointed unit (``saved_ops`` None: a whole unit)."""
+    if not saved_ops:
+        return RECOMPUTE_RANDOM if random == "recompute" else KEEP_RANDOM
+    return compiled_policy(saved_ops, random)
 
 
 def keep_ops(saved_ops: Iterable[str]) -> Callable:

@@ -305,6 +305,11 @@ class Planner:
                 return self.make_plan(names, "chen_sqrt", status="baseline")
         return None
 
+    def draws_random(self, units: Iterable[str]) -> bool:
+        """Whether any of ``units`` runs an operator that draws random numbers (its plan compiles two ways: Note
+        [Two programs per plan] in remat.solve.calibrated)."""
+        return any(self.profile.unit(u).draws_random for u in units)
+
     def baselines(self) -> list[Plan]:
         """The usual hand rules: no checkpointing, every block, every 2nd block, and Chen's sqrt(n)
         segments where the blocks sit in an nn.Sequential."""

@@ -99,6 +99,11 @@ class Plan:
     #: loop); then ``predicted_peak_bytes`` and ``checked_peak_bytes`` are the compiled step's, the breakdown is
     #: the eager step's (Note [Compiled steps] in remat.solve.calibrated)
     compiled: str = ""
+    #: under torch.compile, what the checkpointed units do with the outputs of operators that draw random numbers
+    #: (dropout): "keep" them (Note [Random operators under compile] in remat.rewrite) or "recompute" them, as
+    #: torch's own checkpoint does, where the compiled planned step was proved to draw the plain compiled step's
+    #: numbers (Note [Two programs per plan] in remat.solve.calibrated); eager steps always recompute them
+    compiled_random: str = "keep"
     #: parameter names and shapes of the model the plan was made for (checked by apply_plan)
     model_signature: tuple[tuple[str, tuple[int, ...]], ...] = field(default_factory=tuple)
     #: the device and world the plan was made for when they were modelled, not here (remat.target), e.g. "NVIDIA
@@ -117,6 +122,11 @@ class Plan:
     peak_flops_per_s: float | None = None
     #: what the user should know about the plan: assumptions, settings remat changed, how it was checked
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def variant(self) -> tuple[tuple[str, ...], str]:
+        """What makes the plan's compiled program: its units and what they do with random operators' outputs."""
+        return self.checkpointed, self.compiled_random
 
     @property
     def predicted_tokens_per_s(self) -> float | None:
@@ -154,7 +164,9 @@ class Plan:
         lines = [
             f"remat plan ({self.strategy}, solver {self.solver_status}, solved in {self.solve_time_s:.3f} s)",
             f"  budget:               {fmt_bytes(self.budget_bytes)}",
-            *([f"  compiled step:        {self.compiled}"] if self.compiled else []),
+            *([f"  compiled step:        {self.compiled}"
+               f"{'; random operators recomputed in checkpointed units' if self.compiled_random == 'recompute' else ''}"]
+              if self.compiled else []),
             f"  predicted peak:       {fmt_bytes(self.predicted_peak_bytes)}{' (compiled)' if self.compiled else ''}"
             f"  (no checkpointing: {fmt_bytes(self.baseline_peak_bytes)}, least possible: {fmt_bytes(self.min_peak_bytes)})",
             *([f"  target:               {self.target} (predicted, not measured)",

@@ -23,11 +23,12 @@ from remat.costs.unit_costs import Profile
 from remat.errors import InfeasibleBudgetError
 from remat.runtime.distributed import ranks_for
 from remat.runtime.measure import OptimizerFactory, default_loss, model_device, split_inputs
+from remat.check.compiled import CompiledComparison
 from remat.check.steps import measure_plans, measure_step_in_place
 from remat.solve.plan import Plan, fmt_bytes
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
-from remat.solve.calibrated import CompiledReading, plan_compiled
+from remat.solve.calibrated import CompiledReading, Variant, plan_compiled
 from remat.sweeps.render import _save, plot_rows, plot_sizes, rows_to_json  # noqa: F401 - re-exported
 
 
@@ -282,51 +283,56 @@ def _tradeoff_compiled(model, inputs, profile, *, loss_fn, budgets, points, warm
     device = model_device(model)
     planners = {g: Planner(profile, granularity=g, regions=False) for g in granularities}
     first = planners[granularities[0]]
-    measured: dict[tuple[str, ...], int] = {}
-    programs: dict[tuple[str, ...], int | None] = {}
-    times: dict[tuple[str, ...], tuple[float, ...]] = {}
+    measured: dict[Variant, int] = {}  # by Plan.variant
+    programs: dict[Variant, int | None] = {}
+    times: dict[Variant, tuple[float, ...]] = {}
+    compare = CompiledComparison(loop)  # Note [Two programs per plan] in remat.solve.calibrated
 
     def measure(plan: Plan) -> CompiledReading:
         """The compiled peak; the step is timed in the same compile (each plan compiles once)."""
-        say(f"compiling and measuring {plan.strategy} ({len(plan.checkpointed)} units)")
+        say(f"compiling and measuring {plan.strategy} ({len(plan.checkpointed)} units"
+            f"{', random operators recomputed' if plan.compiled_random == 'recompute' else ''})")
 
         def timed(call) -> None:
-            times[plan.checkpointed] = _compiled_step_times(model, call, args, kwargs, loss_fn, device, profile,
-                                                            warmup, repeats)
+            times[plan.variant] = _compiled_step_times(model, call, args, kwargs, loss_fn, device, profile,
+                                                       warmup, repeats)
 
-        return checked_reading(model, plan, args, kwargs, loss_fn, device, profile, loop, then=timed)
+        return checked_reading(model, plan, args, kwargs, loss_fn, device, profile, loop, then=timed, compare=compare)
 
     plans: list[tuple[Plan | _Infeasible, int | None, str]] = []
     for rule in first.baselines():
         if rule.checkpointed not in measured:
             reading = measure(rule)
-            measured[rule.checkpointed], programs[rule.checkpointed] = reading.peak_bytes, reading.program_bytes
-        plans.append((dataclasses.replace(rule, checked_peak_bytes=measured[rule.checkpointed], compiled=str(loop)),
+            measured[rule.variant], programs[rule.variant] = reading.peak_bytes, reading.program_bytes
+        plans.append((dataclasses.replace(rule, checked_peak_bytes=measured[rule.variant], compiled=str(loop)),
                       None, ""))
     if budgets is None:
         lo = min(measured.values())
         try:
-            plan_compiled(first, 0, measure, loop=str(loop), measured=measured, programs=programs)
+            plan_compiled(first, 0, measure, loop=str(loop), measured=measured, programs=programs,
+                          proved=compare.proved)
         except InfeasibleBudgetError as e:
             lo = e.min_feasible_bytes
-        hi = measured[()]
+        hi = measured[first.no_checkpointing().variant]
         budgets = [hi] if points <= 1 or hi <= lo else [int(lo + (hi - lo) * i / (points - 1)) for i in range(points)]
     for b in budgets:
         say(f"planning for {fmt_bytes(b)}")
         for g in granularities:
             try:
-                plans.append((plan_compiled(planners[g], b, measure, loop=str(loop), measured=measured, programs=programs),
+                plans.append((plan_compiled(planners[g], b, measure, loop=str(loop), measured=measured,
+                                            programs=programs, proved=compare.proved),
                               b, ""))
             except InfeasibleBudgetError as e:
                 plans.append((_Infeasible("ilp" if g == "block" else "ilp-op"), b,
                               f"below the least achievable compiled peak {fmt_bytes(e.min_feasible_bytes)}"))
-    plain_s = statistics.median(times[()]) if () in times else None
+    plain = times.get(first.no_checkpointing().variant)
+    plain_s = statistics.median(plain) if plain else None
     rows = []
     for plan, budget, note in plans:
         if isinstance(plan, _Infeasible):
             rows.append(_infeasible_row(plan, budget, note))
             continue
-        ts = times[plan.checkpointed]
+        ts = times[plan.variant]
         step_s = statistics.median(ts)
         peak = plan.checked_peak_bytes
         rows.append(TradeoffRow(
@@ -336,8 +342,10 @@ def _tradeoff_compiled(model, inputs, profile, *, loss_fn, budgets, points, warm
             measured_peak_bytes=peak, predicted_step_time_s=plan.predicted_step_time_s, measured_step_time_s=step_s,
             measured_overhead=step_s / plain_s - 1 if plain_s else None,
             solve_time_s=plan.solve_time_s if plan.strategy in _STRATEGY else None, status=plan.solver_status,
-            budget_met=None if budget is None else peak <= budget, note=note or ("" if budget is not None else
-                                                                              "compiled peak measured"),
+            budget_met=None if budget is None else peak <= budget,
+            note="; ".join(n for n in (note or ("" if budget is not None else "compiled peak measured"),
+                                       "random operators recomputed" if plan.compiled_random == "recompute" else "")
+                           if n),
             measured_step_times_s=ts))
     return rows
 
