@@ -16,6 +16,8 @@ For each model, in one run:
   AMB f             the plain model compiled with ``torch._functorch.config.activation_memory_budget = f`` for
                     f in 0, 0.25, 0.5, 0.75, 1 (compile's own min-cut/knapsack recomputation)
   remat @ AMB f     remat's plan for a budget equal to AMB f's measured peak: step times at equal peak
+  every block by hand    each block's forward under torch's checkpoint, then compile (the hand rule), and
+                    remat's plan for a budget equal to its measured peak
 
 Every peak is measured on a compiled step: the profiler's allocator-level memory events on CPU (what compiled
 kernels allocate is invisible to a dispatch-level tracker), the allocator on CUDA; parameters, gradients,
@@ -27,6 +29,7 @@ per row (not across rows: each row compiles its own model). Writes benchmarks/re
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -35,6 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import remat
 from remat._compat import profiler_memory_peak
@@ -48,6 +52,19 @@ from remat.solve.calibrated import plan_compiled
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 AMB = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def by_hand(model, blocks):
+    """Each block's forward under torch's checkpoint, on the instance (the hand rule "every block")."""
+    mods = dict(model.named_modules())
+    for name in blocks:
+        block = mods[name]
+        block.forward = functools.partial(_checkpointed, type(block).forward.__get__(block))
+    return model
+
+
+def _checkpointed(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def adamw(params):
@@ -73,6 +90,9 @@ def llama(device):
 #: name -> (factory, the loop keeps the output until the step ends); measure_compiled drops it after the loss,
 #: as the Hugging Face Trainer does; the GPT's output is its loss
 MODELS = {"gpt": (gpt, True), "llama": (llama, False)}
+#: the blocks the hand rule "every block" checkpoints, by model
+BLOCKS = {"gpt": lambda m: [f"h.{i}" for i in range(len(m.h))],
+          "llama": lambda m: [f"model.layers.{i}" for i in range(len(m.model.layers))]}
 
 
 def measure_compiled(model, inputs, loss_fn, device: torch.device, repeats: int, *,
@@ -185,7 +205,8 @@ def run_model(name: str, factory, output_alive: bool, device: torch.device, repe
         comp = measure_compiled(m, inp, loss_fn or remat.default_loss, device, repeats)
         rows.append(dict(model=name, name=label, budget=budget, units=len(plan.checkpointed),
                          selective=sum("@ops" in u for u in plan.checkpointed), predicted=plan.predicted_peak_bytes,
-                         checked=plan.checked_peak_bytes, plan_s=plan_s, compiles=compiles, **comp))
+                         checked=plan.checked_peak_bytes, plan_s=plan_s, compiles=compiles,
+                         random=plan.compiled_random, **comp))
         print(rows[-1], flush=True)
 
     t0 = time.perf_counter()
@@ -205,7 +226,20 @@ def run_model(name: str, factory, output_alive: bool, device: torch.device, repe
         rows.append(dict(model=name, name=f"AMB {frac}", budget=None, units=None, **comp))
         print(rows[-1], flush=True)
         remat_row(f"remat @ AMB {frac}'s peak", comp["peak"])
+    m, inp, loss_fn = factory(device)
+    comp = measure_compiled(by_hand(m, BLOCKS[name](m)), inp, loss_fn or remat.default_loss, device, repeats)
+    rows.append(dict(model=name, name=HAND, budget=None, units=None, **comp))
+    print(rows[-1], flush=True)
+    remat_row(f"remat @ {HAND}'s peak", comp["peak"])
     return rows
+
+
+#: the hand rule's row: every block under torch's checkpoint, then compile
+HAND = "every block by hand"
+
+
+def _rival(name: str) -> bool:
+    return name.startswith("AMB") or name == HAND
 
 
 def table(rows: list[dict], device: torch.device, args) -> str:
@@ -223,24 +257,22 @@ def table(rows: list[dict], device: torch.device, args) -> str:
         mine = [r for r in rows if r["model"] == model]
         lines += [f"## {model}", "",
                   "| row | budget | units (@ops) | predicted | checked | measured peak | within budget | step | "
-                  "remat/AMB step at equal peak | planning (compiles) |",
+                  "remat/rival step at equal peak | planning (compiles) |",
                   "|---|---:|---:|---:|---:|---:|:---:|---:|---:|---:|"]
-        amb_step = {}
-        for r in mine:
-            if r["name"].startswith("AMB"):
-                amb_step[r["name"]] = r["step_s"]
+        rival_step = {r["name"]: r["step_s"] for r in mine if _rival(r["name"])}
         anchors = next(r for r in mine if r["name"] == "anchors")
         mine = [r for r in mine if r is not anchors]
         for r in mine:
-            if r.get("units") is None and not r["name"].startswith("AMB"):
+            if r.get("units") is None and not _rival(r["name"]):
                 lines.append(f"| {r['name']} | {fmt_bytes(r['budget'])} | - | - | - | - | - | - | - | {r['note']} |")
                 continue
             ratio = "-"
-            if "@ AMB" in r["name"]:
+            if "'s peak" in r["name"]:
                 key = r["name"].split("@ ")[1].split("'")[0]
-                ratio = f"{r['step_s'] / amb_step[key]:.3f}"
+                ratio = f"{r['step_s'] / rival_step[key]:.3f}"
             is_remat = r["name"].startswith("remat")
-            units = f"{r['units']} ({r['selective']})" if is_remat else "-"
+            recomputed = ", random recomputed" if r.get("random") == "recompute" else ""
+            units = f"{r['units']} ({r['selective']}){recomputed}" if is_remat else "-"
             planning = f"{r['plan_s']:.0f} s ({r['compiles']})" if is_remat else "-"
             within = ("yes" if r["peak"] <= r["budget"] else "NO") if is_remat else "-"
             lines.append(
@@ -250,8 +282,11 @@ def table(rows: list[dict], device: torch.device, args) -> str:
         least_remat = min((r["peak"] for r in mine if r["name"].startswith("remat") and r.get("units") is not None),
                           default=None)
         least_amb = min(r["peak"] for r in mine if r["name"].startswith("AMB"))
+        hand = next((r["peak"] for r in mine if r["name"] == HAND), None)
+        by_hand = "" if hand is None else (
+            f", every block by hand {fmt_bytes(hand)} (remat's least {(least_remat - hand) / 2**20:+.2f} MiB from it)")
         lines += ["", f"Least compiled peak measured: remat {fmt_bytes(least_remat)}, activation_memory_budget "
-                      f"{fmt_bytes(least_amb)}. Profiling took {anchors['profile_s']:.1f} s; the anchors (no "
+                      f"{fmt_bytes(least_amb)}{by_hand}. Profiling took {anchors['profile_s']:.1f} s; the anchors (no "
                       f"checkpointing, the least-memory plan, every block: {anchors['compiles']} compiles) "
                       f"{anchors['plan_s']:.0f} s, measured once and shared by every budget's planning, whose column "
                       "counts only its own further compiles.", ""]

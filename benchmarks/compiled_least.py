@@ -7,11 +7,13 @@ For each model, compiled whole with inductor, AdamW, every peak measured on comp
 (the profiler's allocator-level events on CPU, benchmarks/compiled.py's ``measure_compiled``):
 
   remat least       the least compiled peak ``optimize_checkpointing(..., compile=True)`` promises (the lower
-                    of its "every block" and least-memory anchors, measured: the figure a refusal reports)
+                    of its "every block" and least-memory anchors, measured, each as the program proved and
+                    lower: the figure a refusal reports), and its margin under the hand rule (MiB; negative: below)
   every block, by hand   each block's forward under ``torch.utils.checkpoint(..., use_reentrant=False)``, then
                     ``torch.compile`` (the hand rule; dropout recomputed as torch does it)
-  every block, remat     the same blocks checkpointed by remat (dropout kept under compile: Note [Random
-                    operators under compile] in remat.rewrite)
+  every block, remat     the same blocks checkpointed by remat, each of its two programs (Note [Two programs per
+                    plan] in remat.solve.calibrated): random operators' outputs kept (Note [Random operators
+                    under compile] in remat.rewrite) and recomputed
   AMB's least       the plain model compiled with ``activation_memory_budget`` = 0, 0.25, 0.5, 0.75 (compile's
                     own min-cut/knapsack recomputation): the least of the four, and at which fraction
 
@@ -24,14 +26,12 @@ Writes benchmarks/results/compiled-least-<device>-<random>.md.
 from __future__ import annotations
 
 import argparse
-import functools
 import platform
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
@@ -70,17 +70,7 @@ MODELS = {
 }
 
 
-def by_hand(model, blocks):
-    """Each block's forward under torch's checkpoint, on the instance (the hand rule)."""
-    mods = dict(model.named_modules())
-    for name in blocks:
-        block = mods[name]
-        block.forward = functools.partial(_checkpointed, type(block).forward.__get__(block))
-    return model
-
-
-def _checkpointed(forward, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+by_hand = bench.by_hand
 
 
 def run(name: str, device: torch.device) -> dict:
@@ -94,9 +84,10 @@ def run(name: str, device: torch.device) -> dict:
     row = dict(model=name, remat_least=least)
     m, inp, loss_fn = factory(device)
     row["hand"] = bench.measure_compiled(by_hand(m, blocks_of(m)), inp, loss_fn or remat.default_loss, device, 1)["peak"]
-    m, inp, loss_fn = factory(device)
-    checkpoint_modules(m, blocks_of(m))
-    row["remat_every"] = bench.measure_compiled(m, inp, loss_fn or remat.default_loss, device, 1)["peak"]
+    for random in ("keep", "recompute"):
+        m, inp, loss_fn = factory(device)
+        checkpoint_modules(m, blocks_of(m), random=random)
+        row[f"remat_every_{random}"] = bench.measure_compiled(m, inp, loss_fn or remat.default_loss, device, 1)["peak"]
     amb = {}
     for fraction in AMB:
         m, inp, loss_fn = factory(device)
@@ -125,13 +116,16 @@ def main() -> None:
              f"`python benchmarks/compiled_least.py --random {a.random}`, {datetime.now(timezone.utc):%Y-%m-%d}, "
              f"torch {torch.__version__}, {platform.processor() or platform.machine()}; MiB, measured on compiled "
              "steps (allocator-level events), AdamW.", "",
-             "| model | no checkpointing | every block, by hand | every block, remat | AMB's least (at) | "
-             "remat's least | remat's least / the lower of hand and AMB |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| model | no checkpointing | every block, by hand | every block, remat (random ops kept / recomputed) | "
+             "AMB's least (at) | remat's least | remat's least - by hand | remat's least / the lower of hand and AMB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         best = min(r["hand"], r["amb"])
         ratio = "-" if r["remat_least"] is None else f"{r['remat_least'] / best:.3f}"
-        lines.append(f"| {r['model']} | {mib(r['plain'])} | {mib(r['hand'])} | {mib(r['remat_every'])} | "
-                     f"{mib(r['amb'])} ({r['amb_at']}) | {mib(r['remat_least'])} | {ratio} |")
+        margin = "-" if r["remat_least"] is None else f"{(r['remat_least'] - r['hand']) / 2**20:+.2f}"
+        lines.append(f"| {r['model']} | {mib(r['plain'])} | {mib(r['hand'])} | {mib(r['remat_every_keep'])} / "
+                     f"{mib(r['remat_every_recompute'])} | {mib(r['amb'])} ({r['amb_at']}) | {mib(r['remat_least'])} | "
+                     f"{margin} | {ratio} |")
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(a.out) if a.out else RESULTS / f"compiled-least-{device.type}-{a.random}.md"

@@ -56,7 +56,7 @@ def _gib_list(text: str) -> list[float]:
 def _compile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
                         help="the loop trains the model under torch.compile (default backend: inductor): plan and "
-                             "check the compiled step (1-7 compiles per budget)")
+                             "check the compiled step (1-8 compiles per budget)")
     parser.add_argument("--compile-mode", metavar="MODE", help="torch.compile mode the loop uses (with --compile)")
 
 

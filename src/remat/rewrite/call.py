@@ -24,8 +24,8 @@ checkpointing, torchtitan's order) it calls ``checkpoint`` on the module's own f
 no buffer replay, and the selective policy as ``functools.partial(keep_ops_contexts, saved_ops)``, which
 counts operators afresh on each call (each trace). Compile needs no replay: the recomputation is part of
 the compiled backward graph, a pure function of the forward's inputs, and buffer updates are applied once,
-in the forward graph. Random operators are the exception, and under compile remat keeps their outputs
-(Note [Random operators under compile]).
+in the forward graph. Random operators are the exception: under compile remat keeps their outputs, or recomputes
+them where the plan was proved so (Note [Random operators under compile]; the installed forward's policy).
 What compile keeps is decided by its partitioner from these tags. It traces some operators otherwise than
 eager does (dropout as one ``native_dropout`` where eager CPU runs four operators); selective policies name
 operators so that they keep the same ones under compile (Note [Operators named alike under compile]), and
@@ -48,7 +48,8 @@ def _checkpointed_call(fn: Callable, args: tuple, kwargs: dict, buffers: list[to
                        preserve_rng_state: bool, timer, saved_ops: tuple[str, ...] | None = None,
                        compiled: Callable | None = None) -> object:
     """``fn(*args, **kwargs)`` under non-reentrant checkpoint, replaying ``buffers`` (Note [Buffers replay]);
-    under torch.compile with the policy ``compiled`` (:func:`compiled_policy`; None: ``KEEP_RANDOM``)."""
+    under torch.compile with the policy ``compiled`` (:func:`unit_policy`; None, a forward pickled before it had
+    one: ``KEEP_RANDOM``)."""
     if torch.compiler.is_compiling():  # Note [Under torch.compile], Note [Random operators under compile]
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                           context_fn=compiled if compiled is not None else KEEP_RANDOM, **kwargs)

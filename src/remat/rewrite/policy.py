@@ -36,19 +36,21 @@ plain compiled step, and its recomputation is not bound to draw its forward's:
 - inductor schedules a plain random kernel that reads no activation (``Dropout2d``'s ``bernoulli_`` on a
   fresh ``[batch, channels, 1, 1]`` tensor) early, with the others, and the wrapped one where it stands, so
   the draws came in another order (0.72289 against 0.72129).
-So under compile remat's policy keeps (``CheckpointPolicy.MUST_SAVE``) the output of every operator that
+So under compile remat's policy can keep (``CheckpointPolicy.MUST_SAVE``) the output of every operator that
 draws random numbers inside a checkpointed unit, whole or selective: it runs once, lowered as in the plain
 program, and nothing is drawn again. Its recomputation cannot draw differently, and the compiled planned step
 draws what the plain compiled step draws as far as inductor schedules the two programs' random kernels alike
 (tests/slow/test_compiled_dropout.py: whole and per block, ``fallback_random``; with inductor's defaults the
 U-Net's plain program drew its masks in the order 1, 4, 5, 2, 3 and one plan's in order: Note [Compiled plans
-are proved] in remat.check.compiled says what remat checks then). What it costs is measured, not assumed: the kept outputs are in the
-programs remat reads and measures for every compiled plan (Note [Compiled steps] in remat.solve.calibrated).
-Measured (benchmarks/compiled_least.py, whole steps with AdamW) on benchmarks/compiled.py's GPT (4 x 128,
-dropout 0.1, batch 8 x 128), every block checkpointed: with inductor's own random numbers (the default)
-37.55 MiB kept against 37.78 MiB by hand (torch's replay); with ``fallback_random``, where ``native_dropout``
-stays one kernel whose kept output is the dropped-out activation, 37.44 MiB against 33.62 MiB. Eager steps keep replaying from the restored generator state
-(Note [Selective checkpointing]), which draws exactly the forward's numbers.
+are proved] in remat.check.compiled says what remat checks then). Keeping costs memory where the kept output is
+the dropped-out activation (``fallback_random``, where ``native_dropout`` stays one kernel): on
+benchmarks/compiled.py's GPT every block checkpointed measured 37.44 MiB kept against 33.62 MiB by hand (torch's
+replay; benchmarks/compiled_least.py, whole steps with AdamW). So keeping is one of two programs (``random="keep"``,
+``KEEP_RANDOM``), recomputing as torch does the other (``"recompute"``, ``RECOMPUTE_RANDOM``), and a plan for a
+compiled loop takes the second only where its compiled step was proved to compute the plain compiled step's loss
+and gradients and measured less (Note [Two programs per plan] in remat.solve.calibrated; ``Plan.compiled_random``).
+Eager steps keep replaying from the restored generator state (Note [Selective checkpointing]), which draws exactly
+the forward's numbers.
 """
 
 from __future__ import annotations

@@ -43,12 +43,13 @@ Note [Two programs per plan]
 Under compile a checkpointed unit that runs dropout has two programs: its random operators' outputs kept (Note
 [Random operators under compile] in remat.rewrite: nothing drawn again, safe by construction) or recomputed, as
 torch's own checkpoint has them (``run_and_save_rng_state`` in the forward, ``run_with_rng_state`` in the
-backward). Which holds less is the compiler's business: on a 4-block GPT (d 64, 4 x 64 tokens, dropout 0.1,
-AdamW) every block measured 6.02 MiB kept and 5.84 recomputed with ``fallback_random`` (where ``native_dropout``
-is one kernel whose kept output is the dropped-out activation), 6.08 kept and 6.21 recomputed with inductor's own
-random numbers. Which one is exact is the program's too: recomputed, the U-Net of tests/slow/test_compiled_dropout.py
-drew other masks than the plain compiled step (its dropout ran on the convolution's channels-last buffer), the
-GPT drew the same. So both are candidates, and the proof decides: where the units of "every block" draw random
+backward). Which holds less is the compiler's business: on benchmarks/compiled.py's GPT (4 x 128, dropout 0.1,
+batch 8 x 128, AdamW) every block measured 37.44 MiB kept and 33.62 recomputed with ``fallback_random`` (where
+``native_dropout`` is one kernel whose kept output is the dropped-out activation), 37.55 kept and 37.78 recomputed
+with inductor's own random numbers (benchmarks/compiled_least.py). Which one is exact is the program's too:
+recomputed, the U-Net of tests/slow/test_compiled_dropout.py drew other masks than the plain compiled step with its
+tests' units checkpointed (its dropout ran on the convolution's channels-last buffer), the GPT drew the same.
+So both are candidates, and the proof decides: where the units of "every block" draw random
 numbers, both of its programs are compiled and measured, and each compiled step is compared with the plain compiled
 step as it is measured (Note [Compiled plans are proved] in remat.check.compiled: the same compile, nothing more);
 the recomputing program is taken only where its step equals the plain compiled step (loss, outputs, gradients,
