@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import remat
-from remat.api import _make_profile, make_profile, split_inputs
+from remat.api import make_profile, split_inputs
+from remat.api.profiling import _make_profile
 from remat.costs.unit_costs import Profile, parse_region
 from remat.rewrite import parse_unit
 from remat.solve import Planner

@@ -9,7 +9,7 @@ import types
 
 from torch._inductor.codecache import FxGraphCache
 
-from remat import _compat
+from remat._compat import inductor as compat_inductor
 from remat._compat import inductor_programs
 from helpers import needs_compiled_floor
 
@@ -21,7 +21,7 @@ def test_an_entry_with_kept_sizes_is_found_before_an_older_one_without(tmp_path,
     again, or trace it again through AOTAutograd's cache (the tests' GPT compiled per block: 2.6-2.8 s per call
     against 1.8 s once the entry with kept sizes is found first)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setitem(_compat._PROGRAM_SIZES, "kept-key", {"buf0": 64})
+    monkeypatch.setitem(compat_inductor._PROGRAM_SIZES, "kept-key", {"buf0": 64})
     subdir = FxGraphCache._get_tmp_dir_for_key("fgraph")
     assert subdir.startswith(str(tmp_path))  # this test's cache directory, not the machine's
     os.makedirs(subdir, exist_ok=True)

@@ -138,7 +138,7 @@ def test_a_plan_drawing_other_numbers_is_taken_only_with_its_own_gradient(monkey
 def test_the_proof_fails_where_the_planned_step_computes_otherwise(monkeypatch):
     """The proof can fail: a checkpointed call that scales its result by 1 + 1e-3 under compile (a wrong
     program) is refused, in training and with dropout off alike, and the model is left as it was."""
-    real = remat.rewrite._checkpointed_call
+    real = remat.rewrite.call._checkpointed_call
 
     def scaled(*a, **kw):
         out = real(*a, **kw)

@@ -173,7 +173,7 @@ def test_a_plan_inductor_loads_from_its_cache_is_read_as_when_it_was_lowered(tmp
     model, inputs, loss_fn = conv_net()
     readings, lowered = [], []
     for _ in range(2):
-        remat._compat._PROGRAM_SIZES.clear()  # as in a new process: only what is kept next to the cache
+        remat._compat.inductor._PROGRAM_SIZES.clear()  # as in a new process: only what is kept next to the cache
         torch._dynamo.reset()
         counters = torch._dynamo.utils.counters
         counters.clear()

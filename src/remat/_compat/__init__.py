@@ -13,40 +13,28 @@ Each entry names the torch versions it was checked on: CI runs the suite on ever
 (from ``COMPILED_FLOOR`` on) says so. When a new torch moves one of them, it breaks here with a message that says
 which, instead of deep inside a stage.
 
-Module-level state (``_PROGRAM_SIZES``, ``_IS_DTENSOR``, the cached ``_module_compile_skips_torch_modules``) is one
-object, re-exported here; code in this package uses each name from the module that defines it, so replacing an
-attribute of ``remat._compat`` (rather than mutating it) does not reach that code: patch the defining module.
+Only what the rest of remat uses is re-exported; private names and module-level state (``_PROGRAM_SIZES``,
+``_IS_DTENSOR``) are not: code and tests that need them read the module that defines them, the one to patch.
 """
 
 from __future__ import annotations
-
-# the names the single-module layer had, for those who import them from here (module names included)
-import contextlib  # noqa: F401
-import functools  # noqa: F401
-import types  # noqa: F401
-import weakref  # noqa: F401
-from typing import Any, Callable, Iterator  # noqa: F401
-
-import torch  # noqa: F401
-from torch import _guards  # noqa: F401 - checked on 2.8, 2.11, 2.13, 2.15
 
 from remat._compat.versions import (  # noqa: F401
     CHECKED_ON, COMPILED_FLOOR, COMPILED_FLOOR_WHY, FAKE_WORLD_FLOOR, FAKE_WORLD_FLOOR_WHY, TORCH_FLOOR, require_torch,
     torch_release)
 from remat._compat.optim import default_foreach, global_optimizer_hooks_paused  # noqa: F401
 from remat._compat.distributed import (  # noqa: F401
-    _IS_DTENSOR, active_fake_mode, default_store, fake_store, fsdp_modules, in_sharding_propagation, is_dtensor_class,
+    active_fake_mode, default_store, fake_store, fsdp_modules, in_sharding_propagation, is_dtensor_class,
     local_tensor, meshes_built_for_real, rng_states_reported, sharding_propagation_marked, storage_resizes_reported)
 from remat._compat.dispatch import (  # noqa: F401
-    FakeTensor, FakeTensorMode, TorchDispatchMode, _keystr, _tree_flatten_with_path, argument,
-    checkpoint_policies_asked_for, fake_mode, fake_tensor_exceptions, flop_count,
+    FakeTensor, TorchDispatchMode, argument, checkpoint_policies_asked_for, fake_mode, fake_tensor_exceptions,
     leaves_with_paths, module_stack, op_bytes, op_flops, outside_dispatch_modes, storage_key, storage_ref, tree_flatten,
     tree_map, untyped_storage_key, written_arguments)
 from remat._compat.modules import (  # noqa: F401
-    _module_compile_skips_torch_modules, _unwrapped_forward, cacheable_context_fn, compile_fn, compile_settings,
+    cacheable_context_fn, compile_fn, compile_settings,
     compiled_call, compiled_submodules, lightning_compiled, module_call, module_compile_compiles_nothing,
     set_compiled_call, submodules_called, uncompiled)
 from remat._compat.profiler import (  # noqa: F401
-    ProfilerSession, _stderr_silenced, profiler_memory_peak, profiler_memory_trace)
+    ProfilerSession, profiler_memory_peak, profiler_memory_trace)
 from remat._compat.inductor import (  # noqa: F401
-    _PROGRAM_SIZES, _PROGRAM_SIZES_FORMAT, _program_sizes_path, inductor_programs, random_numbers)
+    inductor_programs, random_numbers)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 from remat.api.checking import _ranks_reading, checked_reading, least_checked, plan_checked, proved_compiled
 from remat.api.inputs import loop_grads, stage
 from remat.api.profiling import _make_profile
-from remat.check.verify import CompiledComparison
+from remat.check.compiled import CompiledComparison
 from remat.costs.unit_costs import Profile
 from remat.runtime.distributed import steps_checked
 from remat.solve import Planner

@@ -6,7 +6,7 @@ In: a (maybe compiled) checkpointed model, example inputs, the loss function, op
 Out: an ``EquivalenceReport`` (:func:`check_equivalence`), or :class:`EquivalenceError` (:func:`assert_equivalent`).
 The parts: :mod:`remat.check.slope` (Note [Is the gradient its own loss's?] and the seeded steps),
 :mod:`remat.check.compare` (steps taken and compared, Note [Compiled tolerance]) and :mod:`remat.check.compiled`
-(Note [Compiled plans are proved]); their names are importable from here too."""
+(Note [Compiled plans are proved]); import their names from them."""
 
 from __future__ import annotations
 
@@ -22,26 +22,8 @@ from remat.runtime.compiled import CompiledLoop, compiled_loop
 from remat.errors import EquivalenceError
 from remat.runtime.measure import LossFn, default_loss, model_device, split_inputs
 from remat.rewrite import checkpointed_modules, remove_checkpointing
-# the parts, re-exported: importable from here as before the split
-from remat.check.slope import (  # noqa: F401 - re-exported
-    SlopeCheck,
-    _forked_rng,
-    _prepare_inputs,
-    _run,
-    _unit_prefix,
-    slope_check,
-)
-from remat.check.compare import (  # noqa: F401 - re-exported
-    COMPILED_ATOL,
-    COMPILED_RTOL,
-    EquivalenceReport,
-    _diff,
-    _Taken,
-    _take,
-    _tolerance,
-    compare_steps,
-)
-from remat.check.compiled import CompiledComparison, _restored, check_compiled_plan  # noqa: F401 - re-exported
+from remat.check.slope import slope_check
+from remat.check.compare import EquivalenceReport, _take, _tolerance, compare_steps
 
 
 def check_equivalence(

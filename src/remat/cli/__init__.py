@@ -37,15 +37,14 @@ from remat.solve import Planner
 from remat.solve.plan import Plan
 from remat.solve.plan import GiB, fmt_bytes
 from remat.sweeps.report import plot_rows, plot_sizes, rows_to_json, tradeoff
-# the shared pieces and the printing, re-exported: importable from here as before the split
-from remat.cli.common import (  # noqa: F401 - re-exported
+# the shared pieces and the printing
+from remat.cli.common import (
     OPTIMIZERS,
     UsageError,
     _compile_args,
     _compile_setting,
     _console,
     _target_args,
-    _device,
     _gib,
     _gib_list,
     _header,
@@ -55,8 +54,7 @@ from remat.cli.common import (  # noqa: F401 - re-exported
     _rank,
     _target,
 )
-from remat.cli.render import _compiled_footer, _eager_footer, _print_profile, _tradeoff_table  # noqa: F401 - re-exported
-from remat.cli.targets import resolve_target  # noqa: F401 - re-exported
+from remat.cli.render import _compiled_footer, _eager_footer, _print_profile, _tradeoff_table
 
 
 def build_parser() -> argparse.ArgumentParser:

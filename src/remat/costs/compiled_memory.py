@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from remat.costs.unit_costs import Made, Profile
-from remat.costs.wrapper_statements import (  # noqa: F401 - re-exported: importable from here as before the split
-    _ALLOC, _ARGS, _DEL, _DROPOUT, _ITEM, _RENAME, _RNG_STATE, _VIEW, _inside_bytes, _returned_name, _split_top)
+from remat.costs.wrapper_statements import (
+    _ALLOC, _ARGS, _DEL, _ITEM, _RENAME, _VIEW, _inside_bytes, _returned_name, _split_top)
 
 
 @dataclass(frozen=True)

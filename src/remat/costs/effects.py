@@ -14,8 +14,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from remat.costs.unit_costs import (  # noqa: F401 - TensorInfo: re-exported as before the split
-    CallSpan, Drop, Keep, Made, TensorInfo, UnitCost, recompute_growth)
+from remat.costs.unit_costs import CallSpan, Drop, Keep, Made, UnitCost, recompute_growth
 from remat.costs.recording import CheckpointOverhead, Recording, SavedTensor, UnitTimes
 from remat.costs.peak_breakdown import largest_tensors  # noqa: F401 - re-exported
 

@@ -38,10 +38,8 @@ import dataclasses
 from typing import Iterable
 
 from remat.costs.memory_rows import MemoryRows, Row
-from remat.costs.peak_breakdown import (  # noqa: F401 - re-exported: importable from here as before the split
-    HELD_TENSORS, HeldTensor, PeakBreakdown, PeakExplainer, fmt_bytes)
-from remat.costs.unit_costs import (  # noqa: F401 - is_selective, recompute_growth: re-exported as before the split
-    Profile, UnitCost, inner_unit, is_selective, nest_key, recompute_growth)
+from remat.costs.peak_breakdown import HeldTensor, PeakBreakdown, PeakExplainer, fmt_bytes  # noqa: F401 - fmt_bytes: solve.plan's
+from remat.costs.unit_costs import Profile, UnitCost, inner_unit, nest_key
 from remat.errors import InvalidInputError
 
 

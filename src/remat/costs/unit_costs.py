@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from remat.costs.recording import recompute_growth  # noqa: F401 - re-exported: importable from here as before
-from remat.costs.unit_names import (  # noqa: F401 - re-exported: importable from here as before the split
-    SELECTIVE, _REGION, _SEGMENT, inner_unit, is_selective, nest_key, op_key, parse_region, parse_segment,
+from remat.costs.unit_names import (  # noqa: F401 - re-exported: what the other stages take from here
+    SELECTIVE, inner_unit, is_selective, nest_key, op_key, parse_region, parse_segment,
     region_name, segment_name)
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from remat._compat import outside_dispatch_modes
 from remat.costs.unit_costs import op_key
+from remat.errors import InternalError
 from remat.runtime.measure import Clock, LossFn, input_tensors, median_time, new_step, run_step, trainable_parameters
 from remat.profile.calibrate import LoggedOp, ForwardLog, log_forward
 from remat.profile.recorder import grad_targets, hook_units
@@ -68,7 +69,8 @@ def time_units(
     timer = _Timer(model, args, kwargs, loss_fn, device, clock, targets, mods, units, checkpointed, forward_calls,
                    recompute, pre)
     best, forward_ops, long = _hooked_steps(timer, steps)
-    assert best is not None
+    if best is None:
+        raise InternalError(f"none of the {steps} hooked steps was timed", stage="profile")
     # the step's own forward and backward, timed without hooks (their cost is not the model's): once, the
     # least with the hooked steps' (each real step here is one more call of the user's training step)
     if not long:

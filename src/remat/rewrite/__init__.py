@@ -23,7 +23,8 @@ The package, stage by stage (each Note lives with the code it describes):
 - :mod:`~remat.rewrite.install`: unit names parsed and checked, ``checkpoint_modules``, ``checkpoint_plan``
   and ``remove_checkpointing``.
 
-Every name is re-exported here. A name is looked up in the module that uses it: to replace one (a test's
+What other stages use is re-exported here; other names, private ones included, are imported from the module
+that defines them. A name is looked up in the module that uses it: to replace one (a test's
 ``monkeypatch.setattr``), set it there (``remat.rewrite.policy.draws_random``, ``remat.rewrite.forwards.unit_policy``,
 ``remat.rewrite.forwards._checkpointed_call``).
 """
@@ -31,13 +32,7 @@ Every name is re-exported here. A name is looked up in the module that uses it: 
 from __future__ import annotations
 
 from remat.rewrite import call, eager, forwards, install, policy  # noqa: F401
-from remat.rewrite.call import _checkpointed_call  # noqa: F401
-from remat.rewrite.eager import (_LEFT_EAGER, keep_compiled_nothing_eager, left_eager, restore_set_aside,  # noqa: F401
-                                 set_aside)
-from remat.rewrite.forwards import (CheckpointedForward, RegionForward, SegmentedForward, _buffers, _RematForward,  # noqa: F401
-                                    _rebuild, is_checkpointed)
+from remat.rewrite.eager import keep_compiled_nothing_eager, left_eager, restore_set_aside, set_aside  # noqa: F401
 from remat.rewrite.install import (check_units, checkpoint_modules, checkpoint_plan, checkpointed_modules,  # noqa: F401
                                    parse_unit, remove_checkpointing)
-from remat.rewrite.policy import (_POLICY_CODE, KEEP_RANDOM, RANDOM_CHOICES, RECOMPUTE_RANDOM, PolicyNames,  # noqa: F401
-                                  _policy_code, compiled_policy, draws_random, keep_ops, keep_ops_contexts,
-                                  unit_policy)
+from remat.rewrite.policy import PolicyNames, draws_random, keep_ops, keep_ops_contexts  # noqa: F401

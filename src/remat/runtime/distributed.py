@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from remat._compat import default_store, fsdp_modules
-from remat.errors import InvalidInputError
+from remat.errors import InternalError, InvalidInputError
 
 T = TypeVar("T")
 
@@ -152,7 +152,8 @@ class Ranks:
 
     def __init__(self, wrapping: Wrapping, timeout_s: float, same: dict[str, Any] | None = None) -> None:
         dist = _dist()
-        assert dist is not None
+        if dist is None:
+            raise InternalError("Ranks made outside torch.distributed (ranks_for returns None there)", stage="check")
         self.dist = dist
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()

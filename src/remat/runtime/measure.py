@@ -34,10 +34,6 @@ from remat.errors import InvalidInputError
 # re-exported: the peak meters and the storage tracker moved out of this module
 from remat.runtime.meters import AllocatorMeter, StepMeter, measure_peak  # noqa: F401
 from remat.runtime.tracker import (  # noqa: F401
-    _FOUND_HELD,
-    _FRESH,
-    CUDA_BLOCK_BYTES,
-    StorageBook,
     StorageRecord,
     StorageTracker,
     allocated_bytes,

@@ -29,7 +29,7 @@ from remat.solve.plan import Plan, fmt_bytes
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
 from remat.solve.calibrated import CompiledReading, Variant, plan_compiled
-from remat.sweeps.render import _save, plot_rows, plot_sizes, rows_to_json  # noqa: F401 - re-exported
+from remat.sweeps.render import plot_rows, plot_sizes, rows_to_json  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)

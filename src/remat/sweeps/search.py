@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 from torch import nn
 
-from remat.api import _make_profile, peak_with_plan, plan_checked, stage
+from remat.api import peak_with_plan, plan_checked, stage
+from remat.api.profiling import _make_profile
 from remat.capture import ModelGraph, capture
 from remat.costs.unit_costs import Profile, is_selective
 from remat.errors import InfeasibleBudgetError, InvalidInputError, RematError, UnsupportedError

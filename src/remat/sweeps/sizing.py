@@ -38,8 +38,7 @@ from remat.errors import InvalidInputError
 from remat.runtime.measure import LossFn, default_loss
 from remat.rewrite import remove_checkpointing
 from remat.runtime.state import preserved
-# the search and its report, re-exported: importable from here as before the split
-from remat.sweeps.search import BatchSizeReport, SizedBatch, SizeRow, _Search  # noqa: F401 - re-exported
+from remat.sweeps.search import BatchSizeReport, SizeRow, _Search
 
 log = logging.getLogger(__name__)
 

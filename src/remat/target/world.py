@@ -33,7 +33,7 @@ from torch import nn
 from remat._compat import FAKE_WORLD_FLOOR, FAKE_WORLD_FLOOR_WHY, checkpoint_policies_asked_for, fake_mode, \
     fake_store, meshes_built_for_real, require_torch, tree_map
 from remat.costs.allocator import AllocatorConfig
-from remat.errors import InvalidInputError, RematError, UnsupportedError
+from remat.errors import InternalError, InvalidInputError, RematError, UnsupportedError
 from remat.target.devices import DeviceSpec, device_spec
 
 #: ``parallelize(model, mesh)``: applies the run's FSDP2 / tensor parallelism to ``model`` in place
@@ -123,7 +123,8 @@ class Target:
 
     @property
     def spec(self) -> DeviceSpec:
-        assert isinstance(self.device, DeviceSpec)
+        if not isinstance(self.device, DeviceSpec):  # __post_init__ made it one
+            raise InternalError(f"Target.device is {self.device!r}, not a DeviceSpec", stage="target")
         return self.device
 
     @property
