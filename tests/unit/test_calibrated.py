@@ -267,6 +267,6 @@ def test_units_without_random_operators_compile_once():
     """No unit draws random numbers: one program per plan, as before (no second compile of every block)."""
     p = random_planner(random_units=0)
     meter = TwoPrograms(p, kept=4 * MiB)
-    plan_compiled(p, 0 + min(meter(p.least_memory()), meter(p.every_nth_block(1))), meter, loop="stand-in",
+    plan_compiled(p, min(meter(p.least_memory()), meter(p.every_nth_block(1))), meter, loop="stand-in",
                   proved=meter.proved)
     assert all(r == "keep" for _, r in meter.variants)

@@ -81,7 +81,7 @@ class CheckpointedForward(_RematForward):
         return (_rebuild, (CheckpointedForward, dict(
             module=self.module, preserve_rng_state=self.preserve_rng_state, previous=self.previous,
             buffers=self.buffers, recompute_timer=None, saved_ops=self.saved_ops, policy=self.policy,
-            compiled=self.compiled)))
+            compiled=self.__dict__.get("compiled"))))
 
 
 class SegmentedForward(_RematForward):
@@ -132,7 +132,7 @@ class SegmentedForward(_RematForward):
     def __reduce__(self):
         return (_rebuild, (SegmentedForward, dict(
             module=self.module, segments=self.segments, preserve_rng_state=self.preserve_rng_state,
-            buffers=self.buffers, previous=self.previous, compiled=self.compiled)))
+            buffers=self.buffers, previous=self.previous, compiled=self.__dict__.get("compiled"))))
 
 
 class RegionForward(_RematForward):
@@ -179,7 +179,7 @@ class RegionForward(_RematForward):
     def __reduce__(self):
         return (_rebuild, (RegionForward, dict(
             module=self.module, regions=self.regions, preserve_rng_state=self.preserve_rng_state,
-            buffers=self.buffers, previous=self.previous, _programs={}, compiled=self.compiled)))
+            buffers=self.buffers, previous=self.previous, _programs={}, compiled=self.__dict__.get("compiled"))))
 
 
 def _rebuild(cls, state):

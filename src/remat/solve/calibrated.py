@@ -96,9 +96,6 @@ class PeakCalibration:
             merged[eager] = max(compiled, merged.get(eager, compiled))
         object.__setattr__(self, "points", tuple(sorted(merged.items())))
 
-    def with_point(self, eager_bytes: int, compiled_bytes: int) -> "PeakCalibration":
-        return PeakCalibration(self.points + ((eager_bytes, compiled_bytes),))
-
     def predict(self, eager_bytes: int) -> int:
         """The compiled peak (bytes) of a plan whose eager predicted peak is ``eager_bytes``."""
         pts = self.points
@@ -174,9 +171,9 @@ def plan_compiled(planner: "Planner", budget_bytes: int, measure: Callable[[Plan
         return search.done(best[0], best[1], "within the budget", best[2])
     every = anchors[0]
     best_anchor = min((p for p in anchors if search.check(p) <= budget_bytes), key=lambda p: p.predicted_recompute_s)
+    which = "hand rule every block" if best_anchor.checkpointed == every.checkpointed else "least-memory plan"
     return search.done(best_anchor, search.check(best_anchor),
-                       f"the {'hand rule every block' if best_anchor.checkpointed == every.checkpointed else 'least-memory plan'} "
-                       "(measured to calibrate): the plans predicted cheaper measured over the budget")
+                       f"the {which} (measured to calibrate): the plans predicted cheaper measured over the budget")
 
 
 class _CompiledSearch:
@@ -351,7 +348,6 @@ class _CompiledSearch:
             target = new_target
             plan = self.variant(self.agree(planner.plan_for_budget(target)))
             seen = plan.variant in measured
-            random = self.random
             plan = self.proven(plan)
             peak = self.check(plan)
             predicted, how = self.predict(plan, calibration)
@@ -359,6 +355,5 @@ class _CompiledSearch:
                 best = (plan, predicted, how)
             if seen or (peak <= budget_bytes and budget_bytes - peak <= CLOSE_ENOUGH * budget_bytes):
                 break  # nothing new to learn, or too little slack left to buy a cheaper plan with
-            calibration = self.calibration() if random != self.random else \
-                calibration.with_point(plan.predicted_peak_bytes, peak)
+            calibration = self.calibration()  # with this plan's point (of the program the search now measures)
         return best
