@@ -13,8 +13,11 @@ GEMMs and casts):
 remat._compat.op_flops), ``bytes`` the operator's tensor arguments and outputs (remat._compat.op_bytes); a view
 moves nothing and launches nothing (0 s). The efficiencies are one table per operator class
 (:data:`EFFICIENCY`), each with the published measurement it comes from; none was fitted to a result remat is
-compared with. The peak is the dense rate of the dtype the products run in (FSDP2's ``param_dtype``, else the
-model's; float32 products without TF32 at the plain FP32 rate, as torch's default ``allow_tf32=False``).
+compared with; each says which device it was measured on (:attr:`Efficiency.measured_on`), and a plan for another
+says so. The peak is the dense rate of the dtype the products run in (FSDP2's ``param_dtype``, else the model's).
+In float32 a GPU with tensor cores runs convolutions at the TF32 rate (cuDNN's ``torch.backends.cudnn.allow_tf32``
+is True by default) and matrix products at the plain FP32 rate (``torch.get_float32_matmul_precision()`` is
+"highest" by default); remat reads both settings from the process that plans (:attr:`DeviceRates.class_flops_per_s`).
 
 A collective moves its bytes over a ring (NCCL's algorithm for large messages): an all-gather or reduce-scatter
 of ``S`` bytes (the gathered size) over ``n`` ranks takes ``S (n-1)/n / bus``, an all-reduce twice that, where
@@ -45,6 +48,8 @@ class Efficiency:
     compute: float
     memory: float
     source: str
+    #: the device the figures were measured on ("" where none was): applied to others unmeasured
+    measured_on: str = ""
 
 
 _TORCHAO = ("torchao testing/training/roofline_utils.py (pytorch/ao): pct_achievable_gemm_tops 0.78 'based on "
@@ -54,17 +59,18 @@ _TORCHAO = ("torchao testing/training/roofline_utils.py (pytorch/ao): pct_achiev
 #: per operator class, the fractions of peak reached (Note [Device time model]). "attention@hopper": torch's
 #: flash attention is FlashAttention-2, which does not use Hopper's asynchronous tensor-core instructions
 EFFICIENCY: Mapping[str, Efficiency] = MappingProxyType({
-    "matmul": Efficiency(0.78, 0.92, _TORCHAO),
-    "conv": Efficiency(0.78, 0.92, "as matmul (cuDNN's implicit GEMM): no separate published figure used"),
+    "matmul": Efficiency(0.78, 0.92, _TORCHAO, "H100"),
+    "conv": Efficiency(0.78, 0.92, "as matmul (cuDNN's implicit GEMM): no separate published figure used", "H100"),
     "attention": Efficiency(0.70, 0.92, "FlashAttention-2 (Dao, 2023, arXiv:2307.08691): forward up to 73% of "
-                                        "A100's peak, training 225 TFLOP/s of 312 (72%)"),
+                                        "A100's peak, training 225 TFLOP/s of 312 (72%)", "A100"),
     "attention@hopper": Efficiency(0.35, 0.92, "FlashAttention-3 (Shah et al., 2024, arXiv:2407.08608): "
                                                "FlashAttention-2 on H100 reaches 335-350 TFLOP/s in bf16 at head "
-                                               "dimension 128 (about 35% of 989), FlashAttention-3 1.5-2x that"),
-    "pointwise": Efficiency(1.0, 0.92, _TORCHAO),
-    "transcendental": Efficiency(1.0, 0.92, "as pointwise on a GPU (bandwidth-bound): " + _TORCHAO),
+                                               "dimension 128 (about 35% of 989), FlashAttention-3 1.5-2x that",
+                                   "H100"),
+    "pointwise": Efficiency(1.0, 0.92, _TORCHAO, "H100"),
+    "transcendental": Efficiency(1.0, 0.92, "as pointwise on a GPU (bandwidth-bound): " + _TORCHAO, "H100"),
     "reduction": Efficiency(1.0, 0.92, "as pointwise (norms, softmax, losses read their input once): "
-                                       + _TORCHAO),
+                                       + _TORCHAO, "H100"),
 })
 
 #: fraction of a link's one-direction bandwidth a ring collective reaches (NCCL's "bus bandwidth"):
@@ -139,6 +145,9 @@ class DeviceRates:
     efficiency: Mapping[str, Efficiency] = field(default_factory=lambda: EFFICIENCY)
     #: e.g. "hopper": selects "attention@hopper" where the table has it
     generation: str = ""
+    #: per operator class, a peak other than ``flops_per_s``: float32 convolutions (and products, where the
+    #: process allows it) at the TF32 tensor-core rate (Note [Device time model])
+    class_flops_per_s: Mapping[str, float] = field(default_factory=dict)
 
     def efficiency_of(self, cls: str) -> Efficiency:
         return self.efficiency.get(f"{cls}@{self.generation}") or self.efficiency.get(cls) or Efficiency(
@@ -155,7 +164,8 @@ def op_seconds(name: str, flops: int, bytes_accessed: int, rates: DeviceRates, *
     if random and rates.random_bytes_per_s and cls in ("pointwise", "transcendental"):
         return max(bytes_accessed / rates.random_bytes_per_s, rates.launch_s) + rates.dispatch_s
     eff = rates.efficiency_of(cls)
-    compute = flops / (rates.flops_per_s * eff.compute) if flops > 0 else 0.0
+    peak = rates.class_flops_per_s.get(cls, rates.flops_per_s)
+    compute = flops / (peak * eff.compute) if flops > 0 else 0.0
     memory = bytes_accessed / (rates.memory_bytes_per_s * eff.memory) if bytes_accessed > 0 else 0.0
     return max(compute, memory, rates.launch_s) + rates.dispatch_s
 

@@ -49,7 +49,7 @@ from typing import Any
 
 from remat.errors import InvalidInputError
 
-__all__ = ["DeviceSpec", "KNOWN", "device_spec", "cpu_spec"]
+__all__ = ["DeviceSpec", "KNOWN", "device_spec", "cpu_spec", "generation_of"]
 
 #: the rates, each ``None`` where unknown: FLOP/s per dtype (dense), then bytes/s
 RATES = ("fp32_flops_per_s", "tf32_flops_per_s", "bf16_flops_per_s", "fp16_flops_per_s", "fp8_flops_per_s",
@@ -252,6 +252,17 @@ def _load_file(path: Path) -> DeviceSpec:
         return DeviceSpec.from_dict(data)
     except InvalidInputError as e:
         raise InvalidInputError(f"{path}: {e}") from e
+
+
+#: the architecture of the built-in devices by name prefix: it selects "attention@<generation>" in the time
+#: model's efficiency table and torch's BLAS workspace size (remat.target.workspace)
+GENERATION = {"a100": "ampere", "h100": "hopper", "h200": "hopper", "b200": "blackwell", "l4": "ada",
+              "mi300x": "cdna3"}
+
+
+def generation_of(spec: DeviceSpec) -> str:
+    """The GPU generation of a built-in device ("hopper", ...), "" for any other."""
+    return next((g for prefix, g in GENERATION.items() if spec.name.startswith(prefix)), "")
 
 
 def _physical_memory() -> int | None:

@@ -17,8 +17,8 @@ build] in remat.target.world), and how each is taken into account (docs/targets.
   math fallback (which saves the whole attention matrix) is not what a GPU picks for bf16 and head size <= 256;
 * optimizer steps: ``foreach`` (torch's default on CUDA) unless the optimizer says otherwise, so one step's
   temporaries are a whole parameter group's at once, recorded on the fake parameters;
-* cuBLAS workspace: one per stream that runs matrix products, allocated through the caching allocator at the
-  first product (:data:`CUBLAS_WORKSPACE_BYTES`);
+* cuBLAS workspaces: one per thread that runs matrix products (the step's and autograd's), of torch's default
+  size for the device's generation, allocated through the caching allocator (Note [cuBLAS workspaces]);
 * collectives: FSDP2's all-gather and reduce-scatter buffers are the real code's allocations (fake process
   group); NCCL's own buffers and the CUDA context are outside the allocator and not counted;
 * streams: FSDP2 allocates its all-gather buffers on its all-gather
@@ -50,16 +50,13 @@ from remat.profile.optimizer import NO_OPTIMIZER, OptimizerCost, hyperparameters
 from remat.runtime.measure import StorageTracker, allocated_bytes, input_tensors, run_step, tensor_bytes
 from remat.solve import Planner
 from remat.solve.plan import Plan, fmt_bytes
-from remat.target.timing import OperatorTimes, operator_seconds, rates_of, step_time
+from remat.target.timing import OperatorTimes, efficiencies_elsewhere, operator_seconds, rates_of, step_time
 from remat.target.limits import fake_tensor_limits
 from remat.target.world import Target, as_target, built, wrapping_assumed
 
 if TYPE_CHECKING:
     from remat.api.request import Request
 
-#: the cuBLAS workspace torch gives each handle and stream on Hopper and later (CUBLAS_WORKSPACE_CONFIG's
-#: default ":4096:8", 8 x 4 MiB; aten/src/ATen/cuda/CublasHandlePool.cpp), allocated by the caching allocator
-CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 #: how many plans' steps are replayed at most to find the one whose reserved peak fits the budget
 TIGHTENINGS = 8
 
@@ -161,7 +158,8 @@ class ModelledTarget:
         return (f"memory and time predicted for {self.target.describe()}, not measured: the step recorded on fake "
                 f"tensors in the target's world (Note [Target kernels]); each operator timed by the device model "
                 f"({rates.name}: {peak} dense, {rates.memory_bytes_per_s / 1e9:.0f} GB/s; Note [Device time model] "
-                "in remat.costs.device_time), collectives by ring over the target's links")
+                "in remat.costs.device_time), collectives by ring over the target's links"
+                + efficiencies_elsewhere(rates, self.target.spec.name))
 
     # -- the plan ----------------------------------------------------------------------------------------
     def choose(self, req: Request, planner: Planner, profile: Profile) -> tuple[Plan, tuple[str, ...]]:
@@ -230,7 +228,7 @@ class ModelledTarget:
 
     def step_events(self, req: Request, plan: Plan | None) -> list:
         """The allocations and frees of two training steps with ``plan``, in order, as the target's allocator
-        sees them: the parameters and the batch first, the cuBLAS workspace at the first step."""
+        sees them: the parameters and the batch first, the BLAS workspaces (Note [cuBLAS workspaces])."""
         from remat.rewrite import checkpoint_plan
 
         with fake_tensor_limits(self.target), \
@@ -239,7 +237,7 @@ class ModelledTarget:
                 checkpoint_plan(fake, plan)
             held = {id(t): t for t in [*fake.parameters(), *fake.buffers(), *input_tensors(args, kwargs)]}
             before = [Alloc(i, _local_bytes(t)) for i, t in enumerate(held.values())]
-            before.append(Alloc(len(before), CUBLAS_WORKSPACE_BYTES))
+            before += [Alloc(len(before) + i, n) for i, n in enumerate(self.target.blas_workspaces())]
             opt = _fake_optimizer(req.optimizer, req.model, fake, self.target)
             with StorageTracker(torch.device("cpu"), ignore=list(held.values()), count_fake=True,
                                 follow_streams=True) as tracker:  # (streams: Note [Target kernels])

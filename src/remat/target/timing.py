@@ -35,7 +35,7 @@ import torch
 from remat.costs.device_time import GPU_LAUNCH_S, DeviceRates, Efficiency, collective_seconds, op_class, \
     op_seconds
 from remat.costs.recording import ForwardOp, Recording
-from remat.target.devices import DeviceSpec
+from remat.target.devices import DeviceSpec, generation_of
 
 #: per operator class, small training steps (forward and backward) whose kernels are of that class, at sizes a
 #: small model trains at: what this CPU reaches on them, against its measured peak rates, is the class's
@@ -71,10 +71,6 @@ class _Affine(torch.nn.Module):
 # slower than it moves their bytes (a GPU does not): a class of their own, "transcendental". The samples are fixed
 # above (sizes a small model trains at), not chosen per model; what a class reaches at other sizes differs (a 3x3
 # convolution over few channels runs further below peak than over many), and that is what the model leaves out.
-
-#: generation of the built-in devices, which selects "attention@<generation>" in the efficiency table
-GENERATION = {"a100": "ampere", "h100": "hopper", "h200": "hopper", "b200": "blackwell", "l4": "ada",
-              "mi300x": "cdna3"}
 
 
 def measure_cpu() -> dict[str, float]:
@@ -238,12 +234,35 @@ def rates_of(target: Any, model_dtype: torch.dtype | None = None) -> DeviceRates
             f"device {spec.name!r} lacks {' and '.join(missing)}, which the time model needs (issue #40: "
             f"seconds = max(FLOPs / peak, bytes / bandwidth)): give them in its spec (DeviceSpec(..., {missing[0]}=...)"
             ", dense FLOP/s, bytes/s)")
-    generation = next((g for prefix, g in GENERATION.items() if spec.name.startswith(prefix)), "")
-    return DeviceRates(name=f"{spec.title or spec.name}, {str(dtype).removeprefix('torch.')}",
+    generation = generation_of(spec)
+    tf32 = tf32_classes(spec, dtype)
+    return DeviceRates(name=f"{spec.title or spec.name}, {str(dtype).removeprefix('torch.')}"
+                            + (f" ({' and '.join(tf32)} at TF32)" if tf32 else ""),
                        flops_per_s=float(flops), memory_bytes_per_s=float(spec.hbm_bytes_per_s), launch_s=GPU_LAUNCH_S,
                        link_bytes_per_s=spec.link_bytes_per_s / 2 if spec.link_bytes_per_s else None,
                        network_bytes_per_s=target.network_bytes_per_s, devices_per_node=target.devices_per_node,
-                       generation=generation)
+                       generation=generation, class_flops_per_s={c: float(spec.tf32_flops_per_s) for c in tf32})
+
+
+def tf32_classes(spec: DeviceSpec, dtype: torch.dtype) -> tuple[str, ...]:
+    """The operator classes a GPU runs at its TF32 rate in a float32 step, as this process is set (Note [Device
+    time model]): "conv" while cuDNN may use TF32 (torch's default), "matmul" where the float32 matmul precision
+    allows it (not by default)."""
+    if dtype != torch.float32 or not spec.tf32_flops_per_s:
+        return ()
+    return (("conv",) if torch.backends.cudnn.allow_tf32 else ()) + (
+        ("matmul",) if torch.get_float32_matmul_precision() != "highest" else ())
+
+
+def efficiencies_elsewhere(rates: DeviceRates, device: str) -> str:
+    """What a plan's note says of efficiencies measured on another device than ``device`` (applied unmeasured)."""
+    on: dict[str, list[str]] = {}
+    for cls in ("matmul", "conv", "attention", "pointwise"):
+        eff = rates.efficiency_of(cls)
+        if eff.measured_on and eff.measured_on.lower() not in device.lower():
+            on.setdefault(eff.measured_on, []).append(f"{cls} {eff.compute:.2f}")
+    return "".join(f"; efficiencies measured on the {gpu}, applied to {device} unmeasured: {', '.join(c)}"
+                   for gpu, c in on.items())
 
 
 def group_of(op_name: str, target: Any) -> tuple[int, bool]:

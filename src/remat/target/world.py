@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -132,6 +134,18 @@ class Target:
         """Whether the target's memory is counted as the CUDA caching allocator counts it (every GPU in the
         table: ROCm's allocator is the same code)."""
         return self.spec.name != "cpu"
+
+    def blas_workspaces(self) -> tuple[int, ...]:
+        """The bytes of each BLAS workspace a step holds in the target's allocator (Note [cuBLAS workspaces] in
+        remat.target.workspace: torch's defaults for the device and the torch here, this process's environment);
+        none on this machine's CPU."""
+        if not self.is_cuda:
+            return ()
+        from remat.target.devices import generation_of
+        from remat.target.workspace import blas_workspaces
+
+        version = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+        return blas_workspaces(self.spec.vendor, generation_of(self.spec), version, os.environ)
 
     def describe(self) -> str:
         """E.g. "NVIDIA H100 SXM 80GB (79.2 GiB) x 8 ranks (FSDP 8)"."""
