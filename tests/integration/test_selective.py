@@ -221,18 +221,42 @@ def test_the_same_model_gets_the_same_options_and_twin_costs_when_profiled_twice
     # 25 MiB: h.0.attn, h.0.mlp, h.1.mlp, h.2 in one run, h.0.mlp, h.1, h.2.attn, h.2.mlp in another)
 
 
-def test_a_product_with_a_new_tensor_where_a_freed_dropout_mask_was_is_named():
+def test_a_product_with_a_new_tensor_where_a_freed_dropout_mask_was_is_named(monkeypatch):
     """Reproduces the torch 2.8 leg's 'Trying to backward an extra time' (HF Llama with attention dropout): the
     policy left the product of a dropout mask unnamed by the mask's storage identity, which a tensor made after
     the mask died can take over (the allocator reuses the address), so a later product was left unnamed too,
-    and every operator of its kind after it named differently in the forward and in the recomputation."""
+    and every operator of its kind after it named differently in the forward and in the recomputation.
+
+    The reuse is made certain, not left to the allocator (which gave a later tensor the mask's address in 8 or
+    9 runs in 10 on CPU, so a policy knowing the mask by its address alone passed in the others): the policy
+    reads the first later tensor's storage key as the freed mask's (issue #49)."""
     aten = torch.ops.aten
     names = remat.rewrite.PolicyNames()
     x = torch.randn(64, 64)
     mask = torch.empty_like(x)
     names.key(aten.bernoulli_.float, (mask, 0.9), {})
     assert names.key(aten.mul.Tensor, (x, mask), {}) is None  # the dropout's own product: never named
+    where_the_mask_was = remat.rewrite.policy.storage_key(mask)
     del mask
-    later = [torch.empty_like(x) for _ in range(8)]  # one of them usually where the mask was
+    later = [torch.empty_like(x) for _ in range(8)]
+    read = _at_the_address_of(monkeypatch, later[0], where_the_mask_was)
     keys = [names.key(aten.mul.Tensor, (x, t), {}) for t in later]
+    assert where_the_mask_was in read  # the policy looked the reused address up
     assert keys == [f"aten.mul.Tensor#{k}" for k in range(8)], keys
+
+
+def _at_the_address_of(monkeypatch, t: torch.Tensor, address: int) -> list[int]:
+    """Makes the policy read ``t``'s storage key as ``address`` (a freed storage's: what the allocator does when
+    it reuses it), swapping the two so that no two live storages share a key; returns the keys the policy
+    reads from here on, filled as it reads them."""
+    real = remat.rewrite.policy.storage_key
+    swap = {real(t): address, address: real(t)}
+    read = []
+
+    def storage_key(u: torch.Tensor) -> int:
+        key = swap.get(real(u), real(u))
+        read.append(key)
+        return key
+
+    monkeypatch.setattr(remat.rewrite.policy, "storage_key", storage_key)
+    return read
