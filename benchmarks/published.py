@@ -18,7 +18,7 @@ against torchtitan's op policy and full checkpointing (``--plans``).
 
     python benchmarks/published.py                 # memory and time, 8 and 128 GPUs (about 25 s a row)
     python benchmarks/published.py --world 8       # one world
-    python benchmarks/published.py --plans         # also the plans under 70 and 80 GiB on 8 GPUs (about 3 min)
+    python benchmarks/published.py --plans         # also the plans under 70 and 80 GiB on 8 GPUs (about 7 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ GiB = 2**30
 PUBLISHED = {8: 82.4, 128: 67.0}
 #: published tokens per second per GPU (the same rows: Tables 1 and 3)
 PUBLISHED_TPS = {8: 5762, 128: 5605}
+#: the allocator setting each published row is compared under (ASSUMPTIONS): "reserved" (expandable segments) or
+#: "native"
+HELD_TO = {8: "reserved", 128: "native"}
 #: the H100 NVL's dense bf16 FLOP/s (1,671 with sparsity, halved; NVIDIA's H100 datasheet): the low end of the range
 #: torchtitan gives for its part's peak
 NVL_BF16 = 835.5e12
@@ -53,8 +56,9 @@ NVL_BF16 = 835.5e12
 ASSUMPTIONS = [
     "device: torchtitan's H100 with 96 GB HBM2e (remat's h100-96gb: memory as marketed, 96e9 bytes; only "
     "out-of-memory depends on it)",
-    "expandable_segments: torchtitan's run_llama_train.sh sets it for single-node runs, its multi-node launcher "
-    "does not: both columns shown",
+    "allocator setting per row (HELD_TO): 8 GPUs with expandable_segments, which torchtitan's single-node launcher "
+    "(run_llama_train.sh) sets; 128 GPUs native, the default, since its multi-node launcher sets nothing (what the "
+    "cluster's environment set is not published): both columns shown, the row's own marked *",
     "attention: H100 flash attention; on fake CPU tensors the CPU flash kernel stands in, added to torchtitan's "
     "save list (it saves the same output and float32 log-sum-exp rows; Note [Target kernels])",
     "FSDP root not resharded after forward (the Dec-2024 torch ignored torchtitan's True for the root)",
@@ -195,18 +199,24 @@ def memory_table(worlds: list[int]) -> None:
     for r in rows:
         pub = PUBLISHED.get(r["world"])
 
-        def err(x: float) -> str:
-            return f"{x:.1f} ({(x - pub) / pub:+.1%})" if pub else f"{x:.1f}"
-        print(f"{r['world']:>5} | {pub if pub else '-':>18} | {err(r['reserved']):>24} | {err(r['native']):>20} | "
+        def err(key: str) -> str:
+            x = r[key]
+            mark = "*" if HELD_TO.get(r["world"]) == key else ""
+            return f"{mark}{x:.1f} ({(x - pub) / pub:+.1%})" if pub else f"{x:.1f}"
+        print(f"{r['world']:>5} | {pub if pub else '-':>18} | {err('reserved'):>24} | {err('native'):>20} | "
               f"{r['allocated']:>19.1f} | {r['seconds']:>7.0f} | {r['rss']:>7.2f}")
     if len(rows) == 2 and all(r["world"] in PUBLISHED for r in rows):
-        pub = PUBLISHED[rows[0]["world"]] - PUBLISHED[rows[1]["world"]]
-        for key, label in (("reserved", "expandable"), ("native", "native")):
-            pred = rows[0][key] - rows[1][key]
-            print(f"difference {rows[0]['world']} - {rows[1]['world']} GPUs: published {pub:.1f}, predicted {pred:.1f} "
-                  f"({label}, {(pred - pub) / pub:+.1%})")
-    print("predicted on this machine's CPU for the H100 (96 GB), not measured; torchtitan's figures measured on "
-          "H100s. Assumptions:")
+        a, b = rows
+        pub = PUBLISHED[a["world"]] - PUBLISHED[b["world"]]
+        held = (HELD_TO.get(a["world"], "native"), HELD_TO.get(b["world"], "native"))
+        for ka, kb in dict.fromkeys([held, ("reserved", "reserved"), ("native", "native")]):
+            pred = a[ka] - b[kb]
+            label = {"reserved": "expandable", "native": "native"}
+            mark = "* each row's own setting, " if (ka, kb) == held else ""
+            print(f"difference {a['world']} - {b['world']} GPUs: published {pub:.1f}, predicted {pred:.1f} "
+                  f"({mark}{a['world']} {label[ka]}, {b['world']} {label[kb]}: {(pred - pub) / pub:+.1%})")
+    print("* the setting each row is held to (HELD_TO). Predicted on this machine's CPU for the H100 (96 GB), not "
+          "measured; torchtitan's figures measured on H100s. Assumptions:")
     for a in ASSUMPTIONS:
         print(f"  - {a}")
 
