@@ -20,8 +20,10 @@ The package, stage by stage (each Note lives with the code it describes):
   not the module]);
 - :mod:`~remat.rewrite.eager`: the blocks ``Module.compile()`` leaves eager (Note [Blocks Module.compile()
   leaves eager]);
+- :mod:`~remat.rewrite.offload`: offloaded units, their saved activations moved to host memory and back (Note
+  [Offloaded units]; the GPU's side stream in :mod:`remat.runtime.host_copies`);
 - :mod:`~remat.rewrite.install`: unit names parsed and checked, ``checkpoint_modules``, ``checkpoint_plan``
-  and ``remove_checkpointing``.
+  and ``remove_checkpointing`` (which undoes offloading too).
 
 What other stages use is re-exported here; other names, private ones included, are imported from the module
 that defines them. A name is looked up in the module that uses it: to replace one (a test's

@@ -12,6 +12,7 @@ from remat.costs.unit_costs import SELECTIVE, is_selective, parse_region, parse_
 from remat.errors import InvalidInputError, PlanMismatchError
 from remat.rewrite.eager import _LEFT_EAGER, keep_compiled_nothing_eager
 from remat.rewrite.forwards import CheckpointedForward, RegionForward, SegmentedForward, _RematForward, is_checkpointed
+from remat.rewrite.offload import OffloadedForward
 from remat.solve.plan import Plan
 
 
@@ -28,9 +29,15 @@ def checkpointed_modules(model: nn.Module) -> list[str]:
     for name, m in uncompiled(model).named_modules():
         f = m.__dict__.get("forward")
         while isinstance(f, _RematForward):  # a whole Sequential around its segments: both
-            out += f.unit_names(name)
+            out += [] if isinstance(f, OffloadedForward) else f.unit_names(name)
             f = f.previous
     return out
+
+
+def offloaded_modules(model: nn.Module) -> list[str]:
+    """The modules remat has offloaded in ``model`` (Note [Offloaded units]), in module order."""
+    return [name for name, m in uncompiled(model).named_modules()
+            if isinstance(m.__dict__.get("forward"), OffloadedForward)]
 
 
 def check_units(model: nn.Module, names: Iterable[str]) -> list[str]:

@@ -1,0 +1,278 @@
+"""Offloaded units: a module's saved activations moved to host memory during its forward and brought back for
+its backward (issue #50; part of :mod:`remat.rewrite`).
+
+Note [Offloaded units]
+~~~~~~~~~~~~~~~~~~~~~~
+An offloaded unit runs its forward under :class:`torch.autograd.graph.saved_tensors_hooks` (the mechanism of
+torch's ``save_on_cpu``, torchtune's and TRL's ``OffloadActivations``): every tensor an operator inside it saves
+for backward passes through :meth:`Offloader.pack`, which copies it into a host buffer and lets the device's copy
+go, and comes back through :meth:`Offloader.unpack` when backward needs it. Nothing is recomputed, so no random
+number is drawn again: the gradients are the plain step's, bitwise (the same bytes come back, with the same
+shape, dtype and strides).
+
+What is kept where it is (returned by ``pack`` as it is): tensors under :attr:`Offloader.min_bytes` (their copy
+costs more than they free), views (copying a view moves its elements only, and backward may need its base),
+tensors that are not dense (overlapping or with gaps), parameters and tensors that do not require
+``grad``-tracking storage of their own (leaves whose storage the model holds anyway). A tensor saved twice (by
+two operators) is copied once.
+
+Host buffers come from a :class:`HostPool` that keeps them across steps, by size class (a power of two of at
+least 64 KiB): after the first step no host memory is allocated (one fresh pinned allocation per tensor costs
+milliseconds on a GPU host, the complaint offloaders' users make). On a GPU the buffers are pinned and the copies
+run on a side stream (:class:`remat._compat.offload_streams.CudaCopies`: what is CUDA-specific is there); on this
+machine's CPU the copies are plain ``copy_`` calls: the device *is* host memory, so offloading frees nothing
+here, and the pool is what tests count (docs/offload.md says what is measured then and what is not).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.rewrite.forwards import _RematForward
+
+#: the least bytes a saved tensor needs to be offloaded (smaller ones stay: Note [Offloaded units])
+MIN_OFFLOAD_BYTES = 64 * 1024
+_SIZE_CLASS = 64 * 1024
+
+
+def _size_class(nbytes: int) -> int:
+    return max(_SIZE_CLASS, 1 << (nbytes - 1).bit_length())
+
+
+class HostPool:
+    """Host buffers (``uint8``) kept across steps by size class; pinned where the device is a GPU. ``held_bytes``:
+    what the pool holds now (host memory an offloading plan costs); ``peak_in_use_bytes``: the most it lent at
+    once."""
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        self.pin_memory = pin_memory
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self.held_bytes = 0
+        self.in_use_bytes = 0
+        self.peak_in_use_bytes = 0
+        #: buffers allocated (a buffer lent again is not counted)
+        self.allocations = 0
+        self._all: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        size = _size_class(nbytes)
+        free = self._free.get(size)
+        if free:
+            buf = free.pop()
+        else:
+            buf = torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
+            self.held_bytes += size
+            self.allocations += 1
+            self._all.append(buf)
+        self.in_use_bytes += size
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        self.in_use_bytes -= buf.numel()
+        self._free.setdefault(buf.numel(), []).append(buf)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer the pool holds, lent or free (a meter of device memory leaves them out)."""
+        return list(self._all)
+
+    def release(self) -> None:
+        """Let every free buffer go (the next step allocates afresh)."""
+        for bufs in self._free.values():
+            self.held_bytes -= sum(b.numel() for b in bufs)
+            freed = {id(b) for b in bufs}
+            self._all = [b for b in self._all if id(b) not in freed]
+        self._free.clear()
+
+
+class _Parked:
+    """A saved tensor in host memory: the buffer and what the device tensor looked like; ``uses``: the saves of
+    it not yet unpacked (a tensor saved by two operators is parked once)."""
+
+    __slots__ = ("buf", "host", "shape", "stride", "dtype", "device", "ready", "uses", "pool", "__weakref__")
+
+    def __init__(self, buf: torch.Tensor, host: torch.Tensor, t: torch.Tensor, pool: HostPool) -> None:
+        self.buf: torch.Tensor | None = buf
+        self.host, self.pool = host, pool
+        self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
+        #: the tensor brought back (ahead of its use, or at it), or None
+        self.ready: torch.Tensor | None = None
+        self.uses = 0
+
+    def __del__(self) -> None:  # a forward whose backward never ran: its buffers go back to the pool
+        if self.buf is not None:
+            self.pool.give(self.buf)
+            self.buf = None
+
+
+def offloadable(t: torch.Tensor, keep: frozenset[int] = frozenset(), min_bytes: int = MIN_OFFLOAD_BYTES) -> bool:
+    """Whether ``pack`` moves ``t`` to host memory (Note [Offloaded units]): a dense, plain tensor of at least
+    ``min_bytes`` that owns its storage from its start, not a parameter, not a view, its storage not in ``keep``
+    (the unit's inputs, parameters and buffers: alive anyway)."""
+    return (type(t) is torch.Tensor and t.layout == torch.strided and t._base is None and t.is_contiguous()
+            and t.storage_offset() == 0 and t.numel() * t.element_size() >= min_bytes
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            and t.untyped_storage().data_ptr() not in keep)
+
+
+class Offloader:
+    """The pack and unpack hooks of offloaded units, one per model, shared by its units (so that a unit's
+    backward can bring the next unit's tensors back ahead of their use: :meth:`prefetch`)."""
+
+    def __init__(self, pool: HostPool | None = None, *, min_bytes: int = MIN_OFFLOAD_BYTES,
+                 copies: Any = None) -> None:
+        self.pool = pool or HostPool()
+        self.min_bytes = min_bytes
+        #: the device-specific copies (remat.runtime.host_copies.CudaCopies); None: synchronous copy_ (a CPU)
+        self.copies = copies
+        self._seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        #: per unit, in forward order, the tensors it parked this step (for prefetching)
+        self.parked: dict[str, list[weakref.ref]] = {}
+        #: bytes copied out, in all, and tensors parked
+        self.offloaded_bytes = 0
+        self.offloaded_tensors = 0
+
+    def hooks(self, unit: str, keep: frozenset[int]) -> torch.autograd.graph.saved_tensors_hooks:
+        """The hooks to run ``unit``'s forward under; ``keep``: storages (data pointers) not to move."""
+        if unit in self.parked and not any(r() is not None for r in self.parked[unit]):
+            del self.parked[unit]  # a new step: the unit takes its place in this step's forward order
+        self.parked.setdefault(unit, [])
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(unit, t, keep),
+                                                        lambda p: self.unpack(unit, p))
+
+    def pack(self, unit: str, t: torch.Tensor, keep: frozenset[int] = frozenset()) -> Any:
+        if not offloadable(t, keep, self.min_bytes):
+            return t
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and (parked := seen[1]()) is not None and parked.buf is not None:
+            parked.uses += 1
+            return parked
+        nbytes = t.numel() * t.element_size()
+        buf = self.pool.take(nbytes)
+        host = buf[:nbytes].view(t.dtype).view(t.shape)
+        if self.copies is not None:
+            self.copies.to_host(host, t)
+        else:
+            host.copy_(t)
+        parked = _Parked(buf, host, t, self.pool)
+        parked.uses = 1
+        self._seen[id(t)] = (weakref.ref(t), weakref.ref(parked))
+        self.parked.setdefault(unit, []).append(weakref.ref(parked))
+        self.offloaded_bytes += nbytes
+        self.offloaded_tensors += 1
+        return parked
+
+    def unpack(self, unit: str, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Parked):
+            return packed
+        if packed.ready is None:
+            if packed.buf is None:
+                from remat.errors import UnsupportedError
+
+                raise UnsupportedError(
+                    f"an activation of offloaded unit {unit!r} was unpacked after its backward had used it (a "
+                    "second backward through the same graph, retain_graph=True, or a saved tensor read by hand): "
+                    "offloaded units bring each saved tensor back once. Checkpoint that unit instead of "
+                    "offloading it, or run one backward per forward")
+            self.prefetch(unit)
+        out = packed.ready
+        if self.copies is not None:
+            self.copies.wait(out)
+        packed.uses -= 1
+        if packed.uses == 0:  # its last use: the device copy goes with autograd's, the buffer back to the pool
+            packed.ready = None
+            buf, packed.buf = packed.buf, None
+            if self.copies is not None:
+                self.copies.after(out, lambda: self.pool.give(buf))
+            else:
+                self.pool.give(buf)
+        return out
+
+    def prefetch(self, unit: str) -> None:
+        """Bring ``unit``'s parked tensors back to the device, and start bringing back those of the unit before
+        it in forward order, whose backward runs next (one unit ahead)."""
+        order = list(self.parked)
+        i = order.index(unit) if unit in order else 0
+        for name in order[max(0, i - 1): i + 1]:
+            for ref in self.parked[name]:
+                p = ref()
+                if p is not None and p.ready is None and p.buf is not None:
+                    p.ready = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
+                    if self.copies is not None:
+                        self.copies.to_device(p.ready, p.host)
+                    else:
+                        p.ready.copy_(p.host)
+
+
+def _storages(obj: Any, out: set[int]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is torch.Tensor:
+            out.add(obj.untyped_storage().data_ptr())
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _storages(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _storages(x, out)
+
+
+class OffloadedForward(_RematForward):
+    """The ``forward`` remat installs on an offloaded module (Note [Offloaded units]; installed and undone like a
+    checkpointed one: Note [Checkpoint the forward, not the module] in remat.rewrite.forwards)."""
+
+    def __init__(self, module: nn.Module, name: str, offloader: Offloader) -> None:
+        self.module, self.name, self.offloader = module, name, offloader
+        self.previous = module.__dict__.get("forward")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self._original()
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        keep: set[int] = set()
+        _storages((args, kwargs), keep)
+        _storages(list(self.module.parameters()) + list(self.module.buffers()), keep)
+        with self.offloader.hooks(self.name, frozenset(keep)):
+            return forward(*args, **kwargs)
+
+    def unit_names(self, name: str) -> list[str]:
+        return [name]
+
+
+def offloader_for(model: nn.Module) -> Offloader:
+    """The model's :class:`Offloader` (one per model, so its units prefetch each other's tensors), made on first
+    use for the device of its first parameter: pinned buffers and a side stream on a GPU."""
+    for m in model.modules():
+        f = m.__dict__.get("forward")
+        if isinstance(f, OffloadedForward):
+            return f.offloader
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "cuda":
+        from remat.runtime.host_copies import CudaCopies
+
+        return Offloader(HostPool(pin_memory=True), copies=CudaCopies(device))
+    return Offloader(HostPool())
+
+
+def offload_modules(model: nn.Module, names: Any) -> None:
+    """Offload the named modules' saved activations to host memory (Note [Offloaded units]; mutates ``model``).
+    Modules only (not segments, regions or selective units); one already checkpointed or offloaded is refused."""
+    from remat.errors import InvalidInputError, PlanMismatchError
+
+    names = list(names)
+    mods = dict(model.named_modules())
+    bad = [n for n in names if n not in mods or n == ""]
+    if bad:
+        raise PlanMismatchError(f"{type(model).__name__} has no module named {bad} to offload: name submodules by "
+                                "their qualified names (model.named_modules()); segments, regions and selective "
+                                "units are checkpointed, not offloaded")
+    taken = [n for n in names if isinstance(mods[n].__dict__.get("forward"), _RematForward)]
+    if taken:
+        raise InvalidInputError(f"{taken} already checkpointed or offloaded by remat: a unit is kept, recomputed "
+                                "or offloaded, one of the three; call remove_checkpointing first")
+    offloader = offloader_for(model)
+    for n in names:
+        mods[n].forward = OffloadedForward(mods[n], n, offloader)
