@@ -4,10 +4,14 @@ activations of chosen modules go to host buffers in the forward and come back fo
 a step's own allocations are once the pool is warm; not what a GPU would free or how long its copies take."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+import remat
+import remat.costs.offload
+from remat._compat import storage_key
 from remat.errors import InvalidInputError, PlanMismatchError, UnsupportedError
 from remat.examples import make_gpt
 from remat.rewrite import checkpoint_modules, checkpointed_modules, remove_checkpointing
@@ -65,7 +69,7 @@ def test_a_broken_copy_back_is_caught_by_the_exactness_test(monkeypatch):
 
     def perturbed(self, unit, packed):
         out = real(self, unit, packed)
-        return out + 1e-3 if isinstance(packed, offload._Parked) and out.is_floating_point() else out
+        return out + 1e-3 if isinstance(packed, offload._Saved) and out.is_floating_point() else out
 
     monkeypatch.setattr(offload.Offloader, "unpack", perturbed)
     got, expected = _steps(model, idx, targets, n=1), _steps(plain, idx, targets, n=1)
@@ -136,11 +140,70 @@ def test_a_second_backward_through_an_offloaded_unit_is_refused_with_what_to_do(
         loss.backward()
 
 
-def test_views_small_tensors_parameters_and_the_units_inputs_stay_where_they_are():
+def test_small_storages_parameters_and_the_units_inputs_stay_and_a_view_comes_back_as_the_same_view():
+    from remat.rewrite.offload import Offloader
+
     big = torch.randn(256, 256, requires_grad=True) * 2
-    assert offloadable(big)
-    assert not offloadable(big[:10])  # a view
+    assert offloadable(big) and offloadable(big.t()[3:])  # a view goes with its storage
     assert not offloadable(torch.randn(8, 8) * 2)  # small
     assert not offloadable(torch.nn.Parameter(torch.randn(256, 256)))
-    assert not offloadable(big.t().contiguous().t())  # not contiguous
-    assert not offloadable(big, keep=frozenset({big.untyped_storage().data_ptr()}))
+    assert not offloadable(big, keep=frozenset({storage_key(big)}))
+    off = Offloader()
+    view = big.detach().t()[3:]
+    saved = [off.pack("u", t) for t in (big.detach(), view)]
+    assert off.offloaded_tensors == 1  # one storage, parked once
+    back = [off.unpack("u", s) for s in saved]
+    assert torch.equal(back[0], big) and torch.equal(back[1], view)
+    assert (back[1].stride(), back[1].storage_offset()) == (view.stride(), view.storage_offset())
+    assert back[0].untyped_storage().data_ptr() == back[1].untyped_storage().data_ptr()
+
+
+def _loss(targets):
+    return lambda out: torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("offload, error", [(True, UnsupportedError), ("yes", InvalidInputError)])
+def test_offloading_a_step_that_runs_on_this_cpu_is_refused_saying_why(offload, error):
+    model, idx, targets = _gpt()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(error, match="CPU|offload takes"):
+        remat.optimize_checkpointing(model, 1.0, idx, loss_fn=_loss(targets), offload=offload)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), before.values()))
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_auto_plans_a_cpu_step_without_offloading_and_says_why():
+    model, idx, targets = _gpt()
+    plan = remat.optimize_checkpointing(model, 0.05, idx, loss_fn=_loss(targets), offload="auto", check=False,
+                                        granularity="block")
+    assert plan.offloaded == ()
+    assert any(n.startswith("offloading not offered: the step runs on a CPU") for n in plan.notes)
+
+
+def _replayed(target, plan):
+    from remat.target.source import predict_peaks
+
+    model, idx, targets = _gpt()
+    return predict_peaks(model, idx, target, loss_fn=_loss(targets), plan=plan).allocated_peak_bytes
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_plan_for_a_gpu_offloads_and_the_replayed_step_frees_what_it_offloads(world):
+    """For an H100 target (one GPU, and FSDP2 over two on the fake process group): a budget between the least
+    peak and no checkpointing's is planned with some units offloaded; the allocator's replay of the recorded step
+    with the plan sees the offloaded units' activations leave (its allocated peak below the same plan's with
+    those units kept)."""
+    model, idx, targets = _gpt()
+    target = remat.Target(device="h100-80gb", world=world)
+    profile = remat.make_profile(model, idx, loss_fn=_loss(targets), target=target)
+    planner = remat.Planner(profile, offload=remat.costs.offload.HostLink(63e9, 63e9))
+    budget = (planner.min_peak_bytes + planner.baseline_peak_bytes) // 2
+    plan = planner.plan_for_budget(budget)
+    assert plan.offloaded, plan
+    kept = dataclasses.replace(plan, offloaded=())
+    assert _replayed(target, plan) < _replayed(target, kept)
+    # and from the front door: offload=True names what it offloads and the link
+    plan = remat.optimize_checkpointing(model, 0.2, idx, loss_fn=_loss(targets), target=target, offload=True,
+                                        granularity="block")
+    assert any("offloading offered over h100-80gb's host link, 63.0 GB/s" in n for n in plan.notes)
+    assert plan.predicted_reserved_bytes <= 0.2 * 2**30

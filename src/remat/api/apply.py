@@ -57,7 +57,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> None:
                 "this plan was made for another model (" + "; ".join(parts) + "); run optimize_checkpointing "
                 "on this model to make a new plan"
             )
-    absent = check_units(model, plan.checkpointed)
+    absent = check_units(model, plan.checkpointed + plan.offloaded)
     if absent:
         raise PlanMismatchError(f"the plan checkpoints units this model does not have: {absent}")
     if plan.checkpointed:

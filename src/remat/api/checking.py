@@ -249,9 +249,9 @@ def plan_checked(
         if steps:
             note += " (Note [Steps under gloo] in remat.runtime.distributed: under gloo one step's peak is not the next one's)"
         if len(checked) > 1:
-            label = {fallbacks[1].checkpointed: "every block", fallbacks[0].checkpointed: "the least-memory plan"}
+            label = {fallbacks[1].choices: "every block", fallbacks[0].choices: "the least-memory plan"}
             names = [label.get(units, "the least-memory plan chosen on memory alone") for units in checked
-                     if units != plan.checkpointed]
+                     if units != plan.choices]
             note += (f"; {len(checked)} plans measured, {'one real step' if not steps else f'{steps} real steps'} each "
                      f"({' and '.join(names)}, whose measured least is the least peak promised, and this one)")
         return dataclasses.replace(plan, budget_bytes=budget_bytes, checked_peak_bytes=measured,
@@ -261,7 +261,7 @@ def plan_checked(
     promise = least_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks,
                             checked=checked, fallbacks=fallbacks)
     if budget_bytes < promise and more_fallbacks is not None:
-        extra = [agree(p) for p in more_fallbacks() if p.checkpointed not in {f.checkpointed for f in fallbacks}]
+        extra = [agree(p) for p in more_fallbacks() if p.choices not in {f.choices for f in fallbacks}]
         fallbacks += extra
         promise = min([promise, *(check(p) for p in extra)])
     if budget_bytes < promise:
@@ -278,7 +278,7 @@ def plan_checked(
         log.info("plan measured %d bytes over the budget; solving again with a target %d bytes lower",
                  excess, excess)
         target -= excess
-    fits = [p for p in fallbacks if p.checkpointed in checked and check(p) <= budget_bytes]
+    fits = [p for p in fallbacks if p.choices in checked and check(p) <= budget_bytes]
     best = min(fits, key=lambda p: p.predicted_recompute_s)
     return done(dataclasses.replace(best, budget_bytes=budget_bytes), check(best),
                 f"the {'least-memory plan' if best is fallbacks[0] else 'hand rule every block'}: the plans predicted "
@@ -291,11 +291,11 @@ def _checker(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, devic
     fsdp2 = wrapping_of(model).kind == "fsdp2"  # Note [Memory found] in remat.runtime.tracker
 
     def check(plan: Plan) -> int:
-        if plan.checkpointed not in checked:
+        if plan.choices not in checked:
             with found_storages_are_fresh(fsdp2):
                 peak = peak_with_plan(model, plan, args, kwargs, loss_fn, device, planner.profile)
-            checked[plan.checkpointed] = ranks.max(peak) if ranks is not None else peak
-        return checked[plan.checkpointed]
+            checked[plan.choices] = ranks.max(peak) if ranks is not None else peak
+        return checked[plan.choices]
 
     return check
 

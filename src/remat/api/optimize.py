@@ -34,7 +34,7 @@ def optimize_checkpointing(
     optimizer: torch.optim.Optimizer | None = None, time_limit_s: float | None = 60.0, check: bool = True,
     granularity: str = "op", output_alive: bool = True, grad_accumulation: bool = False,
     zero_grad_after_forward: bool = False, timeout_s: float | None = None, compile: bool | dict | None = None,
-    target: Target | None = None,
+    target: Target | None = None, offload: bool | str = False,
 ) -> Plan:
     """Checkpoint ``model``'s submodules in place so a training step fits ``budget_gb``.
 
@@ -73,18 +73,18 @@ def optimize_checkpointing(
     ``torch.compile`` settings the loop uses (``backend``, ``mode``, ``options``, ``fullgraph``, ``dynamic``).
     None (the default) detects it: a model wrapped by ``torch.compile`` or with submodules compiled in place
     (``block.compile()``, torchtitan's order) is planned for its compiled step; False plans the eager step.
-    The predicted and checked peaks are then the compiled step's, measured by the allocator (CUDA) or the
-    profiler's allocator-level memory events (CPU) on compiled steps of 1-7 plans (one compile each); the model
-    is profiled eagerly and recompiles on its next call (docs/compile.md).
+    The predicted and checked peaks are then the compiled step's, measured by allocator events on compiled steps
+    of 1-7 plans; the model is profiled eagerly and recompiles on its next call (docs/compile.md).
 
     Distributed training (FSDP2 ``fully_shard``, DDP): call it on every rank, on the model as it will train;
     ``budget_gb`` is per rank. Every rank gets the same plan (Note [One plan for every rank] in
     remat.runtime.distributed); ``timeout_s`` bounds the wait for the other ranks (default 300 s). ``target``: plan
-    for a device and world that are not here (:class:`remat.Target`, docs/targets.md).
+    for a device and world that are not here (:class:`remat.Target`, docs/targets.md). ``offload``: units'
+    activations may also go to host memory (docs/offload.md): False (default), True, "auto".
     """
     req = request(model, budget_gb, example_inputs, loss_fn=loss_fn, optimizer=optimizer, time_limit_s=time_limit_s,
                   check=check, granularity=granularity, output_alive=output_alive, grad_accumulation=grad_accumulation,
-                  zero_grad_after_forward=zero_grad_after_forward, timeout_s=timeout_s, compile=compile,
+                  zero_grad_after_forward=zero_grad_after_forward, timeout_s=timeout_s, compile=compile, offload=offload,
                   source=None if target is None else ModelledTarget(target))
     model = req.model
     notes, undo = prepare_hf_for_training(model)
@@ -99,7 +99,7 @@ def optimize_checkpointing(
             profiled = time.perf_counter()
             notes += (req.default.note,) if req.default is not None and req.default.note else ()
             plan, chosen_notes = req.source.choose(req, req.planner(profile, regions=req.loop is None), profile)
-            notes += chosen_notes + _planning_notes(req, profile, started, profiled, runs)
+            notes += chosen_notes + req.offload_notes + _planning_notes(req, profile, started, profiled, runs)
             plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)
             with stage("rewrite", model, req.args, req.kwargs, req.loss_fn):
                 remove_checkpointing(model)
@@ -107,7 +107,7 @@ def optimize_checkpointing(
     except BaseException:
         undo()
         raise
-    log.info("remat: checkpointed %d units; predicted peak %d bytes", len(plan.checkpointed), plan.predicted_peak_bytes)
+    log.info("remat: checkpointed %d units, offloaded %d", len(plan.checkpointed), len(plan.offloaded))
     return plan
 
 

@@ -14,7 +14,9 @@ from torch import nn
 
 from remat._compat import uncompiled
 from remat.api.inputs import validate
+from remat.api.offloading import host_link
 from remat.api.source import CostSource, MeasuredHere
+from remat.costs.offload import HostLink
 from remat.costs.unit_costs import Profile
 from remat.runtime.compiled import CompiledLoop, compiled_loop
 from remat.runtime.distributed import Ranks, Wrapping, ranks_for
@@ -49,17 +51,22 @@ class Request:
     granularity: str
     grad_accumulation: bool
     zero_grad_after_forward: bool
+    #: the link plans may offload activations over (None: keep or recompute only; remat.api.offloading)
+    offload: HostLink | None = None
+    #: what the plan's notes say of offloading
+    offload_notes: tuple[str, ...] = ()
 
     def planner(self, profile: Profile, **kwargs: Any) -> Planner:
         """The planner over ``profile`` for this call (every rank's profile gathered, when distributed)."""
         return Planner(profile, time_limit_s=self.time_limit_s, granularity=self.granularity,
-                       ranks=self.ranks.gather(profile) if self.ranks is not None else None, **kwargs)
+                       ranks=self.ranks.gather(profile) if self.ranks is not None else None, offload=self.offload,
+                       **kwargs)
 
 
 def request(given: nn.Module, budget_gb: float, example_inputs: Any, *, loss_fn: LossFn | None,
              optimizer: torch.optim.Optimizer | None, time_limit_s: float | None, check: bool, granularity: str,
              output_alive: bool, grad_accumulation: bool, zero_grad_after_forward: bool, timeout_s: float | None,
-             compile: bool | dict | None, source: CostSource | None = None) -> Request:
+             compile: bool | dict | None, source: CostSource | None = None, offload: Any = False) -> Request:
     """The arguments checked, the loop's compilation found, and the other ranks met (every rank must ask the same)."""
     model = uncompiled(given)
     budget_bytes, args, kwargs, device = validate(model, budget_gb, example_inputs)
@@ -69,10 +76,13 @@ def request(given: nn.Module, budget_gb: float, example_inputs: Any, *, loss_fn:
         budget_gb=budget_gb, granularity=granularity, output_alive=output_alive, check=check,
         grad_accumulation=grad_accumulation, zero_grad_after_forward=zero_grad_after_forward,
         time_limit_s=time_limit_s, optimizer=None if optimizer is None else type(optimizer).__name__,
-        compiled=str(loop)))
+        compiled=str(loop), offload=offload))
+    link, link_notes = host_link(offload, device=device, target=getattr(source, "target", None),
+                                 compiled=str(loop) if loop is not None else "")
     return Request(model=model, budget_bytes=budget_bytes, args=args, kwargs=kwargs, device=device,
                     loss_fn=loss_fn or default, default=default, loop=loop, wrapping=wrapping, ranks=ranks,
                     source=source if source is not None else MeasuredHere(), optimizer=optimizer,
                     output_alive=output_alive,
                     time_limit_s=time_limit_s, check=check, granularity=granularity,
-                    grad_accumulation=grad_accumulation, zero_grad_after_forward=zero_grad_after_forward)
+                    grad_accumulation=grad_accumulation, zero_grad_after_forward=zero_grad_after_forward,
+                    offload=link, offload_notes=link_notes)

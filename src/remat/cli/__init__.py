@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the training loop drops the model's output once the loss is computed (HF Trainer, "
                              "torchtitan); default: it keeps it until the step ends (nanoGPT, most hand loops)")
     common.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds (default 60)")
+    common.add_argument("--offload", action="store_true",
+                        help="plans may also offload activations to host memory (a GPU target: --device; "
+                             "docs/offload.md)")
     common.add_argument("--debug", action="store_true", help="show tracebacks")
 
     p = argparse.ArgumentParser(prog="remat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -180,7 +183,7 @@ def _modelled_tradeoff(args, out, err, model, inputs, loss_fn) -> int:
                                   optimizer=factory(model.parameters()) if factory else None,
                                   output_alive=not args.output_dropped,
                                   budgets=[int(b * GiB) for b in args.budgets] if args.budgets else None,
-                                  points=args.points)
+                                  points=args.points, offload=getattr(args, "offload", False))
     out.print(_predicted_table(rows, args.modelled))
     out.print("every figure predicted on this machine for the target, not measured: peaks per rank, the reserved "
               "one by replaying the CUDA caching allocator; step time by the target's device model (roofline per "
@@ -203,7 +206,7 @@ def _optimize(args, model, inputs, loss_fn) -> Plan:
                                   optimizer=factory(model.parameters()) if factory else None,
                                   time_limit_s=args.time_limit, granularity=getattr(args, "granularity", "op"),
                                   output_alive=not args.output_dropped, compile=compile,
-                                  target=getattr(args, "modelled", None))
+                                  target=getattr(args, "modelled", None), offload=getattr(args, "offload", False))
 
 
 def cmd_plan(args, out, err) -> int:

@@ -104,6 +104,10 @@ def _predicted_table(rows, target):
                       ("overhead\npredicted", "right"), ("tokens/s per\ndevice, predicted", "right"),
                       ("MFU\npredicted", "right")]:
         table.add_column(col, justify=just, no_wrap=True)
+    offloads = any(r.offloaded for r in rows)
+    if offloads:
+        for col in ("offloaded\nunits", "offloaded each\nway, predicted", "copies exposed\npredicted"):
+            table.add_column(col, justify="right", no_wrap=True)
     base = rows[0].predicted_step_time_s if rows else 0.0
     for r in rows:
         table.add_row(fmt_bytes(r.budget_bytes), r.strategy, str(len(r.checkpointed)),
@@ -111,5 +115,7 @@ def _predicted_table(rows, target):
                       "yes" if r.fits_device else "[red]NO[/red]", f"{r.predicted_step_time_s * 1e3:.3f} ms",
                       f"{r.predicted_step_time_s / base - 1:+.1%}" if base > 0 else "-",
                       f"{r.predicted_tokens_per_s:,.0f}" if r.predicted_tokens_per_s is not None else "-",
-                      f"{r.predicted_mfu:.1%}" if r.predicted_mfu is not None else "-")
+                      f"{r.predicted_mfu:.1%}" if r.predicted_mfu is not None else "-",
+                      *((str(len(r.offloaded)), fmt_bytes(r.predicted_offload_bytes),
+                         f"{r.predicted_exposed_copy_s * 1e3:.1f} ms") if offloads else ()))
     return table

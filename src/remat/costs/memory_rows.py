@@ -12,6 +12,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Mapping
 
+from remat.costs.offload import OffloadSpan
 from remat.costs.unit_costs import Profile, UnitCost, is_selective, nest_key, recompute_growth
 
 # Note [Nested checkpoints]
@@ -65,6 +66,8 @@ class MemoryRows:
     units: dict[str, UnitCost]
     inner: dict[str, tuple[str, ...]]
     _drops: dict[str, list[tuple[int, list[int], list[int]]]]
+    #: per offload variable (``offload:u``), when its drops are gone (Note [Offload in the memory model])
+    offloads: dict[str, OffloadSpan]
 
     # -- per unit ---------------------------------------------------------------------------
     def dropped_bytes(self, unit: str, index: int) -> int:
@@ -93,6 +96,9 @@ class MemoryRows:
                 b = self.kept_bytes(v, index) if covered else self.effect_bytes(v, index)
                 if b:
                     out[nest_key(outer, v)] = b
+        for key, span in self.offloads.items():
+            if b := span.freed_at(index):
+                out[key] = -b
         return out
 
     # -- nesting ------------------------------------------------------------------------------
@@ -142,6 +148,8 @@ class MemoryRows:
             cuts.update(d.free_from for d in u.drops if d.free_from < n and u.drop_until(d) is not None)
             for k in u.keeps:
                 cuts.update((k.from_index, k.until_index))
+        for span in self.offloads.values():
+            cuts.update(span.cuts())
         bounds = sorted(c for c in cuts if 0 <= c <= n)
         for lo, hi in zip(bounds, bounds[1:]):
             if hi <= lo:

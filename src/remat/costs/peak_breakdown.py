@@ -90,12 +90,13 @@ class PeakBreakdown:
 
 class PeakExplainer:
     """The explaining half of :class:`remat.costs.simulate.MemoryModel` (a base class of it): where the bytes of
-    a plan's predicted peak go. Reads the model's ``profile``, ``units`` and ``rows`` and uses its
+    a plan's predicted peak go. Reads the model's ``profile``, ``units``, ``rows`` and ``offloads`` and uses its
     ``assignment``, ``row_bytes`` and ``_coefs``."""
 
     profile: Profile
     units: dict[str, UnitCost]
     rows: tuple[Row, ...]
+    offloads: dict
 
     def breakdown(self, plan: Iterable[str]) -> PeakBreakdown:
         """The predicted peak of ``plan`` split by category."""
@@ -157,6 +158,9 @@ class PeakExplainer:
         droppers = self._droppers
         dropped: set[int] = set()
         for v in chosen:
+            if v in self.offloads:  # Note [Offload in the memory model]
+                dropped |= self.offloads[v].gone_at(i)
+                continue
             u = self.units[inner_unit(v)]
             for d in u.drops:
                 until = d.until_index if d.until_index is not None else u.recompute_at

@@ -38,6 +38,7 @@ import dataclasses
 from typing import Iterable
 
 from remat.costs.memory_rows import MemoryRows, Row
+from remat.costs.offload import HostLink, exposed_copy_s, offloadable_units, offloaded_unit
 from remat.costs.peak_breakdown import HeldTensor, PeakBreakdown, PeakExplainer, fmt_bytes  # noqa: F401 - fmt_bytes: solve.plan's
 from remat.costs.unit_costs import Profile, UnitCost, inner_unit, nest_key
 from remat.errors import InvalidInputError
@@ -48,9 +49,11 @@ class MemoryModel(MemoryRows, PeakExplainer):
     :class:`~remat.costs.memory_rows.MemoryRows`, the breakdown of a peak from
     :class:`~remat.costs.peak_breakdown.PeakExplainer`."""
 
-    def __init__(self, profile: Profile, candidates: Iterable[str] | None = None, *, nesting: bool = False) -> None:
+    def __init__(self, profile: Profile, candidates: Iterable[str] | None = None, *, nesting: bool = False,
+                 offload: HostLink | None = None) -> None:
         """``nesting``: also offer units checkpointed inside a checkpointed unit (Note [Nested checkpoints] in
-        remat.costs.memory_rows)."""
+        remat.costs.memory_rows); ``offload``: also offer offloading units to host memory over that link (Note
+        [Offload in the memory model] in remat.costs.offload)."""
         self.profile = profile
         names = [u.name for u in profile.candidates()] if candidates is None else list(candidates)
         self.units: dict[str, UnitCost] = {n: profile.unit(n) for n in names}
@@ -59,8 +62,10 @@ class MemoryModel(MemoryRows, PeakExplainer):
         self.inner: dict[str, tuple[str, ...]] = self._inner_units() if nesting else {}
         #: the 0/1 choices of a plan: a unit checkpointed at the top level (its name) or inside another
         #: (``nest_key(outer, inner)``)
+        self.link = offload
+        self.offloads = offloadable_units(profile, self.units, offload) if offload is not None else {}
         self.variables: tuple[str, ...] = tuple(names) + tuple(
-            nest_key(u, v) for u, inner in self.inner.items() for v in inner)
+            nest_key(u, v) for u, inner in self.inner.items() for v in inner) + tuple(self.offloads)
         #: per unit, per recomputation index (``until``): sorted ``free_from`` and prefix sums of bytes
         self._drops: dict[str, list[tuple[int, list[int], list[int]]]] = {}
         for name, u in self.units.items():
@@ -83,7 +88,7 @@ class MemoryModel(MemoryRows, PeakExplainer):
     def outer_of(self, plan: Iterable[str]) -> dict[str, str]:
         """For a plan (unit names), each unit checkpointed inside another and that other unit. Raises
         InvalidInputError for units that overlap without nesting, or nest more than two levels deep."""
-        chosen = frozenset(plan)
+        chosen = frozenset(v for v in plan if offloaded_unit(v) is None)
         self._check_known(chosen)
         out = {}
         for v in chosen:
@@ -108,17 +113,43 @@ class MemoryModel(MemoryRows, PeakExplainer):
         return out
 
     def assignment(self, plan: Iterable[str]) -> frozenset[str]:
-        """The variables (``self.variables``) a plan of unit names sets to 1."""
+        """The variables (``self.variables``) a plan of unit names (and ``offload:`` names) sets to 1."""
+        plan = frozenset(plan)
         outer = self.outer_of(plan)
-        return frozenset(nest_key(outer[u], u) if u in outer else u for u in frozenset(plan))
+        offloaded = frozenset(v for v in plan if offloaded_unit(v) is not None)
+        unknown = sorted(offloaded - self.offloads.keys())
+        if unknown:
+            raise InvalidInputError(f"{unknown} cannot be offloaded in this model: the units that can are "
+                                    f"{sorted(self.offloads) or 'none (offloading not offered)'}")
+        for v in offloaded:
+            clash = [u for u in plan - offloaded if self.conflicts(offloaded_unit(v), u)]
+            if clash:
+                raise InvalidInputError(f"plan offloads {offloaded_unit(v)!r} and checkpoints {clash}, which overlap "
+                                        "it: a unit is kept, recomputed or offloaded, one of the three")
+        return frozenset(nest_key(outer[u], u) if u in outer else u for u in plan - offloaded) | offloaded
 
     def units_of(self, variables: Iterable[str]) -> frozenset[str]:
-        """The unit names a set of chosen variables checkpoints (inverse of ``assignment``)."""
-        return frozenset(inner_unit(v) for v in variables)
+        """The unit names a set of chosen variables checkpoints, with ``offload:`` names for those it offloads
+        (inverse of ``assignment``)."""
+        return frozenset(v if offloaded_unit(v) is not None else inner_unit(v) for v in variables)
 
     def cost_s(self, variable: str) -> float:
-        """Predicted extra time of one variable: its unit's recompute and bookkeeping (seconds)."""
+        """Predicted extra time of one variable: its unit's recompute and bookkeeping (seconds); an offload's wait
+        for its copy back (its share of the link is paid by the step as a whole: :meth:`exposed_copy_s`)."""
+        if offloaded_unit(variable) is not None:
+            return self.offloads[variable].stall_s
         return self.units[inner_unit(variable)].cost_s
+
+    def offloaded_bytes(self, plan: Iterable[str]) -> int:
+        """Bytes ``plan`` moves to host memory (each way) in one step."""
+        return sum(self.offloads[v].nbytes for v in plan if v in self.offloads)
+
+    def exposed_copy_s(self, plan: Iterable[str]) -> float:
+        """Seconds of ``plan``'s host copies not hidden behind compute (Note [Offload in the memory model])."""
+        moved = self.offloaded_bytes(plan)
+        if not moved or self.link is None:
+            return 0.0
+        return exposed_copy_s(moved, self.link, self.profile.forward_s, self.profile.backward_s)
 
     def inner_cliques(self, outer: str) -> list[list[str]]:
         """Sets of ``outer``'s inner units of which at most one may be checkpointed inside it."""
@@ -145,13 +176,13 @@ class MemoryModel(MemoryRows, PeakExplainer):
 
     def recompute_s(self, plan: Iterable[str]) -> float:
         """Predicted extra time of ``plan``: the measured recompute time of its units plus checkpoint's
-        measured bookkeeping per unit (seconds)."""
-        return sum(self.units[u].cost_s for u in plan)
+        measured bookkeeping per unit (seconds); an offloaded unit's: the wait for its copy back."""
+        return sum(self.cost_s(u) if offloaded_unit(u) is not None else self.units[u].cost_s for u in plan)
 
     def conflicts(self, a: str, b: str) -> bool:
-        """Whether units ``a`` and ``b`` cannot be checkpointed together: one contains the other or
-        they overlap (segments), i.e. their forward spans intersect."""
-        ua, ub = self.units[a], self.units[b]
+        """Whether units ``a`` and ``b`` (or ``offload:`` names) cannot be chosen together: one contains the other
+        or they overlap (segments), i.e. their forward spans intersect."""
+        ua, ub = self.units[offloaded_unit(a) or a], self.units[offloaded_unit(b) or b]
         return a == b or any(s1 <= e2 and s2 <= e1 for s1, e1 in ua.spans for s2, e2 in ub.spans)
 
     def ancestors(self, name: str) -> list[str]:
@@ -169,9 +200,11 @@ class MemoryModel(MemoryRows, PeakExplainer):
         """Sets of units of which at most one may be chosen: those whose span covers a unit's first
         operator. Every pair of intersecting spans shares one (the later start lies in both)."""
         seen, out = set(), []
+        offloaded = {span.unit: key for key, span in self.offloads.items()}
         for u in self.units.values():
             for start, _ in u.spans:  # every call of a reused module (Note [Reused modules])
-                group = frozenset(v.name for v in self.units.values() if any(s <= start <= e for s, e in v.spans))
+                covering = [v.name for v in self.units.values() if any(s <= start <= e for s, e in v.spans)]
+                group = frozenset(covering + [offloaded[v] for v in covering if v in offloaded])
                 if len(group) > 1 and group not in seen:
                     seen.add(group)
                     out.append(sorted(group))
@@ -191,10 +224,10 @@ class WorstRankModel(MemoryModel):
     ranks (the slowest rank sets the pace). Candidates are the units every rank has."""
 
     def __init__(self, profiles: list[Profile], candidates: Iterable[str] | None = None, *,
-                 nesting: bool = False) -> None:
+                 nesting: bool = False, offload: HostLink | None = None) -> None:
         names = [u.name for u in profiles[0].candidates()] if candidates is None else list(candidates)
         names = [n for n in names if all(any(u.name == n for u in p.candidates()) for p in profiles)]
-        self.members = [MemoryModel(p, names, nesting=nesting) for p in profiles]
+        self.members = [MemoryModel(p, names, nesting=nesting, offload=offload) for p in profiles]
         self.profile = profiles[0]
         first = self.members[0]
         self.units = {n: dataclasses.replace(u, recompute_s=max(m.units[n].recompute_s for m in self.members),
@@ -204,7 +237,12 @@ class WorstRankModel(MemoryModel):
         # a nested pair every rank offers (the same model on every rank: all of them)
         self.inner = {u: kept for u, inner in first.inner.items()
                       if (kept := tuple(v for v in inner if all(v in m.inner.get(u, ()) for m in self.members)))}
-        self.variables = tuple(names) + tuple(nest_key(u, v) for u, inner in self.inner.items() for v in inner)
+        self.link = offload
+        # an offload every rank offers, its bytes the largest over ranks (the host link is each rank's own)
+        self.offloads = {k: max((m.offloads[k] for m in self.members), key=lambda s: s.nbytes)
+                         for k in first.offloads if all(k in m.offloads for m in self.members)}
+        self.variables = tuple(names) + tuple(nest_key(u, v) for u, inner in self.inner.items() for v in inner) \
+            + tuple(self.offloads)
         known = set(self.variables)
         self.rows = tuple(dataclasses.replace(row, name=f"rank{r}_{row.name}",
                                               coef_bytes={k: c for k, c in row.coef_bytes.items() if k in known})

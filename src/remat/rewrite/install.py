@@ -12,7 +12,7 @@ from remat.costs.unit_costs import SELECTIVE, is_selective, parse_region, parse_
 from remat.errors import InvalidInputError, PlanMismatchError
 from remat.rewrite.eager import _LEFT_EAGER, keep_compiled_nothing_eager
 from remat.rewrite.forwards import CheckpointedForward, RegionForward, SegmentedForward, _RematForward, is_checkpointed
-from remat.rewrite.offload import OffloadedForward
+from remat.rewrite.offload import OffloadedForward, offload_modules
 from remat.solve.plan import Plan
 
 
@@ -145,10 +145,13 @@ def checkpoint_modules(
 
 def checkpoint_plan(model: nn.Module, plan: Plan) -> None:
     """Checkpoint ``model`` in place as ``plan`` says: its units, with the buffers each replays and the
-    policy of each selective unit, and under torch.compile what they do with random operators (mutates ``model``; no
-    compatibility check: see ``remat.apply_plan``)."""
+    policy of each selective unit, and under torch.compile what they do with random operators; and offload the units
+    it offloads (Note [Offloaded units] in remat.rewrite.offload) (mutates ``model``; no compatibility check: see
+    ``remat.apply_plan``)."""
     checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
                        saved_ops=dict(plan.saved_ops), random=plan.compiled_random)
+    if plan.offloaded:
+        offload_modules(model, plan.offloaded)
 
 
 def remove_checkpointing(model: nn.Module) -> list[str]:

@@ -10,11 +10,12 @@ go, and comes back through :meth:`Offloader.unpack` when backward needs it. Noth
 number is drawn again: the gradients are the plain step's, bitwise (the same bytes come back, with the same
 shape, dtype and strides).
 
-What is kept where it is (returned by ``pack`` as it is): tensors under :attr:`Offloader.min_bytes` (their copy
-costs more than they free), views (copying a view moves its elements only, and backward may need its base),
-tensors that are not dense (overlapping or with gaps), parameters and tensors that do not require
-``grad``-tracking storage of their own (leaves whose storage the model holds anyway). A tensor saved twice (by
-two operators) is copied once.
+What moves is a saved tensor's whole **storage**, once however many saved tensors view it (attention's q, k
+and v are views of one projection's output: moving the views alone would leave that output on the device), and
+each saved tensor comes back as the same view of the storage brought back (same shape, strides and offset).
+What stays where it is (returned by ``pack`` as it is): storages under ``MIN_OFFLOAD_BYTES`` (64 KiB: their copy
+costs more than they free), parameters and tensor subclasses, and the storages of the unit's inputs,
+parameters and buffers (alive anyway).
 
 Host buffers come from a :class:`HostPool` that keeps them across steps, by size class (a power of two of at
 least 64 KiB): after the first step no host memory is allocated (one fresh pinned allocation per tensor costs
@@ -32,10 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat._compat import storage_key, storage_ref
+from remat.costs.offload import MIN_OFFLOAD_BYTES
 from remat.rewrite.forwards import _RematForward
 
-#: the least bytes a saved tensor needs to be offloaded (smaller ones stay: Note [Offloaded units])
-MIN_OFFLOAD_BYTES = 64 * 1024
 _SIZE_CLASS = 64 * 1024
 
 
@@ -90,18 +91,18 @@ class HostPool:
 
 
 class _Parked:
-    """A saved tensor in host memory: the buffer and what the device tensor looked like; ``uses``: the saves of
-    it not yet unpacked (a tensor saved by two operators is parked once)."""
+    """A saved tensor's storage in host memory, parked once however many saved tensors view it: the host buffer,
+    the storage's bytes and device; ``uses``: the saves of it not yet unpacked."""
 
-    __slots__ = ("buf", "host", "shape", "stride", "dtype", "device", "ready", "uses", "pool", "__weakref__")
+    __slots__ = ("buf", "nbytes", "device", "ready", "uses", "live", "pool", "__weakref__")
 
-    def __init__(self, buf: torch.Tensor, host: torch.Tensor, t: torch.Tensor, pool: HostPool) -> None:
-        self.buf: torch.Tensor | None = buf
-        self.host, self.pool = host, pool
-        self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
-        #: the tensor brought back (ahead of its use, or at it), or None
+    def __init__(self, buf: torch.Tensor | None, nbytes: int, device: torch.device, pool: HostPool) -> None:
+        self.buf, self.nbytes, self.device, self.pool = buf, nbytes, device, pool
+        #: the storage brought back (uint8, ahead of its use or at it), or None
         self.ready: torch.Tensor | None = None
         self.uses = 0
+        #: False once its last save was unpacked (a later unpack is a second backward)
+        self.live = True
 
     def __del__(self) -> None:  # a forward whose backward never ran: its buffers go back to the pool
         if self.buf is not None:
@@ -109,14 +110,24 @@ class _Parked:
             self.buf = None
 
 
-def offloadable(t: torch.Tensor, keep: frozenset[int] = frozenset(), min_bytes: int = MIN_OFFLOAD_BYTES) -> bool:
-    """Whether ``pack`` moves ``t`` to host memory (Note [Offloaded units]): a dense, plain tensor of at least
-    ``min_bytes`` that owns its storage from its start, not a parameter, not a view, its storage not in ``keep``
-    (the unit's inputs, parameters and buffers: alive anyway)."""
-    return (type(t) is torch.Tensor and t.layout == torch.strided and t._base is None and t.is_contiguous()
-            and t.storage_offset() == 0 and t.numel() * t.element_size() >= min_bytes
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-            and t.untyped_storage().data_ptr() not in keep)
+class _Saved:
+    """What ``pack`` returns for an offloaded tensor: its parked storage and where in it the tensor lies."""
+
+    __slots__ = ("parked", "dtype", "size", "stride", "offset")
+
+    def __init__(self, parked: _Parked, t: torch.Tensor) -> None:
+        self.parked, self.dtype, self.size, self.stride, self.offset = (
+            parked, t.dtype, t.shape, t.stride(), t.storage_offset())
+
+
+def offloadable(t: torch.Tensor, keep: frozenset[int] = frozenset(), min_bytes: int = MIN_OFFLOAD_BYTES,
+                plain: tuple[type, ...] = (torch.Tensor,)) -> bool:
+    """Whether ``pack`` moves ``t``'s storage to host memory (Note [Offloaded units]): a strided tensor (of a type
+    in ``plain``: not a subclass, not a parameter) whose storage holds at least ``min_bytes`` and is not in
+    ``keep`` (the unit's inputs, parameters and buffers: alive anyway). A view is parked with its storage and comes
+    back as the same view of it."""
+    return (type(t) in plain and t.layout == torch.strided and t.untyped_storage().nbytes() >= min_bytes
+            and t.untyped_storage().nbytes() % t.element_size() == 0 and storage_key(t) not in keep)
 
 
 class Offloader:
@@ -124,9 +135,17 @@ class Offloader:
     backward can bring the next unit's tensors back ahead of their use: :meth:`prefetch`)."""
 
     def __init__(self, pool: HostPool | None = None, *, min_bytes: int = MIN_OFFLOAD_BYTES,
-                 copies: Any = None) -> None:
+                 copies: Any = None, modelled: bool = False) -> None:
         self.pool = pool or HostPool()
         self.min_bytes = min_bytes
+        #: on fake tensors (a modelled target's recorded step): nothing is copied, the device tensor goes and an
+        #: empty one of its shape comes back, so the recording sees the device memory offloading frees
+        self.modelled = modelled
+        self._plain: tuple[type, ...] = (torch.Tensor,)
+        if modelled:
+            from remat._compat import FakeTensor
+
+            self._plain = (torch.Tensor, FakeTensor)
         #: the device-specific copies (remat.runtime.host_copies.CudaCopies); None: synchronous copy_ (a CPU)
         self.copies = copies
         self._seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -137,7 +156,7 @@ class Offloader:
         self.offloaded_tensors = 0
 
     def hooks(self, unit: str, keep: frozenset[int]) -> torch.autograd.graph.saved_tensors_hooks:
-        """The hooks to run ``unit``'s forward under; ``keep``: storages (data pointers) not to move."""
+        """The hooks to run ``unit``'s forward under; ``keep``: storages (``storage_key``) not to move."""
         if unit in self.parked and not any(r() is not None for r in self.parked[unit]):
             del self.parked[unit]  # a new step: the unit takes its place in this step's forward order
         self.parked.setdefault(unit, [])
@@ -145,32 +164,38 @@ class Offloader:
                                                         lambda p: self.unpack(unit, p))
 
     def pack(self, unit: str, t: torch.Tensor, keep: frozenset[int] = frozenset()) -> Any:
-        if not offloadable(t, keep, self.min_bytes):
+        if not offloadable(t, keep, self.min_bytes, self._plain):
             return t
-        seen = self._seen.get(id(t))
-        if seen is not None and seen[0]() is t and (parked := seen[1]()) is not None and parked.buf is not None:
+        key = storage_key(t)
+        seen = self._seen.get(key)
+        parked = seen[1]() if seen is not None and seen[0]() is not None else None
+        if parked is not None and parked.live and parked.ready is None:
             parked.uses += 1
-            return parked
-        nbytes = t.numel() * t.element_size()
-        buf = self.pool.take(nbytes)
-        host = buf[:nbytes].view(t.dtype).view(t.shape)
-        if self.copies is not None:
-            self.copies.to_host(host, t)
+            return _Saved(parked, t)
+        nbytes = t.untyped_storage().nbytes()
+        if self.modelled:  # nothing is copied: the device storage goes, an empty one comes back
+            parked = _Parked(None, nbytes, t.device, self.pool)
         else:
-            host.copy_(t)
-        parked = _Parked(buf, host, t, self.pool)
+            buf = self.pool.take(nbytes)
+            source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+            if self.copies is not None:
+                self.copies.to_host(buf[:nbytes], source)
+            else:
+                buf[:nbytes].copy_(source)
+            parked = _Parked(buf, nbytes, t.device, self.pool)
         parked.uses = 1
-        self._seen[id(t)] = (weakref.ref(t), weakref.ref(parked))
+        self._seen[key] = (storage_ref(t), weakref.ref(parked))
         self.parked.setdefault(unit, []).append(weakref.ref(parked))
         self.offloaded_bytes += nbytes
         self.offloaded_tensors += 1
-        return parked
+        return _Saved(parked, t)
 
-    def unpack(self, unit: str, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Parked):
-            return packed
+    def unpack(self, unit: str, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        packed = saved.parked
         if packed.ready is None:
-            if packed.buf is None:
+            if not packed.live:
                 from remat.errors import UnsupportedError
 
                 raise UnsupportedError(
@@ -179,39 +204,42 @@ class Offloader:
                     "offloaded units bring each saved tensor back once. Checkpoint that unit instead of "
                     "offloading it, or run one backward per forward")
             self.prefetch(unit)
-        out = packed.ready
+        storage = packed.ready
         if self.copies is not None:
-            self.copies.wait(out)
+            self.copies.wait(storage)
+        out = storage.view(saved.dtype).as_strided(saved.size, saved.stride, saved.offset)
         packed.uses -= 1
         if packed.uses == 0:  # its last use: the device copy goes with autograd's, the buffer back to the pool
-            packed.ready = None
+            packed.ready, packed.live = None, False
             buf, packed.buf = packed.buf, None
-            if self.copies is not None:
-                self.copies.after(out, lambda: self.pool.give(buf))
-            else:
+            if buf is not None and self.copies is not None:
+                self.copies.after(storage, lambda: self.pool.give(buf))
+            elif buf is not None:
                 self.pool.give(buf)
         return out
 
     def prefetch(self, unit: str) -> None:
-        """Bring ``unit``'s parked tensors back to the device, and start bringing back those of the unit before
+        """Bring ``unit``'s parked storages back to the device, and start bringing back those of the unit before
         it in forward order, whose backward runs next (one unit ahead)."""
         order = list(self.parked)
         i = order.index(unit) if unit in order else 0
         for name in order[max(0, i - 1): i + 1]:
             for ref in self.parked[name]:
                 p = ref()
-                if p is not None and p.ready is None and p.buf is not None:
-                    p.ready = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
+                if p is not None and p.ready is None and p.live:
+                    p.ready = torch.empty(p.nbytes, dtype=torch.uint8, device=p.device)
+                    if self.modelled:
+                        continue
                     if self.copies is not None:
-                        self.copies.to_device(p.ready, p.host)
+                        self.copies.to_device(p.ready, p.buf[:p.nbytes])
                     else:
-                        p.ready.copy_(p.host)
+                        p.ready.copy_(p.buf[:p.nbytes])
 
 
 def _storages(obj: Any, out: set[int]) -> None:
     if isinstance(obj, torch.Tensor):
-        if type(obj) is torch.Tensor:
-            out.add(obj.untyped_storage().data_ptr())
+        if obj.layout == torch.strided:
+            out.add(storage_key(obj))
     elif isinstance(obj, (list, tuple)):
         for x in obj:
             _storages(x, out)
@@ -244,12 +272,19 @@ class OffloadedForward(_RematForward):
 
 def offloader_for(model: nn.Module) -> Offloader:
     """The model's :class:`Offloader` (one per model, so its units prefetch each other's tensors), made on first
-    use for the device of its first parameter: pinned buffers and a side stream on a GPU."""
+    use for the device of its first parameter: pinned buffers and a side stream on a GPU; nothing copied for a
+    model on fake tensors (``Offloader(modelled=True)``)."""
     for m in model.modules():
         f = m.__dict__.get("forward")
         if isinstance(f, OffloadedForward):
             return f.offloader
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    from remat._compat import FakeTensor
+
+    first = next(model.parameters(), None)
+    if isinstance(first, FakeTensor) or (first is not None and isinstance(getattr(first, "_local_tensor", None),
+                                                                           FakeTensor)):
+        return Offloader(modelled=True)  # a modelled target's fake model (remat.target)
+    device = first.device if first is not None else torch.device("cpu")
     if device.type == "cuda":
         from remat.runtime.host_copies import CudaCopies
 

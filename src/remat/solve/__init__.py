@@ -12,6 +12,7 @@ import math
 import time
 from typing import Iterable, Sequence
 
+from remat.costs.offload import HostLink, offloaded_unit
 from remat.costs.unit_costs import Profile, is_selective
 from remat.errors import InfeasibleBudgetError, InvalidInputError, UnsupportedError
 from remat.solve.calibrated import UNDER_COMPILE
@@ -62,14 +63,17 @@ class Planner:
     """Makes plans for one profile; the memory model and the least peak are computed once."""
 
     def __init__(self, profile: Profile, *, time_limit_s: float | None = 60.0, granularity: str = "block",
-                 ranks: Sequence[Profile] | None = None, nesting: bool = True, regions: bool = True) -> None:
+                 ranks: Sequence[Profile] | None = None, nesting: bool = True, regions: bool = True,
+                 offload: HostLink | None = None) -> None:
         """``granularity``: "block" plans whole units only; "op" also lets units be checkpointed
         selectively (``name@ops<k>``: option k of the unit's menu of policies, which keep some
         operators' outputs and recompute the rest). ``ranks``: every rank's profile, in rank order, when
         one plan must fit every rank (Note [One plan for every rank] in remat.runtime.distributed). ``nesting``:
         plans may checkpoint units inside checkpointed units (Note [Nested checkpoints] in remat.costs.memory_rows).
         ``regions``: plans may checkpoint regions of a module's forward (Note [Regions] in remat.capture); off
-        for compiled loops (Note [Compiled steps] in remat.solve.calibrated)."""
+        for compiled loops (Note [Compiled steps] in remat.solve.calibrated). ``offload``: plans may also offload
+        units' activations to host memory over that link (Note [Offload in the memory model] in
+        remat.costs.offload)."""
         if granularity not in ("block", "op"):
             raise InvalidInputError(f"granularity must be 'block' or 'op', got {granularity!r}")
         self.profile = profile
@@ -80,8 +84,8 @@ class Planner:
 
         def model(candidates: list[str], nesting: bool = nesting) -> MemoryModel:
             if ranks:
-                return WorstRankModel(list(ranks), candidates, nesting=nesting)
-            return MemoryModel(profile, candidates, nesting=nesting)
+                return WorstRankModel(list(ranks), candidates, nesting=nesting, offload=offload)
+            return MemoryModel(profile, candidates, nesting=nesting, offload=offload)
 
         self.model = model(names)
         #: the block-level problem without nesting, whose plans start the nested solves (Note [Warm start]
@@ -110,8 +114,11 @@ class Planner:
         """A Plan for exactly ``units`` with the simulator's predictions."""
         # forward order (an outer unit before the units nested in it); profile order among equals
         order = {u.name: (u.forward_start, -u.forward_end, i) for i, u in enumerate(self.profile.units)}
-        chosen = tuple(sorted(set(units), key=order.__getitem__))
-        bd = self.model.breakdown(chosen)
+        every = tuple(sorted(set(units), key=lambda u: order[offloaded_unit(u) or u]))
+        chosen = tuple(u for u in every if offloaded_unit(u) is None)
+        offloaded = tuple(offloaded_unit(u) for u in every if offloaded_unit(u) is not None)
+        bd = self.model.breakdown(every)
+        copy_s = self.model.exposed_copy_s(every)
         recompute_s = self.model.recompute_s(chosen)
         p = self.profile
         return Plan(
@@ -122,7 +129,7 @@ class Planner:
             baseline_peak_bytes=self.baseline_peak_bytes,
             min_peak_bytes=self.min_peak_bytes,
             breakdown=bd,
-            predicted_step_time_s=p.step_time_s + recompute_s,
+            predicted_step_time_s=p.step_time_s + recompute_s + copy_s,
             baseline_step_time_s=p.step_time_s,
             predicted_recompute_s=recompute_s,
             solver_status=status,
@@ -141,6 +148,8 @@ class Planner:
             saved_ops={u: p.unit(u).saved_ops for u in chosen if p.unit(u).saved_ops},
             nested_in=self.model.outer_of(chosen),
             tokens_per_step=p.tokens_per_step, model_flops=p.model_flops, peak_flops_per_s=p.peak_flops_per_s,
+            offloaded=offloaded, predicted_offload_bytes=self.model.offloaded_bytes(every),
+            predicted_exposed_copy_s=copy_s,
         )
 
     def infeasible(self, budget_bytes: int, *, least_bytes: int | None = None,

@@ -141,8 +141,6 @@ def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | N
         # plan at that peak is a second solve, with the peak as the budget: Note [Least peak])
         peak = _variable(prob, "peak_scaled", 0, None, pulp.LpContinuous)
         prob += peak
-    else:
-        prob += recompute
     # mem_<row>: predicted memory at every row within the budget (or below the peak variable), in units
     # of scale bytes rounded soundly (Note [Sound scaling])
     for row in model.rows:
@@ -164,7 +162,11 @@ def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | N
         # nested_overlap_<u>_<k>: overlapping units inside u, at most one of them inside it
         for k, group in enumerate(model.inner_cliques(outer)):
             prob += (pulp.lpSum(x[nest_key(outer, w)] for w in group) <= 1, f"nested_overlap_{_name(outer)}_{k}")
+    if model.offloads and model.link is not None:
+        recompute = _offload_terms(prob, model, x, scale, recompute)
     gap = GAP_REL if len(units) > EXACT_UNITS and budget_bytes is not None else None
+    if peak is None:
+        prob += recompute
     if start is not None:  # Note [Warm start]
         chosen_start = model.assignment(start)
         for v, var in x.items():
@@ -185,6 +187,24 @@ def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | N
     if sol != pulp.LpSolutionOptimal:
         return chosen, "feasible (time limit reached)"
     return chosen, "optimal" if gap is None else f"optimal within {gap:.0%}"
+
+
+def _offload_terms(prob: pulp.LpProblem, model: MemoryModel, x: dict, scale: int,
+                   recompute: pulp.LpAffineExpression) -> pulp.LpAffineExpression:
+    """Note [Offload in the memory model]: the copies' exposed seconds (what each pass's compute does not hide,
+    two continuous variables) added to the objective, and the host memory the offloaded bytes fill."""
+    link, p = model.link, model.profile
+    moved = [(x[k], span.nbytes) for k, span in model.offloads.items()]
+    out_s = _variable(prob, "exposed_to_host_s", 0, None, pulp.LpContinuous)
+    in_s = _variable(prob, "exposed_to_device_s", 0, None, pulp.LpContinuous)
+    prob += (pulp.LpAffineExpression([(v, b / link.to_host_bytes_per_s) for v, b in moved] + [(out_s, -1)])
+             <= p.forward_s, "copy_out_window")
+    prob += (pulp.LpAffineExpression([(v, b / link.to_device_bytes_per_s) for v, b in moved] + [(in_s, -1)])
+             <= p.backward_s, "copy_back_window")
+    if link.host_bytes is not None:
+        prob += (pulp.LpAffineExpression([(v, _up(b, scale)) for v, b in moved]) <= link.host_bytes // scale,
+                 "host_memory")
+    return recompute + pulp.LpAffineExpression([(out_s, _US), (in_s, _US)])
 
 
 def solve_ilp(

@@ -120,8 +120,22 @@ class Plan:
     tokens_per_step: int | None = None
     model_flops: int = 0
     peak_flops_per_s: float | None = None
+    #: modules whose saved activations go to host memory in the forward and come back for the backward, in
+    #: forward order (Note [Offloaded units] in remat.rewrite.offload): the third choice beside keeping and
+    #: recomputing; none unless offloading was offered
+    offloaded: tuple[str, ...] = ()
+    #: bytes the offloaded units move each way per step, predicted
+    predicted_offload_bytes: int = 0
+    #: seconds of those copies the compute does not hide, predicted (in ``predicted_step_time_s``: Note [Offload in
+    #: the memory model] in remat.costs.offload)
+    predicted_exposed_copy_s: float = 0.0
     #: what the user should know about the plan: assumptions, settings remat changed, how it was checked
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        """The plan as the memory model's choices: the checkpointed units and ``offload:`` + each offloaded one."""
+        return self.checkpointed + tuple("offload:" + u for u in self.offloaded)
 
     @property
     def variant(self) -> tuple[tuple[str, ...], str]:
@@ -214,6 +228,11 @@ class Plan:
                 lines.append(f"    {unit}: selective, {policy_summary(ops)}; recomputes the rest")
         else:
             lines.append("  checkpointed: nothing")
+        if self.offloaded:
+            lines.append(f"  offloaded to host ({len(self.offloaded)}): {', '.join(self.offloaded)}; "
+                         f"{fmt_bytes(self.predicted_offload_bytes)} each way per step, "
+                         f"{self.predicted_exposed_copy_s * 1e3:.1f} ms of copying not hidden behind compute "
+                         "(predicted)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -232,6 +251,7 @@ class Plan:
         for derived in ("format", "predicted_tokens_per_s", "predicted_mfu", "fits_device"):
             d.pop(derived, None)
         d["checkpointed"] = tuple(d["checkpointed"])
+        d["offloaded"] = tuple(d.get("offloaded", ()))
         d["model_signature"] = tuple((n, tuple(s)) for n, s in d.get("model_signature", ()))
         d["notes"] = tuple(d.get("notes", ()))
         d["mutated_buffers"] = {k: tuple(v) for k, v in d.get("mutated_buffers", {}).items()}

@@ -26,6 +26,8 @@ The rules the figures follow:
   ``link_bytes_per_s``: the intra-node link per GPU (NVLink, Infinity Fabric, PCIe where there is nothing
   else), **both directions together** as vendors quote it: one direction is half. ``link_kind`` says which
   link and anything a collective's time depends on (a direct mesh gives one peer a seventh of it).
+  ``host_link_bytes_per_s``: the link to host memory (PCIe), **one direction**, where offloaded activations go
+  (remat.costs.offload).
 
 A device not in the table: give its spec, as ``DeviceSpec(name="my-gpu", memory_bytes=...)`` or a JSON file of
 the same fields (only ``name`` and ``memory_bytes`` are required); ``device_spec("cpu")`` / :func:`cpu_spec`
@@ -53,7 +55,7 @@ __all__ = ["DeviceSpec", "KNOWN", "device_spec", "cpu_spec", "generation_of"]
 
 #: the rates, each ``None`` where unknown: FLOP/s per dtype (dense), then bytes/s
 RATES = ("fp32_flops_per_s", "tf32_flops_per_s", "bf16_flops_per_s", "fp16_flops_per_s", "fp8_flops_per_s",
-         "hbm_bytes_per_s", "link_bytes_per_s")
+         "hbm_bytes_per_s", "link_bytes_per_s", "host_link_bytes_per_s")
 NUMBERS = ("memory_bytes",) + RATES
 
 _HOW_TO = """To plan for a device that is not built in, give its spec where the name goes: a JSON file (its path)
@@ -89,6 +91,9 @@ class DeviceSpec:
     hbm_bytes_per_s: int | None = None
     link_bytes_per_s: int | None = None
     link_kind: str = ""
+    #: the link to the host's memory, **one direction** (what offloading copies over: PCIe's rate from its
+    #: generation and lanes where nothing measured is published)
+    host_link_bytes_per_s: int | None = None
     sources: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:

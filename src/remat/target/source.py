@@ -221,7 +221,7 @@ class ModelledTarget:
         """The target allocator's peaks over two training steps with ``plan`` (forward, loss, backward, the
         optimizer's step and ``zero_grad``), recorded on fake tensors in the target's world (None: the model as it
         is, its own checkpointing included)."""
-        key = plan.checkpointed if plan is not None else ()
+        key = plan.choices if plan is not None else ()
         if key not in self.replayed:
             self.replayed[key] = replay(self.step_events(req, plan), self.target.allocator)
         return self.replayed[key]

@@ -38,20 +38,29 @@ class PredictedRow:
     #: tokens per second per device and model FLOPs utilization at the predicted step time (None: unknown)
     predicted_tokens_per_s: float | None = None
     predicted_mfu: float | None = None
+    #: units whose activations the plan offloads to host memory, the bytes it moves each way and the copies'
+    #: exposed seconds (Note [Offload in the memory model] in remat.costs.offload)
+    offloaded: tuple[str, ...] = ()
+    predicted_offload_bytes: int = 0
+    predicted_exposed_copy_s: float = 0.0
 
 
 def predicted_tradeoff(model: nn.Module, example_inputs: Any, target: Target, *, loss_fn: Any = None,
                        optimizer: torch.optim.Optimizer | None = None, output_alive: bool = True,
-                       budgets: list[int] | None = None, points: int = 6) -> list[PredictedRow]:
+                       budgets: list[int] | None = None, points: int = 6,
+                       offload: bool | str = False) -> list[PredictedRow]:
     """No checkpointing, every block, every second block, then remat's plan at ``budgets`` (default: ``points``
-    budgets from the least predicted peak to no checkpointing's), each predicted for ``target``. Changes nothing of
-    the user's."""
+    budgets from the least predicted peak to no checkpointing's), each predicted for ``target``; ``offload``: as
+    :func:`remat.optimize_checkpointing`'s, remat's plans may offload. Changes nothing of the user's."""
+    from remat.api.offloading import host_link
+
     from remat.api.profiling import make_profile
 
     target = as_target(target)
     profile = make_profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, output_alive=output_alive,
                            target=target)
-    planner = Planner(profile, granularity="op")
+    link, _ = host_link(offload, device=torch.device("cpu"), target=target)
+    planner = Planner(profile, granularity="op", offload=link)
     plans: list[Plan] = [planner.no_checkpointing(), planner.every_nth_block(1), planner.every_nth_block(2)]
     lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
     if budgets is None:
@@ -63,16 +72,17 @@ def predicted_tradeoff(model: nn.Module, example_inputs: Any, target: Target, *,
             continue
     rows, seen = [], {}
     for plan in plans:
-        if plan.checkpointed not in seen:
-            seen[plan.checkpointed] = predict_peaks(model, example_inputs, target, loss_fn=loss_fn,
+        if plan.choices not in seen:
+            seen[plan.choices] = predict_peaks(model, example_inputs, target, loss_fn=loss_fn,
                                                     optimizer=optimizer, output_alive=output_alive,
-                                                    plan=plan if plan.checkpointed else None)
-        peaks = seen[plan.checkpointed]
+                                                    plan=plan if plan.choices else None)
+        peaks = seen[plan.choices]
         reserved = peaks.reserved_peak_bytes if target.is_cuda else None
         # (the device's memory as the replay was limited to it: the allocator's capacity on a GPU)
         memory = target.allocator.capacity_bytes or target.spec.memory_bytes
         fits = peaks.oom is None and (reserved if reserved is not None else plan.predicted_peak_bytes) <= memory
         rows.append(PredictedRow(plan.strategy, plan.budget_bytes, plan.checkpointed, plan.predicted_peak_bytes,
                                  reserved, plan.predicted_step_time_s, fits, plan.predicted_tokens_per_s,
-                                 plan.predicted_mfu))
+                                 plan.predicted_mfu, plan.offloaded, plan.predicted_offload_bytes,
+                                 plan.predicted_exposed_copy_s))
     return rows

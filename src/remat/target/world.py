@@ -76,6 +76,9 @@ class Target:
     network_bytes_per_s: float | None = 50e9
     #: GPUs per node: a group of more ranks (counting the TP ranks between FSDP ranks) crosses the network
     devices_per_node: int = 8
+    #: host memory one rank may fill with offloaded activations (bytes; the server's, not the GPU's: e.g. a DGX H100's
+    #: 2 TB over 8 GPUs, less what the run itself uses); None: not limited (Note [Offload in the memory model])
+    host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, (DeviceSpec, str)):
@@ -103,7 +106,7 @@ class Target:
         object.__setattr__(self, "fsdp", fsdp)
         for name in ("param_dtype", "reduce_dtype"):
             object.__setattr__(self, name, _dtype(name, getattr(self, name)))
-        for name in ("network_bytes_per_s", "clip_grad_norm"):
+        for name in ("network_bytes_per_s", "clip_grad_norm", "host_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise InvalidInputError(f"Target.{name} takes a number > 0 or None, got {value!r}")

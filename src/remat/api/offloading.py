@@ -1,0 +1,62 @@
+"""Whether a plan may offload activations to host memory, and over what link (issue #50): ``offload=`` of
+:func:`remat.optimize_checkpointing` resolved against where the step runs.
+
+In: the user's ``offload`` (False, True or "auto"), the device or target, the loop. Out: the
+:class:`~remat.costs.offload.HostLink` the planner offers offloading over (None: not offered), with a note.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from remat.costs.offload import HostLink
+from remat.errors import InvalidInputError, UnsupportedError
+
+#: what ``offload=`` takes
+OFFLOAD_CHOICES = (False, True, "auto")
+
+
+def host_link(offload: Any, *, device: torch.device, target: Any = None, compiled: str = "") -> tuple[
+        HostLink | None, tuple[str, ...]]:
+    """The link offloading runs over where the step runs, or None, with what the plan's notes say (Note [Offload
+    in the memory model] in remat.costs.offload). ``offload=True`` where it cannot be planned raises, saying why;
+    "auto" offers it where it can and says where not."""
+    if offload not in OFFLOAD_CHOICES or (offload is not True and offload is not False and offload != "auto"):
+        raise InvalidInputError(f"offload takes False (keep or recompute only), True (offload where it pays) or "
+                                f"'auto' (offer offloading where there is a GPU's host link to plan for), got "
+                                f"{offload!r}")
+    if offload is False:
+        return None, ()
+    why = None
+    if compiled:
+        why = (f"the loop compiles the model ({compiled}): offloading under torch.compile (torch's "
+               "CheckpointPolicy.MUST_CPU_OFFLOAD and its compiled offloading pass) is not planned by remat yet; "
+               "plan the eager step, or offload=False")
+    spec = getattr(target, "spec", None)
+    if why is None and spec is None and device.type == "cuda":
+        from remat.target.devices import device_spec
+
+        try:
+            spec = device_spec(torch.cuda.get_device_name(device))
+        except InvalidInputError:
+            why = (f"this GPU ({torch.cuda.get_device_name(device)}) is not in remat's device table, so its host "
+                   "link is not known: plan with target=Target(device=DeviceSpec(..., host_link_bytes_per_s=...))")
+    if why is None and (spec is None or spec.name == "cpu"):
+        why = ("the step runs on a CPU, whose activations are in host memory already: offloading frees nothing "
+               "there. Plan for a GPU target to plan offloading (target=Target(device=...) in Python, --device on the "
+               "command line)")
+    if why is None and not spec.host_link_bytes_per_s:
+        why = (f"device {spec.name!r} does not give its host link: add host_link_bytes_per_s (bytes/s, one "
+               "direction) to its spec")
+    if why is not None:
+        if offload is True:
+            raise UnsupportedError(f"cannot plan offloading: {why}")
+        return None, (f"offloading not offered: {why}",)
+    bw = float(spec.host_link_bytes_per_s)
+    host = getattr(target, "host_memory_bytes", None)
+    link = HostLink(bw, bw, host_bytes=host, source=f"{spec.name}'s host link, {bw / 1e9:.1f} GB/s each way")
+    return link, (f"offloading offered over {link.source} (predicted: copies hidden behind compute up to what the "
+                  "link moves in the forward and the backward; host memory "
+                  f"{'unlimited' if host is None else f'{host / 2**30:.1f} GiB'})",)

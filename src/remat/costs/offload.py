@@ -1,0 +1,137 @@
+"""Offloading in the memory model: what moving a unit's saved activations to host memory does to the step's
+memory and time, as linear functions of the plan (issue #50; no torch).
+
+Note [Offload in the memory model]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+An offloaded unit (Note [Offloaded units] in remat.rewrite.offload) frees what checkpointing it would free, its
+drops (saved only inside it, made in its forward), without recomputing anything, and with two differences of
+timing, both predicted on the high side:
+
+* a drop leaves the device once its copy out has completed: at the end of the forward of the unit after it at
+  its level by which the units after it have run forward as long as the copy takes (bytes over the link's
+  bandwidth; Note [Offload streams]); a unit whose copy would still run when the backward starts is not offered;
+* the drops come back when the next unit's backward starts (the mechanism prefetches one unit ahead), not at the
+  unit's own backward: from that index they are alive again; what the copy back takes beyond the next unit's
+  backward, the unit's backward waits (``OffloadSpan.stall_s``, in the variable's cost). No recomputation row:
+  nothing runs again. Storages under :data:`MIN_OFFLOAD_BYTES` stay on the device, as the mechanism leaves them.
+
+So an offload variable ``offload:u`` is one more 0/1 choice whose coefficient at index ``i`` is minus the bytes
+of ``u``'s drops with ``free_at <= i < back_at``. Offered for a whole module called once per step (not a
+segment, region or selective unit); offloading ``u`` excludes checkpointing ``u`` or anything inside or around it
+(the ILP's overlap cliques count the offload variable with ``u``'s span).
+
+Time (Note [Hidden copies]): every offloaded byte crosses the host link once each way, device-to-host during the
+forward, host-to-device during the backward, on a copy engine beside the compute. What the link moves within the
+forward's (backward's) compute time is hidden; the rest is paid as step time:
+
+    exposed = max(0, offloaded / to_host_bytes_per_s - forward_s) + max(0, offloaded / to_device_bytes_per_s -
+    backward_s)
+
+(one window per pass for the whole step, not per unit: a unit late in the forward has less compute after it to
+hide under; predicted low there). Host memory: the offloaded bytes at once, within ``HostLink.host_bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remat.costs.unit_costs import Profile, UnitCost, is_selective
+
+#: the least bytes a saved storage needs to be offloaded (smaller ones stay: Note [Offloaded units] in
+#: remat.rewrite.offload)
+MIN_OFFLOAD_BYTES = 64 * 1024
+
+#: the prefix of an offload variable's name: ``offload:h.3`` (Note [Offload in the memory model])
+OFFLOADED = "offload:"
+
+
+def offload_key(unit: str) -> str:
+    return OFFLOADED + unit
+
+
+def offloaded_unit(variable: str) -> str | None:
+    """``"h.3"`` for ``"offload:h.3"``; None for any other plan variable."""
+    return variable[len(OFFLOADED):] if variable.startswith(OFFLOADED) else None
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """What offloading costs where the step runs: the host link's bandwidth in each direction (bytes/s, as the
+    copy engine moves them), the host memory one device may fill (None: unlimited), and where they come from."""
+
+    to_host_bytes_per_s: float
+    to_device_bytes_per_s: float
+    host_bytes: int | None = None
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class OffloadSpan:
+    """When an offloaded unit's drops are gone: ``(nbytes, free_at, storage)`` each, back at ``back_at``."""
+
+    unit: str
+    drops: tuple[tuple[int, int, int | None], ...]
+    back_at: int
+    #: seconds the unit's backward waits for its copy back (what the next unit's backward does not hide)
+    stall_s: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b for b, _, _ in self.drops)
+
+    def freed_at(self, index: int) -> int:
+        """Bytes the offload removes from memory at timeline ``index``."""
+        return sum(b for b, at, _ in self.drops if at <= index < self.back_at) if index < self.back_at else 0
+
+    def gone_at(self, index: int) -> set[int]:
+        """The recorded storages the offload has removed at ``index``."""
+        return {s for _, at, s in self.drops if s is not None and at <= index < self.back_at}
+
+    def cuts(self) -> set[int]:
+        return {at for _, at, _ in self.drops} | {self.back_at}
+
+
+def offloadable_units(profile: Profile, units: dict[str, UnitCost], link: HostLink) -> dict[str, OffloadSpan]:
+    """Per candidate unit that may be offloaded over ``link``, its :class:`OffloadSpan` (Note [Offload in the memory
+    model]): its drops of at least :data:`MIN_OFFLOAD_BYTES` (smaller ones stay on the device), gone once the units
+    after it at its level have run forward long enough to copy them out, back when the next one's backward
+    starts; a unit whose copy out cannot finish before the backward starts is not offered."""
+    siblings: dict[str | None, list[UnitCost]] = {}
+    for u in profile.units:
+        if not (u.is_segment or u.is_region or is_selective(u.name)) and u.recompute_at is not None:
+            siblings.setdefault(u.parent, []).append(u)
+    out = {}
+    for name, u in units.items():
+        if u.is_segment or u.is_region or is_selective(name) or u.later_calls or u.recompute_at is None:
+            continue
+        drops = [d for d in u.drops if d.nbytes >= MIN_OFFLOAD_BYTES]
+        moved = sum(d.nbytes for d in drops)
+        after = sorted((v for v in siblings.get(u.parent, ()) if v.forward_start > u.forward_end),
+                       key=lambda v: v.forward_start)
+        copy_s, ran_s, gone = moved / link.to_host_bytes_per_s, 0.0, None
+        for v in after:
+            ran_s += v.forward_s
+            if ran_s >= copy_s:
+                gone = v.forward_end + 1
+                break
+        if gone is None:
+            # after the last unit at its level: the rest of the forward (the head, the loss), as a share of the step
+            rest_s = profile.forward_s * (profile.backward_start - u.forward_end) / max(profile.backward_start, 1)
+            if ran_s + rest_s < copy_s:
+                continue  # its copy would still run when the backward starts: not offered
+            gone = profile.backward_start
+        nxt = after[0] if after else None
+        back = min(nxt.recompute_at, u.recompute_at) if nxt is not None else u.recompute_at
+        spans = tuple((d.nbytes, max(d.free_from, min(gone, back)), d.storage) for d in drops)
+        if spans and any(at < back for _, at, _ in spans):
+            # brought back while the next unit's backward runs (one unit ahead): what that does not hide, waited for
+            window = (nxt.backward_s if nxt.backward_s is not None else 2 * nxt.forward_s) if nxt else 0.0
+            out[offload_key(name)] = OffloadSpan(name, spans, back,
+                                                 max(0.0, moved / link.to_device_bytes_per_s - window))
+    return out
+
+
+def exposed_copy_s(offloaded_bytes: int, link: HostLink, forward_s: float, backward_s: float) -> float:
+    """Seconds of copying not hidden behind compute (Note [Offload in the memory model])."""
+    return max(0.0, offloaded_bytes / link.to_host_bytes_per_s - forward_s) + \
+        max(0.0, offloaded_bytes / link.to_device_bytes_per_s - backward_s)
