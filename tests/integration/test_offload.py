@@ -207,3 +207,17 @@ def test_a_plan_for_a_gpu_offloads_and_the_replayed_step_frees_what_it_offloads(
                                         granularity="block")
     assert any("offloading offered over h100-80gb's host link, 63.0 GB/s" in n for n in plan.notes)
     assert plan.predicted_reserved_bytes <= 0.2 * 2**30
+
+
+def test_offloading_a_tensor_parallel_target_is_refused_and_auto_leaves_it_out():
+    """Its saved activations are DTensors, which the hooks leave on the device: offered, the plan would predict
+    frees that do not happen."""
+    from remat.api.offloading import host_link
+
+    target = remat.Target(device="h100-80gb", world=2, tp=2)
+    with pytest.raises(UnsupportedError, match="tensor parallel"):
+        host_link(True, device=torch.device("cpu"), target=target)
+    link, notes = host_link("auto", device=torch.device("cpu"), target=target)
+    assert link is None and "tensor parallel" in notes[0]
+    link, _ = host_link("auto", device=torch.device("cpu"), target=remat.Target(device="h100-80gb", world=2))
+    assert link is not None and link.to_host_bytes_per_s == pytest.approx(63.015e9, rel=1e-3)

@@ -18,8 +18,8 @@ from remat.errors import InvalidInputError, UnsupportedError
 OFFLOAD_CHOICES = (False, True, "auto")
 
 
-def host_link(offload: Any, *, device: torch.device, target: Any = None, compiled: str = "") -> tuple[
-        HostLink | None, tuple[str, ...]]:
+def host_link(offload: Any, *, device: torch.device, target: Any = None, compiled: str = "",
+              tensor_parallel: bool = False) -> tuple[HostLink | None, tuple[str, ...]]:
     """The link offloading runs over where the step runs, or None, with what the plan's notes say (Note [Offload
     in the memory model] in remat.costs.offload). ``offload=True`` where it cannot be planned raises, saying why;
     "auto" offers it where it can and says where not."""
@@ -34,6 +34,9 @@ def host_link(offload: Any, *, device: torch.device, target: Any = None, compile
         why = (f"the loop compiles the model ({compiled}): offloading under torch.compile (torch's "
                "CheckpointPolicy.MUST_CPU_OFFLOAD and its compiled offloading pass) is not planned by remat yet; "
                "plan the eager step, or offload=False")
+    if why is None and (tensor_parallel or getattr(target, "tp", 1) > 1):
+        why = ("the model is tensor parallel: its saved activations are DTensors, which the offloading hooks leave "
+               "where they are (Note [Offloaded units] in remat.rewrite.offload); plan with offload=False")
     spec = getattr(target, "spec", None)
     if why is None and spec is None and device.type == "cuda":
         from remat.target.devices import device_spec

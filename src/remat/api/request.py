@@ -78,7 +78,8 @@ def request(given: nn.Module, budget_gb: float, example_inputs: Any, *, loss_fn:
         time_limit_s=time_limit_s, optimizer=None if optimizer is None else type(optimizer).__name__,
         compiled=str(loop), offload=offload))
     link, link_notes = host_link(offload, device=device, target=getattr(source, "target", None),
-                                 compiled=str(loop) if loop is not None else "")
+                                 compiled=str(loop) if loop is not None else "",
+                                 tensor_parallel=wrapping.kind == "tp" or "tp=" in wrapping.mesh)
     return Request(model=model, budget_bytes=budget_bytes, args=args, kwargs=kwargs, device=device,
                     loss_fn=loss_fn or default, default=default, loop=loop, wrapping=wrapping, ranks=ranks,
                     source=source if source is not None else MeasuredHere(), optimizer=optimizer,

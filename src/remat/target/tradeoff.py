@@ -59,7 +59,7 @@ def predicted_tradeoff(model: nn.Module, example_inputs: Any, target: Target, *,
     target = as_target(target)
     profile = make_profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, output_alive=output_alive,
                            target=target)
-    link, _ = host_link(offload, device=torch.device("cpu"), target=target)
+    link, _ = host_link(offload, device=torch.device("cpu"), target=target, tensor_parallel=target.tp > 1)
     planner = Planner(profile, granularity="op", offload=link)
     plans: list[Plan] = [planner.no_checkpointing(), planner.every_nth_block(1), planner.every_nth_block(2)]
     lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
