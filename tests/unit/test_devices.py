@@ -34,18 +34,9 @@ FIGURE = re.compile(
 #: the documents that a source's "doc:KEY" names (expanded where the table is loaded)
 DOCUMENTS = json.loads(Path(devices.__file__).with_name("devices.json").read_text(encoding="utf-8"))["documents"]
 
-#: Built-in figures whose notes do not write the number itself (issue #49 leaves devices.json as it is): each is
-#: held by a weaker check of its own instead, and an entry whose note comes to write its number fails, to be
-#: removed. Here the note gives the datasheet's sparse figure (marked *) and says "halved", not the result.
-HALVED_NOT_WRITTEN = {("h100-80gb", "fp16_flops_per_s"), ("h100-96gb", "tf32_flops_per_s"),
-                      ("h100-96gb", "fp8_flops_per_s"), ("h100-pcie", "tf32_flops_per_s"),
-                      ("h100-pcie", "bf16_flops_per_s"), ("h100-pcie", "fp16_flops_per_s"),
-                      ("h100-pcie", "fp8_flops_per_s"), ("h200", "tf32_flops_per_s"), ("h200", "fp16_flops_per_s"),
-                      ("l4", "tf32_flops_per_s"), ("l4", "bf16_flops_per_s"), ("l4", "fp16_flops_per_s"),
-                      ("l4", "fp8_flops_per_s")}
-#: ... here the note says the figure is another device's ("Upper bound: the H100 SXM figure"), not what it is
-AS_ANOTHER = {("h100-96gb", "fp32_flops_per_s"): "h100-80gb", ("h100-96gb", "fp16_flops_per_s"): "h100-80gb"}
-#: ... and here no source names a document one could look up, with why
+#: Built-in figures no source of which names a document one could look up, with why (an entry whose source comes
+#: to name one fails, to be removed). (Every figure's note writes it: the 15 dense figures whose notes gave only the
+#: sparse one "halved", or another device's, write their value since the test was made exact.)
 NO_DOCUMENT = {("l4", "memory_bytes"): "a deviceQuery quoted in a GitHub issue whose address was not recorded"}
 
 
@@ -85,11 +76,6 @@ def writes(note: str, field: str, value: int) -> bool:
                for kind, measure, figure, step in figures(note))
 
 
-def halves(note: str, value: int) -> bool:
-    """Whether ``note`` says "halved" and gives a sparse figure (marked *) twice ``value``."""
-    return "halved" in note and any(kind == "*" and figure == 2 * value for kind, _, figure, _ in figures(note))
-
-
 def names_a_document(doc: str) -> bool:
     """A document one can look up: one of the table's ``documents``, an address, or a site's name."""
     return doc in DOCUMENTS.values() or bool(re.search(r"https?://|\b[a-z0-9-]+\.(com|org|net|io|jp)\b", doc))
@@ -97,8 +83,7 @@ def names_a_document(doc: str) -> bool:
 
 def unsourced(specs: Mapping[str, DeviceSpec]) -> list[str]:
     """What is wrong with the sources of ``specs``' figures, a line each: every figure that is not None needs a
-    source whose note writes it (``writes``) and one that names a document; the exceptions above pass their own
-    weaker checks instead."""
+    source whose note writes it (``writes``) and one that names a document (but for ``NO_DOCUMENT``)."""
     problems = []
     for name, spec in specs.items():
         for field in NUMBERS:
@@ -111,15 +96,7 @@ def unsourced(specs: Mapping[str, DeviceSpec]) -> list[str]:
                 continue
             notes = [note for _, note in sources]
             written = any(writes(note, field, value) for note in notes)
-            if written and (key in HALVED_NOT_WRITTEN or key in AS_ANOTHER):
-                problems.append(f"{where}: its note now writes it: drop it from the exceptions")
-            elif key in HALVED_NOT_WRITTEN:
-                if not any(halves(note, value) for note in notes):
-                    problems.append(f"{where}: not half the sparse figure of its note: {notes}")
-            elif key in AS_ANOTHER:
-                if value != getattr(specs[AS_ANOTHER[key]], field):
-                    problems.append(f"{where}: not {AS_ANOTHER[key]}'s, as its note says: {notes}")
-            elif not written:
+            if not written:
                 problems.append(f"{where}: no note writes it: {notes}")
             documented = any(names_a_document(doc) for doc, _ in sources)
             if documented == (key in NO_DOCUMENT):
@@ -145,7 +122,7 @@ def test_the_table_holds_the_devices_asked_for_each_valid_and_every_number_sourc
     problems = unsourced(KNOWN)
     assert not problems, "\n".join(problems)
     figures_here = {(n, f) for n, s in KNOWN.items() for f in NUMBERS if getattr(s, f) is not None}
-    assert HALVED_NOT_WRITTEN | set(AS_ANOTHER) | set(NO_DOCUMENT) <= figures_here  # no exception for nothing
+    assert set(NO_DOCUMENT) <= figures_here  # no exception for nothing
 
 
 def test_figures_are_read_as_the_notes_write_them():
@@ -179,9 +156,7 @@ def _changed(name: str, field: str, value=None, doc=None, note=None) -> dict[str
     ("mi300x", "hbm_bytes_per_s", {"value": 5_330_000_000_000}, "no note writes it"),  # 0.6% above "5.3 TB/s"
     ("a100-80gb", "link_bytes_per_s", {"note": "NVLink, both directions together."}, "no note writes it"),
     ("a100-80gb", "fp8_flops_per_s", {"value": 10**15}, "no source"),
-    ("l4", "fp8_flops_per_s", {"value": 266_750_000_000_000}, "not half the sparse figure"),  # an exception's
-    ("h100-96gb", "fp32_flops_per_s", {"value": 73_700_000_000_000}, "not h100-80gb's"),  # ... and another's
-    ("l4", "fp8_flops_per_s", {"note": "FP8 485 TFLOPS* with sparsity; halved to 242.5."}, "now writes it"),
+    ("l4", "fp8_flops_per_s", {"note": "FP8 485 TFLOPS* with sparsity, halved."}, "no note writes it"),  # sparse
     ("a100-80gb", "fp32_flops_per_s", {"doc": "the datasheet"}, "no source names a document"),
     ("l4", "memory_bytes", {"doc": "https://github.com/x/y/issues/1"}, "drop it from NO_DOCUMENT"),
 ])
