@@ -221,3 +221,24 @@ def test_offloading_a_tensor_parallel_target_is_refused_and_auto_leaves_it_out()
     assert link is None and "tensor parallel" in notes[0]
     link, _ = host_link("auto", device=torch.device("cpu"), target=remat.Target(device="h100-80gb", world=2))
     assert link is not None and link.to_host_bytes_per_s == pytest.approx(63.015e9, rel=1e-3)
+
+
+def test_a_storage_the_units_output_holds_stays_on_the_device_and_is_read_there():
+    """A unit whose last operator saves its own output (ReLU): the output lives on after the unit, so offloading
+    it would free nothing and bring back a second copy; it stays, its host buffer goes back to the pool, and the
+    step is still exact."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Sequential(torch.nn.Linear(256, 256),
+                                                                                torch.nn.ReLU()),
+                                torch.nn.Linear(256, 4))
+    x = torch.randn(128, 256)
+    plain = copy.deepcopy(model)
+    offload_modules(model, ["1"])
+    off = offloader_for(model)
+    out = model(x)
+    kept = [r() for r in off.parked["1"] if r() is not None and r().ready is not None]
+    assert len(kept) == 1 and kept[0].buf is None  # the ReLU's output, read where it is
+    out.sum().backward()
+    plain(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    assert off.pool.in_use_bytes == 0

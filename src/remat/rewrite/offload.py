@@ -15,7 +15,8 @@ and v are views of one projection's output: moving the views alone would leave t
 each saved tensor comes back as the same view of the storage brought back (same shape, strides and offset).
 What stays where it is (returned by ``pack`` as it is): storages under ``MIN_OFFLOAD_BYTES`` (64 KiB: their copy
 costs more than they free), parameters and tensor subclasses, and the storages of the unit's inputs,
-parameters and buffers (alive anyway).
+parameters and buffers (alive anyway); a storage its outputs turn out to hold is read where it is in backward
+(:meth:`Offloader.keep_outputs`: it lives on after the unit, so bringing a copy back would hold it twice).
 
 Host buffers come from a :class:`HostPool` that keeps them across steps, by size class (a power of two of at
 least 64 KiB): after the first step no host memory is allocated (one fresh pinned allocation per tensor costs
@@ -218,6 +219,29 @@ class Offloader:
                 self.pool.give(buf)
         return out
 
+    def keep_outputs(self, unit: str, first: int, outputs: Any) -> None:
+        """Storages ``unit`` parked (from its ``first``-th on) that its outputs hold: the device keeps them anyway
+        (they live on after the unit, as the memory model's drops leave them), so backward reads them there and
+        their host buffers go back to the pool."""
+        held: dict[int, torch.Tensor] = {}
+        for t in _tensors(outputs):
+            if t.layout == torch.strided and type(t) in self._plain:
+                held[storage_key(t)] = t
+        if not held:
+            return
+        for ref in self.parked.get(unit, [])[first:]:
+            p = ref()
+            # its storage's key, while that storage lives (a dead one's address may be an output's now)
+            key = next((k for k, (st, pr) in self._seen.items() if pr() is p and st() is not None), None) \
+                if p is not None else None
+            if key in held and p.ready is None and p.live:
+                p.ready = torch.empty(0, dtype=torch.uint8, device=p.device).set_(held[key].untyped_storage())
+                buf, p.buf = p.buf, None
+                if buf is not None and self.copies is not None:  # once its copy out, still running, is done
+                    self.copies.after(p.ready, lambda buf=buf: self.pool.give(buf))
+                elif buf is not None:
+                    self.pool.give(buf)
+
     def prefetch(self, unit: str) -> None:
         """Bring ``unit``'s parked storages back to the device, and start bringing back those of the unit before
         it in forward order, whose backward runs next (one unit ahead)."""
@@ -234,6 +258,16 @@ class Offloader:
                         self.copies.to_device(p.ready, p.buf[:p.nbytes])
                     else:
                         p.ready.copy_(p.buf[:p.nbytes])
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors(x)]
+    return []
 
 
 def _storages(obj: Any, out: set[int]) -> None:
@@ -263,8 +297,11 @@ class OffloadedForward(_RematForward):
         keep: set[int] = set()
         _storages((args, kwargs), keep)
         _storages(list(self.module.parameters()) + list(self.module.buffers()), keep)
+        before = len(self.offloader.parked.get(self.name, ()))
         with self.offloader.hooks(self.name, frozenset(keep)):
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
+        self.offloader.keep_outputs(self.name, before, out)
+        return out
 
     def unit_names(self, name: str) -> list[str]:
         return [name]

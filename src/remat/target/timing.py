@@ -73,11 +73,16 @@ class _Affine(torch.nn.Module):
 # convolution over few channels runs further below peak than over many), and that is what the model leaves out.
 
 
+#: seconds of one product above which a dtype is read on the smaller products only (measure_cpu)
+SLOW_PRODUCT_S = 0.05
+
+
 def measure_cpu() -> dict[str, float]:
-    """This machine's CPU rates, measured now (about 4 s; on a quiet machine, or they read low and stay cached):
+    """This machine's CPU rates, measured now (4-10 s; on a quiet machine, or they read low and stay cached):
     ``flops_per_s`` from float32 matrix products (512 and 1024 square, the best of 10 each after 3 warm-up
     runs), ``bf16_flops_per_s`` and ``fp16_flops_per_s`` from the same products in those dtypes (a CPU with AMX
-    multiplies bfloat16 3.8 times as fast as float32 here, float16 no faster), ``memory_bytes_per_s`` from an
+    multiplies bfloat16 3.8 times as fast as float32, float16 no faster; a dtype whose product takes over
+    :data:`SLOW_PRODUCT_S`, emulated, on two 512-square products), ``memory_bytes_per_s`` from an
     elementwise product of two 4 MiB tensors (read and written, the best of 20), ``random_bytes_per_s`` from
     drawing dropout's mask (``bernoulli_`` over 4 MiB, the best of 5), ``dispatch_s`` what an eager training
     step costs per operator beyond its arithmetic (:func:`_per_operator_s`: a CPU runs its operators as the host
@@ -88,9 +93,14 @@ def measure_cpu() -> dict[str, float]:
             best = 0.0
             for n in (512, 1024):
                 a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-                for _ in range(3):
+                # a dtype this CPU emulates (float16 without AVX512-FP16: 2.1 s a 1024-square product on an EPYC
+                # Zen 4, 37 s of measuring before) is read on two 512-square products
+                slow = _timed(lambda: a @ b) > SLOW_PRODUCT_S
+                for _ in range(0 if slow else 2):
                     a @ b
-                best = max(best, 2 * n ** 3 / min(_timed(lambda: a @ b) for _ in range(10)))
+                best = max(best, 2 * n ** 3 / min(_timed(lambda: a @ b) for _ in range(2 if slow else 10)))
+                if slow:
+                    break
             products[dtype] = best
         mm = products[torch.float32]
         # elementwise operators at an activation's size (4 MiB): read two, write one, as op_bytes counts them
