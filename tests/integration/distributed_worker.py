@@ -15,10 +15,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.api import plan_checked
-from remat.runtime.distributed import ranks_for
+from remat.runtime.distributed import ranks_for, settled_collective
 from remat.examples import make_gpt
 from remat.runtime.measure import split_inputs
 from zoo import ResNet
@@ -71,39 +73,59 @@ def build(kind: str, how: str, rank: int, batch_scale: int = 1):
     return model, inputs, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def independent_peak(model, inputs, loss_fn, opt, how: str, readings: int = 1) -> int:
+class Settled(TorchDispatchMode):
+    """Functional collectives (tensor parallelism's) waited for where they are issued, and until gloo's worker
+    thread has dropped its work, with remat's ``settled_collective`` (Note [Collectives settled] in
+    remat.runtime.distributed): no tensor the step drops is then freed by gloo's thread, late (and, for the
+    profiler's allocator events, unreported: :func:`settled_thread_peak`). Unsettled, eight steps of the
+    sequence-parallel decoder's plan in :func:`tp_case` read 1,869,788-2,066,396 bytes by the allocator's events
+    and, once in sixteen, 180,224 bytes more than the others by MemTracker; settled, 1,869,788 and 1,870,812
+    every time."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs it on its local tensors, which come back here
+        return settled_collective(func, args, kwargs or {})
+
+
+def independent_peak(model, inputs, loss_fn, opt, how: str, readings: int = 1, keep=min):
     """One training step's peak on this rank by torch's own meters (FSDPMemTracker, MemTracker): the second
-    of two steps (the first creates the optimizer state), output dropped after the loss. Those meters do not
-    see the CPU RNG state each checkpointed call saves (``torch.get_rng_state``, outside the dispatcher):
-    the states made in the measured step are added (each lives until its unit's backward, so all of them
-    can be alive at a forward-end peak). ``readings``: the least of that many such readings, each with a
-    tracker of its own (under gloo with sequence parallelism one reading was 23% above the usual in CI:
-    :func:`allocator_peak`)."""
+    of two steps (the first creates the optimizer state), output dropped after the loss, its collectives
+    :class:`Settled`. Those meters do not see the CPU RNG state each checkpointed call saves
+    (``torch.get_rng_state``, outside the dispatcher): MemTracker is handed each where it is made and counts it
+    until it dies (added on top of its peak, all of a step's were counted there where some had died: 20,224
+    bytes, 1.2%, over the allocator's events for a tensor-parallel plan of four units); FSDPMemTracker does not
+    count what it is handed while it tracks (the same peak with them or without), so the states made in the
+    measured step are added to its peak (each lives until its unit's backward, so all of them can be alive at a
+    forward-end peak). ``readings``: that many such readings, each with a tracker of its own, the least kept
+    (``keep``: ``list`` keeps them all)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from remat._compat import rng_states_reported
 
     def reading() -> int:
-        rng_states: list[int] = []
+        added: list[int] = []  # the RNG states of the measured step, for FSDPMemTracker
         if how == "ddp":
             tracker = MemTracker()
             tracker.track_external(model, opt)
+            state_made = tracker.track_external
         else:
             tracker = FSDPMemTracker(model, opt)
-        with tracker:
+            state_made = lambda t: added.append(t.untyped_storage().nbytes())  # noqa: E731
+        with tracker, Settled(), rng_states_reported(state_made):
             for step in range(2):
-                with rng_states_reported(lambda t: rng_states.append(t.untyped_storage().nbytes()) if step else None):
-                    loss = loss_fn(model(*inputs))
-                    loss.backward()
+                added.clear()
+                loss = loss_fn(model(*inputs))
+                loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 del loss
                 if step == 0:
                     tracker.reset_mod_stats()
-        return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]) + sum(rng_states)
+        return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]) + sum(added)
 
-    return min(reading() for _ in range(readings))
+    return keep(reading() for _ in range(readings))
 
 
 def one_step(model, inputs, loss_fn, seed: int):
@@ -377,16 +399,19 @@ def tp_case(sp: bool) -> dict:
     layer = remat.Planner(profile).make_plan(("layers.0", "layers.1.feed_forward"), "by hand")
     fresh, _, _ = tensor_parallel(sp)
     remat.apply_plan(fresh, plan)
+    # five steps by each meter, their collectives settled (every step alike: Settled)
     measured = independent_peak(fresh, (idx,), loss_fn, torch.optim.AdamW(fresh.parameters(), lr=1e-3), "ddp",
-                                readings=5)
+                                readings=5, keep=list)
     again, _, _ = tensor_parallel(sp)
     remat.apply_plan(again, plan)
-    allocated = allocator_peak(again, (idx,), loss_fn, torch.optim.AdamW(again.parameters(), lr=1e-3), readings=5)
+    allocated = allocator_peak(again, (idx,), loss_fn, torch.optim.AdamW(again.parameters(), lr=1e-3), readings=5,
+                               keep=list, settled=True)
     plain, _, _ = tensor_parallel(sp)
     diff = bitwise_equal(one_step(plain, (idx,), loss_fn, seed=7), one_step(model, (idx,), loss_fn, seed=7))
     return dict(plan=list(plan.checkpointed), wrapping=plan.wrapping, budget=budget, least=planner.min_peak_bytes,
                 baseline=planner.baseline_peak_bytes, predicted=plan.predicted_peak_bytes,
-                checked=plan.checked_peak_bytes, measured=measured, allocated=allocated, grad_mismatches=diff,
+                checked=plan.checked_peak_bytes, measured=min(measured), allocated=min(allocated),
+                measured_steps=measured, allocated_steps=allocated, grad_mismatches=diff,
                 notes=list(plan.notes), collectives=comm, layer_notes=list(layer.notes), capture=profile.capture_path,
                 saved_ops={u.name: list(u.saved_ops) for u in profile.units if u.saved_ops})
 
@@ -423,7 +448,7 @@ def _all(x):
     return out
 
 
-def allocator_peak(model, inputs, loss_fn, opt, readings: int = 3, keep=min):
+def allocator_peak(model, inputs, loss_fn, opt, readings: int = 3, keep=min, settled: bool = False):
     """One training step's peak by the profiler's allocator-level memory events (every allocation, in or
     outside the dispatcher), plus the parameters, batch and optimizer state alive before it, output dropped
     after the loss: the least of ``readings`` steps after a first that creates the optimizer state. Under gloo one
@@ -431,22 +456,78 @@ def allocator_peak(model, inputs, loss_fn, opt, readings: int = 3, keep=min):
     reference, the caller's or gloo's own, so a step's peak can include buffers another step has already freed
     (identical steps of the sequence-parallel decoder read 2,367,580-2,449,500 bytes); the least of several comes
     closer to the step's own peak: on the test decoder it read the same in every run but one (+32 KiB); on
-    benchmarks/tensor_parallel.py's larger one, 99.08 and 100.08 MiB in two runs (docs/limits.md). ``keep``: what is
-    kept of the readings, the least (the default); ``max`` keeps the largest (as remat's own check does: Note
-    [Steps under gloo] in remat.runtime.distributed), ``list`` all of them."""
+    benchmarks/tensor_parallel.py's larger one, 99.08 and 100.08 MiB in two runs (docs/limits.md). ``settled``:
+    read by :func:`settled_thread_peak`, every step alike (tensor parallelism's collectives; not FSDP2's, nor a
+    compiled step's). ``keep``: what is kept of the readings, the least (the default); ``max`` keeps the largest
+    (as remat's own check does: Note [Steps under gloo] in remat.runtime.distributed), ``list`` all of them."""
+    import contextlib
+
     from remat.runtime.measure import tensor_bytes
 
     def step():
-        loss = loss_fn(model(*inputs))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with Settled() if settled else contextlib.nullcontext():
+            loss = loss_fn(model(*inputs))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    peak = settled_thread_peak if settled else (lambda work: step_thread_peak(work)[0])
 
     step()
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     state = [local(p) for p in model.parameters()] + [x for x in inputs if torch.is_tensor(x)]
     state += [local(t) for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
-    return keep(tensor_bytes(state) + step_thread_peak(step)[0] for _ in range(readings))
+    return keep(tensor_bytes(state) + peak(step) for _ in range(readings))
+
+
+def settled_thread_peak(work) -> int:
+    """:func:`step_thread_peak`'s calling thread's peak for a ``work()`` whose collectives are :class:`Settled`, without
+    what gloo allocates on that thread inside its own operators (``c10d::``: a reduce-scatter's copy of its input,
+    its scratch). The profiler reports an allocation's free only on a thread it profiles, and gloo's threads carry
+    its state only while they run a collective: a tensor freed where gloo drops a finished work is never reported
+    freed, and such a reading counts it to the end of the step. Settled, the step's own tensors are freed on the
+    calling thread (the work is dropped first); gloo's copy is dropped with the work, so it is not counted (alive
+    for one operator where the caller drops the work, never reported freed where gloo does). So read, the tests'
+    sequence-parallel decoder read 1,379,592 bytes above its start in eight steps of eight; settled and read as
+    :func:`step_thread_peak` does, 1,379,592-1,510,664 (up to four 32 KiB copies never freed), unsettled
+    1,379,592-1,641,736."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("worker::caller"):
+            pass
+        work()
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        events.append(e)
+        todo += e.children
+    caller = next(e.start_tid for e in events if e.name == "worker::caller")
+
+    def in_gloo(e) -> bool:
+        while (e := e.parent) is not None:
+            if e.name.startswith("c10d::"):
+                return True
+        return False
+
+    left_out: set[int] = set()  # addresses of what is not counted: other threads' allocations, gloo's copies
+    live = peak = 0
+    for e in sorted((e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns):
+        f = e.extra_fields
+        if f.device.type != "cpu":
+            continue
+        if f.alloc_size > 0:
+            left_out.discard(f.ptr)  # (an address handed out again was freed, reported or not)
+            if e.start_tid != caller or in_gloo(e):
+                left_out.add(f.ptr)
+                continue
+        elif f.ptr in left_out:
+            left_out.discard(f.ptr)
+            continue
+        live += f.alloc_size
+        peak = max(peak, live)
+    return peak
 
 
 def step_thread_peak(work) -> tuple[int, int]:

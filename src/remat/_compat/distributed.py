@@ -176,3 +176,23 @@ def meshes_built_for_real() -> Iterator[None]:
         yield
     finally:
         DeviceMesh.__init__ = original
+
+
+def collective_elem(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor holding the memory of a functional collective's ``AsyncCollectiveTensor`` (its ``elem``), None
+    for any other tensor (Note [Storages without memory] in remat.runtime.tracker;
+    ``torch.distributed._functional_collectives``, checked on 2.8, 2.13, 2.15)."""
+    if type(t).__name__ != "AsyncCollectiveTensor":
+        return None
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.elem if isinstance(t, AsyncCollectiveTensor) else None
+
+
+def use_counts(t: torch.Tensor) -> tuple[int, int]:
+    """References to ``t`` (its TensorImpl's use count) and to its storage (the StorageImpl's, which views and the
+    storage object asked for here count): a collective's work holds the one or the other (Note [Collectives
+    settled] in remat.runtime.distributed; ``Tensor._use_count`` and ``torch._C._storage_Use_Count``, checked on
+    2.8, 2.13, 2.15: a fresh tensor reads (1, 1) on 2.8, (1, 2) on 2.15, so callers compare with a reading of
+    their own)."""
+    return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
