@@ -95,10 +95,13 @@ class _Parked:
     """A saved tensor's storage in host memory, parked once however many saved tensors view it: the host buffer,
     the storage's bytes and device; ``uses``: the saves of it not yet unpacked."""
 
-    __slots__ = ("buf", "nbytes", "device", "ready", "uses", "live", "pool", "__weakref__")
+    __slots__ = ("buf", "nbytes", "device", "ready", "uses", "live", "pool", "key", "storage", "__weakref__")
 
     def __init__(self, buf: torch.Tensor | None, nbytes: int, device: torch.device, pool: HostPool) -> None:
         self.buf, self.nbytes, self.device, self.pool = buf, nbytes, device, pool
+        #: the device storage's key and a weak reference to it (dead once the device copy is gone)
+        self.key: int | None = None
+        self.storage: weakref.ref | None = None
         #: the storage brought back (uint8, ahead of its use or at it), or None
         self.ready: torch.Tensor | None = None
         self.uses = 0
@@ -184,8 +187,8 @@ class Offloader:
             else:
                 buf[:nbytes].copy_(source)
             parked = _Parked(buf, nbytes, t.device, self.pool)
-        parked.uses = 1
-        self._seen[key] = (storage_ref(t), weakref.ref(parked))
+        parked.uses, parked.key, parked.storage = 1, key, storage_ref(t)
+        self._seen[key] = (parked.storage, weakref.ref(parked))
         self.parked.setdefault(unit, []).append(weakref.ref(parked))
         self.offloaded_bytes += nbytes
         self.offloaded_tensors += 1
@@ -232,8 +235,7 @@ class Offloader:
         for ref in self.parked.get(unit, [])[first:]:
             p = ref()
             # its storage's key, while that storage lives (a dead one's address may be an output's now)
-            key = next((k for k, (st, pr) in self._seen.items() if pr() is p and st() is not None), None) \
-                if p is not None else None
+            key = p.key if p is not None and p.storage is not None and p.storage() is not None else None
             if key in held and p.ready is None and p.live:
                 p.ready = torch.empty(0, dtype=torch.uint8, device=p.device).set_(held[key].untyped_storage())
                 buf, p.buf = p.buf, None
