@@ -21,8 +21,6 @@ def _gpt():
 #: the dispatcher, and autograd saves it for the division's backward: one a block whose attention is not
 #: recomputed, alive from its forward to its backward (a checkpointed block's only while its recomputation runs)
 UNCOUNTED_BYTES = 8 * 3
-#: the least share of its prediction a plan's real step reads (the memory model's rows bound the step from above)
-OVER_PREDICTED = 0.97
 
 
 def real_step_peak(plan: remat.Plan) -> int:
@@ -51,7 +49,35 @@ def real_step_peak(plan: remat.Plan) -> int:
     return held_bytes + step_thread_peak(step)[0]
 
 
-def test_planned_for_the_cpu_without_running_it_predicts_the_real_steps_peak(monkeypatch):
+def real_step_peaks(plans: list[remat.Plan], tmp_path) -> list[int]:
+    """:func:`real_step_peak` of each plan, read in a Python process of its own (one torch thread, as the suite's
+    workers run): nothing an earlier test left in the suite's process enters the reading. (Two CI runs of the
+    suite, on torch 2.8, read a plan's step one or two 64 KiB activations below what a fresh process reads:
+    3,524,096 against 3,589,888 bytes and 2,962,488 against 3,095,352, as if the profiler had not reported those
+    allocations; three full runs of that leg here and 40 steps in one process read every plan at the fresh
+    process's figure, to the byte.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    files = []
+    for i, plan in enumerate(plans):
+        plan.save(tmp_path / f"plan{i}.json")
+        files.append(str(tmp_path / f"plan{i}.json"))
+    here = Path(__file__).parent
+    code = ("import json, sys, torch, remat; torch.set_num_threads(1); from test_target import real_step_peak; "
+            "print(json.dumps([real_step_peak(remat.Plan.load(f)) for f in sys.argv[1:]]))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code, *files], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_planned_for_the_cpu_without_running_it_predicts_the_real_steps_peak(monkeypatch, tmp_path):
     """Check (1): the target ``cpu`` (nothing run, no weight read) and the measured path record the same step, to
     the byte; and what both predict is what real steps with each plan take on this CPU as the torch profiler reads
     them (:func:`real_step_peak`, no part of remat's recorder): the predicted peak, or up to
@@ -87,13 +113,11 @@ def test_planned_for_the_cpu_without_running_it_predicts_the_real_steps_peak(mon
     # bytes here; a budget between it and no checkpointing's leaves room)
     budget = (b.min_peak_bytes + b.baseline_peak_bytes) // 2
     fitted = b.plan_for_budget(budget)
-    # Above the prediction only by what remat does not see (a recorder that misses a storage fails here); below it by
-    # what the memory model over-predicts of some plans (its rows are bounds from above: in a fresh-clone CI run the
-    # plan fitted was h.0-h.2's MLPs, predicted 3,589,864 bytes and read 3,524,096, 1.8% below; the other plans read
-    # at the prediction or up to 24 bytes above it)
-    for plan in (b.no_checkpointing(), b.every_nth_block(1), b.least_memory(), fitted):
-        real = real_step_peak(plan)
-        assert OVER_PREDICTED * plan.predicted_peak_bytes <= real <= plan.predicted_peak_bytes + UNCOUNTED_BYTES, \
+    # At the prediction, or above it only by what remat does not see: a recorder that misses a storage fails here, and
+    # one that counts a storage the step does not hold (each of the four fails with its prediction 128 KiB high)
+    checked = (b.no_checkpointing(), b.every_nth_block(1), b.least_memory(), fitted)
+    for plan, real in zip(checked, real_step_peaks(list(checked), tmp_path)):
+        assert plan.predicted_peak_bytes <= real <= plan.predicted_peak_bytes + UNCOUNTED_BYTES, \
             (plan.checkpointed, plan.predicted_peak_bytes, real)
     assert fitted.checkpointed and real <= budget, (fitted.checkpointed, real, budget)
 
