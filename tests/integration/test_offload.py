@@ -11,7 +11,7 @@ import torch
 
 import remat
 import remat.costs.offload
-from helpers import needs_fake_world_floor
+from helpers import needs_compiled_floor, needs_fake_world_floor
 from remat._compat import storage_key
 from remat.errors import InvalidInputError, PlanMismatchError, UnsupportedError
 from remat.examples import make_gpt
@@ -243,3 +243,37 @@ def test_a_storage_the_units_output_holds_stays_on_the_device_and_is_read_there(
     plain(x).sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
     assert off.pool.in_use_bytes == 0
+
+
+@needs_compiled_floor
+def test_offloading_a_compiled_loop_is_refused_naming_the_releases_checked():
+    model, idx, targets = _gpt()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(UnsupportedError, match=r"compiles the model .*2\.8, 2\.13, 2\.15.*should_offload"):
+        remat.optimize_checkpointing(model, 1.0, idx, loss_fn=_loss(targets), offload=True,
+                                     compile={"backend": "aot_eager"})
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), before.values()))
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_the_installed_torch_still_does_not_offload_a_compiled_step_from_a_checkpoint_policy():
+    """What the refusal above says of torch, read from the installed torch's own files: no module reads the
+    CPU_OFFLOAD policies (the enum's own file declares them), and nothing marks a graph node ``should_offload``
+    (the compiled offloading pass only reads it). A torch that wires them fails here: then remat can offload
+    compiled steps through it, and the refusal must say from which release."""
+    import re
+    from pathlib import Path
+
+    root = Path(torch.__file__).parent
+    readers, markers = [], []
+    for path in root.rglob("*.py"):
+        text = path.read_text(errors="replace")
+        if "CPU_OFFLOAD" in text and path.relative_to(root).as_posix() != "utils/checkpoint.py":
+            if re.search(r"CheckpointPolicy\.(MUST|PREFER)_CPU_OFFLOAD", text):
+                readers.append(str(path.relative_to(root)))
+        if re.search(r"""\[["']should_offload["']\]\s*=""", text):
+            markers.append(str(path.relative_to(root)))
+    checkpoint = (root / "utils" / "checkpoint.py").read_text()
+    uses = [line for line in checkpoint.splitlines()
+            if re.search(r"CheckpointPolicy\.(MUST|PREFER)_CPU_OFFLOAD", line)]
+    assert (readers, markers, uses) == ([], [], []), (readers, markers, uses)

@@ -31,9 +31,12 @@ def host_link(offload: Any, *, device: torch.device, target: Any = None, compile
         return None, ()
     why = None
     if compiled:
-        why = (f"the loop compiles the model ({compiled}): offloading under torch.compile (torch's "
-               "CheckpointPolicy.MUST_CPU_OFFLOAD and its compiled offloading pass) is not planned by remat yet; "
-               "plan the eager step, or offload=False")
+        why = (f"the loop compiles the model ({compiled}), and no torch release remat was checked on (2.8, 2.13, "
+               "2.15) offloads a compiled step's activations from a checkpoint policy: CheckpointPolicy."
+               "MUST_CPU_OFFLOAD is declared, but AOTAutograd's partitioner does not read it, and torch's compiled "
+               "offloading pass (torch._functorch._activation_offloading, from 2.13, behind "
+               "torch._functorch.config.enable_activation_offloading) moves only graph nodes marked "
+               "'should_offload', which nothing in torch marks. Plan the eager step, or offload=False")
     if why is None and (tensor_parallel or getattr(target, "tp", 1) > 1):
         why = ("the model is tensor parallel: its saved activations are DTensors, which the offloading hooks leave "
                "where they are (Note [Offloaded units] in remat.rewrite.offload); plan with offload=False")
