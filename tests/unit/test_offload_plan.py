@@ -94,3 +94,52 @@ def test_the_plan_lists_what_it_offloads_and_round_trips_through_json():
     assert "offloaded to host" in str(plan) and "(predicted)" in str(plan)
     again = Plan.from_dict(plan.to_dict())
     assert again.offloaded == plan.offloaded and again.predicted_offload_bytes == plan.predicted_offload_bytes
+
+
+def _named_profile():
+    """The chain with u1's one drop split into four storages of 40, 30, 20 and 10% of its bytes, made by named
+    operators (``aten.mm.default#k``, the k-th), as a recorded profile's are: what parts of u1 are made of."""
+    p = _profile()
+    (d,) = p.unit("u1").drops
+    sizes = [d.nbytes * k // 10 for k in (4, 3, 2)]
+    sizes.append(d.nbytes - sum(sizes))
+    drops = tuple(dataclasses.replace(d, nbytes=b, op=f"aten.mm.default#{k}") for k, b in enumerate(sizes))
+    return dataclasses.replace(p, units=tuple(dataclasses.replace(u, drops=drops) if u.name == "u1" else u
+                                              for u in p.units))
+
+
+def test_parts_of_a_unit_move_its_largest_operator_outputs_up_to_each_share_and_leave_sooner():
+    """Note [Offloaded parts], by hand: u1's storages are 40, 30, 20 and 10% of its bytes. Largest first up to 25%
+    of them is the 40% one (a part holds at least one), up to 50% the same (not offered twice), up to 75% the 40
+    and 30% ones. Over a link that copies u1 whole in 1.5 of u2's forwards, the 40% part's copy (0.6 of u2's
+    forward) is done when u2's forward ends; the 70% part's (1.05) and the whole unit's only when u3's ends."""
+    p = _named_profile()
+    u1, u2, u3 = p.unit("u1"), p.unit("u2"), p.unit("u3")
+    sizes = [d.nbytes for d in u1.drops]
+    total = sum(sizes)
+    assert u2.forward_s + u3.forward_s >= 1.5 * u2.forward_s  # (so u3's forward ends each copy)
+    model = MemoryModel(p, offload=HostLink(total / (1.5 * u2.forward_s), 1e12))
+    spans = {k: s for k, s in model.offloads.items() if k.startswith(offload_key("u1"))}
+    assert [(k, s.ops, s.nbytes) for k, s in spans.items()] == [
+        (offload_key("u1"), (), total),
+        (offload_key("u1", 1), ("aten.mm.default#0",), sizes[0]),
+        (offload_key("u1", 2), ("aten.mm.default#0", "aten.mm.default#1"), sizes[0] + sizes[1])]
+    back = spans[offload_key("u1")].back_at
+    for key, gone in ((offload_key("u1"), u3.forward_end + 1), (offload_key("u1", 1), u2.forward_end + 1),
+                      (offload_key("u1", 2), u3.forward_end + 1)):
+        made = [d for d in u1.drops if not spans[key].ops or d.op in spans[key].ops]
+        assert [at for _, at, _ in spans[key].drops] == [max(d.free_from, min(gone, back)) for d in made], key
+
+
+def test_a_unit_is_offloaded_once_whole_or_as_one_part_and_the_plan_names_the_parts_operators():
+    p = _named_profile()
+    planner = Planner(p, offload=FAST)
+    part = next(k for k in planner.model.offloads if k.startswith(offload_key("u1") + "~"))
+    with pytest.raises(InvalidInputError, match="offload a unit, or one part of it"):
+        planner.make_plan([offload_key("u1"), part], "two")
+    assert any({offload_key("u1"), part} <= set(c) for c in planner.model.cliques())
+    plan = planner.make_plan([part], "part")
+    assert plan.offloaded == (part.removeprefix("offload:"),)
+    assert plan.offloaded_ops == {plan.offloaded[0]: planner.model.offloads[part].ops}
+    assert plan.predicted_offload_bytes == planner.model.offloads[part].nbytes
+    assert Plan.from_dict(plan.to_dict()) == plan and "the rest stays on the device" in str(plan)

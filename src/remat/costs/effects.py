@@ -262,6 +262,7 @@ def _call_effects(rec: Recording, spec: UnitSpec, in_call, start: int, end: int,
     unpacks = [t.unpacked_at for t in mine if t.unpacked_at is not None]
     r_at = min(unpacks) if unpacks else None
     saved = frozenset(t.storage for t in mine if t.storage is not None)
+    names = {} if until else rec.op_names(start, end)
     drops = []
     for s in sorted(saved):
         st = rec.storages[s]
@@ -283,7 +284,7 @@ def _call_effects(rec: Recording, spec: UnitSpec, in_call, start: int, end: int,
             continue
         if spec.keep is not None and created_by.get(s) in spec.keep:
             continue  # a selective checkpoint keeps it
-        drops.append(Drop(st.nbytes, free_from, r_at if until else None, storage=s))
+        drops.append(Drop(st.nbytes, free_from, r_at if until else None, storage=s, op=names.get(created_by.get(s))))
     # Note [Checkpoint holds its inputs]: non-reentrant checkpoint keeps the unit's inputs in its
     # recompute closure, alive while any tensor saved inside the unit waits to be read back: until
     # the unit's backward is done, or, when some saved tensor is never read (a node that no

@@ -109,7 +109,7 @@ class ProfileFit:
             backward_s=None if any(x.backward_s is None for x in us) else secs(lambda x: x.backward_s),
             flops=ints(lambda x: x.flops), overhead_s=secs(lambda x: x.overhead_s),
             recompute_peak_bytes=ints(lambda x: x.recompute_peak_bytes), saved_bytes=ints(lambda x: x.saved_bytes),
-            drops=tuple(Drop(ints(lambda x, k=k: x.drops[k].nbytes), d.free_from, d.until_index)
+            drops=tuple(Drop(ints(lambda x, k=k: x.drops[k].nbytes), d.free_from, d.until_index, op=d.op)
                         for k, d in enumerate(u.drops)),
             keeps=tuple(Keep(ints(lambda x, k=k: x.keeps[k].nbytes), kp.from_index, kp.until_index)
                         for k, kp in enumerate(u.keeps)),

@@ -20,6 +20,17 @@ of ``u``'s drops with ``free_at <= i < back_at``. Offered for a whole module cal
 segment, region or selective unit); offloading ``u`` excludes checkpointing ``u`` or anything inside or around it
 (the ILP's overlap cliques count the offload variable with ``u``'s span).
 
+Note [Offloaded parts]
+~~~~~~~~~~~~~~~~~~~~~~
+A unit's drops need not all go: each drop records the operator of the unit's forward that made it
+(``Drop.op``, named as a selective policy names operators), and a *part* ``offload:u~k`` moves only the
+largest of them, up to a share of the unit's offloadable bytes (:data:`PART_SHARES`), the rest staying on the
+device. A part's copy is shorter, so it leaves the device sooner and is more often hidden: a Llama layer's
+3.25 GiB take 52 ms over an H100's link against the next layer's 20 ms forward, its largest operator outputs
+less. Parts are options of the unit as selective policies are options of a checkpoint: in the unit's cliques,
+at most one of them, the whole unit's offload or a checkpoint. The mechanism moves the storages the named
+operators made and no other (``Offloader`` with ``ops``, in remat.rewrite.offload).
+
 Time (Note [Hidden copies]): every offloaded byte crosses the host link once each way, device-to-host during the
 forward, host-to-device during the backward, on a copy engine beside the compute. What the link moves within the
 forward's (backward's) compute time is hidden; the rest is paid as step time:
@@ -45,13 +56,27 @@ MIN_OFFLOAD_BYTES = 64 * 1024
 OFFLOADED = "offload:"
 
 
-def offload_key(unit: str) -> str:
-    return OFFLOADED + unit
+#: what names an offload of some of a unit's operators: ``offload:h.3~1``, the first of ``h.3``'s parts
+PART = "~"
+#: the parts offered per unit: its largest offloadable operator outputs up to these shares of its bytes
+PART_SHARES = (0.25, 0.5, 0.75)
+
+
+def offload_key(unit: str, part: int = 0) -> str:
+    return OFFLOADED + unit + (f"{PART}{part}" if part else "")
+
+
+def offloaded_choice(variable: str) -> str | None:
+    """What a plan lists as offloaded for an offload variable: ``"h.3"`` for ``"offload:h.3"``, ``"h.3~1"`` for a
+    part; None for any other plan variable."""
+    return variable[len(OFFLOADED):] if variable.startswith(OFFLOADED) else None
 
 
 def offloaded_unit(variable: str) -> str | None:
-    """``"h.3"`` for ``"offload:h.3"``; None for any other plan variable."""
-    return variable[len(OFFLOADED):] if variable.startswith(OFFLOADED) else None
+    """The module an offload variable moves activations of: ``"h.3"`` for ``"offload:h.3"`` and
+    ``"offload:h.3~1"``; None for any other plan variable."""
+    choice = offloaded_choice(variable)
+    return None if choice is None else choice.split(PART)[0]
 
 
 @dataclass(frozen=True)
@@ -74,6 +99,8 @@ class OffloadSpan:
     back_at: int
     #: seconds the unit's backward waits for its copy back (what the next unit's backward does not hide)
     stall_s: float = 0.0
+    #: the operators whose outputs a part moves (``aten.mm.default#1``); empty: every storage of the unit's
+    ops: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -95,7 +122,9 @@ def offloadable_units(profile: Profile, units: dict[str, UnitCost], link: HostLi
     """Per candidate unit that may be offloaded over ``link``, its :class:`OffloadSpan` (Note [Offload in the memory
     model]): its drops of at least :data:`MIN_OFFLOAD_BYTES` (smaller ones stay on the device), gone once the units
     after it at its level have run forward long enough to copy them out, back when the next one's backward
-    starts; a unit whose copy out cannot finish before the backward starts is not offered."""
+    starts; a unit whose copy out cannot finish before the backward starts is not offered. Beside the whole unit,
+    its parts (Note [Offloaded parts]): its largest operator outputs up to each of :data:`PART_SHARES` of its
+    bytes, each one more option of the unit."""
     siblings: dict[str | None, list[UnitCost]] = {}
     for u in profile.units:
         if not (u.is_segment or u.is_region or is_selective(u.name)) and u.recompute_at is not None:
@@ -105,30 +134,53 @@ def offloadable_units(profile: Profile, units: dict[str, UnitCost], link: HostLi
         if u.is_segment or u.is_region or is_selective(name) or u.later_calls or u.recompute_at is None:
             continue
         drops = [d for d in u.drops if d.nbytes >= MIN_OFFLOAD_BYTES]
-        moved = sum(d.nbytes for d in drops)
         after = sorted((v for v in siblings.get(u.parent, ()) if v.forward_start > u.forward_end),
                        key=lambda v: v.forward_start)
-        copy_s, ran_s, gone = moved / link.to_host_bytes_per_s, 0.0, None
-        for v in after:
-            ran_s += v.forward_s
-            if ran_s >= copy_s:
-                gone = v.forward_end + 1
-                break
-        if gone is None:
-            # after the last unit at its level: the rest of the forward (the head, the loss), as a share of the step
-            rest_s = profile.forward_s * (profile.backward_start - u.forward_end) / max(profile.backward_start, 1)
-            if ran_s + rest_s < copy_s:
-                continue  # its copy would still run when the backward starts: not offered
-            gone = profile.backward_start
-        nxt = after[0] if after else None
-        back = min(nxt.recompute_at, u.recompute_at) if nxt is not None else u.recompute_at
-        spans = tuple((d.nbytes, max(d.free_from, min(gone, back)), d.storage) for d in drops)
-        if spans and any(at < back for _, at, _ in spans):
-            # brought back while the next unit's backward runs (one unit ahead): what that does not hide, waited for
-            window = (nxt.backward_s if nxt.backward_s is not None else 2 * nxt.forward_s) if nxt else 0.0
-            out[offload_key(name)] = OffloadSpan(name, spans, back,
-                                                 max(0.0, moved / link.to_device_bytes_per_s - window))
+        options = [((), drops)]
+        named = sorted((d for d in drops if d.op is not None), key=lambda d: (-d.nbytes, d.op))
+        total = sum(d.nbytes for d in drops)
+        for share in PART_SHARES:
+            part, acc = [], 0
+            for d in named:
+                if part and acc + d.nbytes > share * total:
+                    break
+                part.append(d)
+                acc += d.nbytes
+            ops = tuple(sorted({d.op for d in part}))
+            if part and acc < total and all(ops != o for o, _ in options):
+                options.append((ops, part))
+        for k, (ops, chosen) in enumerate(options):
+            span = _span(profile, name, u, chosen, after, link, ops)
+            if span is not None:
+                out[offload_key(name, k)] = span
     return out
+
+
+def _span(profile: Profile, name: str, u: UnitCost, drops: list, after: list[UnitCost], link: HostLink,
+          ops: tuple[str, ...]) -> OffloadSpan | None:
+    """The span of offloading ``drops`` of unit ``u`` (all of them, or a part: ``ops``), or None where their copy
+    out would still run when the backward starts, or nothing would leave the device before it is needed."""
+    moved = sum(d.nbytes for d in drops)
+    copy_s, ran_s, gone = moved / link.to_host_bytes_per_s, 0.0, None
+    for v in after:
+        ran_s += v.forward_s
+        if ran_s >= copy_s:
+            gone = v.forward_end + 1
+            break
+    if gone is None:
+        # after the last unit at its level: the rest of the forward (the head, the loss), as a share of the step
+        rest_s = profile.forward_s * (profile.backward_start - u.forward_end) / max(profile.backward_start, 1)
+        if ran_s + rest_s < copy_s:
+            return None  # its copy would still run when the backward starts: not offered
+        gone = profile.backward_start
+    nxt = after[0] if after else None
+    back = min(nxt.recompute_at, u.recompute_at) if nxt is not None else u.recompute_at
+    spans = tuple((d.nbytes, max(d.free_from, min(gone, back)), d.storage) for d in drops)
+    if not spans or not any(at < back for _, at, _ in spans):
+        return None
+    # brought back while the next unit's backward runs (one unit ahead): what that does not hide, waited for
+    window = (nxt.backward_s if nxt.backward_s is not None else 2 * nxt.forward_s) if nxt else 0.0
+    return OffloadSpan(name, spans, back, max(0.0, moved / link.to_device_bytes_per_s - window), ops)
 
 
 def exposed_copy_s(offloaded_bytes: int, link: HostLink, forward_s: float, backward_s: float) -> float:

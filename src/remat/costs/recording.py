@@ -15,6 +15,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from remat.costs.unit_names import op_key
+
 
 @dataclass(frozen=True)
 class Storage:
@@ -161,6 +163,19 @@ class Recording:
     def created_by(self) -> dict[int, int]:
         """Storage -> the forward operator (timeline index) that created it."""
         return {s: i for i, op in enumerate(self.forward_ops) for s in op.created if s is not None}
+
+    def op_names(self, start: int, end: int) -> dict[int, str]:
+        """The forward operators ``start..end`` of a unit's call by timeline index, named as a selective policy
+        names them: the overload and its count among the call's named operators (``aten.addmm.default#1``;
+        Note [Operators named alike under compile] in remat.rewrite.policy)."""
+        seen: dict[str, int] = {}
+        out = {}
+        for i in range(start, min(end, len(self.forward_ops) - 1) + 1):
+            op = self.forward_ops[i]
+            if op.named:
+                out[i] = op_key(op.name, seen.get(op.name, 0))
+                seen[op.name] = seen.get(op.name, 0) + 1
+        return out
 
     # -- corrections (new Recordings; this one is unchanged) ---------------------------------
     def with_sizes(self, nbytes: Mapping[int, int]) -> "Recording":

@@ -126,6 +126,10 @@ class MemoryModel(MemoryRows, PeakExplainer):
             if clash:
                 raise InvalidInputError(f"plan offloads {offloaded_unit(v)!r} and checkpoints {clash}, which overlap "
                                         "it: a unit is kept, recomputed or offloaded, one of the three")
+            twice = sorted(w for w in offloaded if w != v and self.conflicts(offloaded_unit(v), offloaded_unit(w)))
+            if twice:
+                raise InvalidInputError(f"plan offloads {v!r} and {twice}, which overlap: offload a unit, or one "
+                                        "part of it (Note [Offloaded parts]), once, and nothing inside it besides")
         return frozenset(nest_key(outer[u], u) if u in outer else u for u in plan - offloaded) | offloaded
 
     def units_of(self, variables: Iterable[str]) -> frozenset[str]:
@@ -200,11 +204,13 @@ class MemoryModel(MemoryRows, PeakExplainer):
         """Sets of units of which at most one may be chosen: those whose span covers a unit's first
         operator. Every pair of intersecting spans shares one (the later start lies in both)."""
         seen, out = set(), []
-        offloaded = {span.unit: key for key, span in self.offloads.items()}
+        offloaded: dict[str, list[str]] = {}
+        for key, span in self.offloads.items():
+            offloaded.setdefault(span.unit, []).append(key)
         for u in self.units.values():
             for start, _ in u.spans:  # every call of a reused module (Note [Reused modules])
                 covering = [v.name for v in self.units.values() if any(s <= start <= e for s, e in v.spans)]
-                group = frozenset(covering + [offloaded[v] for v in covering if v in offloaded])
+                group = frozenset(covering + [k for v in covering for k in offloaded.get(v, ())])
                 if len(group) > 1 and group not in seen:
                     seen.add(group)
                     out.append(sorted(group))

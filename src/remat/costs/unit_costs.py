@@ -47,6 +47,10 @@ class Drop:
     #: the storage's index in the recording (Profile.tensors names it); None when not known. Not part of
     #: the cost: two drops of equal bytes and times compare equal
     storage: int | None = field(default=None, compare=False)
+    #: the operator of the unit's forward that made it, as a selective policy names it (``aten.mm.default#1``);
+    #: None when not named (a random operator's product) or the unit runs more than once. What an offload of
+    #: some of a unit's operators moves (Note [Offload in the memory model] in remat.costs.offload)
+    op: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,10 @@ modules they overlap.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 from remat.capture import unit_parent
-from remat.costs.unit_costs import SELECTIVE, UnitCost, op_key, region_name, segment_name
+from remat.costs.unit_costs import SELECTIVE, UnitCost, region_name, segment_name
 from remat.costs.effects import UnitSpec
 from remat.costs.recording import Recording
 from remat.solve import chen_segments
@@ -158,16 +157,8 @@ def policy_menu(rec: Recording, start: int, end: int) -> list[frozenset[int]]:
 def op_keys(rec: Recording, start: int, keep: frozenset[int]) -> tuple[str, ...]:
     """The rewrite's names of forward operators ``keep`` of a unit starting at ``start``: the overload and
     its call count within the unit (``aten.addmm.default#1``)."""
-    seen: dict[str, int] = defaultdict(int)
-    keys = []
-    for i in range(start, max(keep) + 1):
-        if not rec.forward_ops[i].named:  # Note [Operators named alike under compile] in remat.rewrite
-            continue
-        op = rec.forward_ops[i].name
-        if i in keep:
-            keys.append(op_key(op, seen[op]))
-        seen[op] += 1
-    return tuple(keys)
+    names = rec.op_names(start, max(keep))
+    return tuple(names[i] for i in sorted(keep) if i in names)
 
 
 def selective_specs(rec: Recording, costs: Sequence[UnitCost]) -> list[UnitSpec]:

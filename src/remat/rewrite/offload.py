@@ -159,17 +159,21 @@ class Offloader:
         self.offloaded_bytes = 0
         self.offloaded_tensors = 0
 
-    def hooks(self, unit: str, keep: frozenset[int]) -> torch.autograd.graph.saved_tensors_hooks:
-        """The hooks to run ``unit``'s forward under; ``keep``: storages (``storage_key``) not to move."""
+    def hooks(self, unit: str, keep: frozenset[int], only: Any = None) -> torch.autograd.graph.saved_tensors_hooks:
+        """The hooks to run ``unit``'s forward under; ``keep``: storages (``storage_key``) not to move; ``only``:
+        for a part (Note [Offloaded parts] in remat.costs.offload), a pair of the operators whose outputs move and
+        the :class:`~remat.rewrite.policy.OutputNames` naming the call's storages."""
         if unit in self.parked and not any(r() is not None for r in self.parked[unit]):
             del self.parked[unit]  # a new step: the unit takes its place in this step's forward order
         self.parked.setdefault(unit, [])
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(unit, t, keep),
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(unit, t, keep, only),
                                                         lambda p: self.unpack(unit, p))
 
-    def pack(self, unit: str, t: torch.Tensor, keep: frozenset[int] = frozenset()) -> Any:
+    def pack(self, unit: str, t: torch.Tensor, keep: frozenset[int] = frozenset(), only: Any = None) -> Any:
         if not offloadable(t, keep, self.min_bytes, self._plain):
             return t
+        if only is not None and only[1].name_of(t) not in only[0]:
+            return t  # a part: another operator's output stays on the device
         key = storage_key(t)
         seen = self._seen.get(key)
         parked = seen[1]() if seen is not None and seen[0]() is not None else None
@@ -288,8 +292,10 @@ class OffloadedForward(_RematForward):
     """The ``forward`` remat installs on an offloaded module (Note [Offloaded units]; installed and undone like a
     checkpointed one: Note [Checkpoint the forward, not the module] in remat.rewrite.forwards)."""
 
-    def __init__(self, module: nn.Module, name: str, offloader: Offloader) -> None:
+    def __init__(self, module: nn.Module, name: str, offloader: Offloader, ops: tuple[str, ...] = ()) -> None:
         self.module, self.name, self.offloader = module, name, offloader
+        #: a part's operators (Note [Offloaded parts] in remat.costs.offload); empty: every saved storage moves
+        self.ops = frozenset(ops)
         self.previous = module.__dict__.get("forward")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -300,8 +306,14 @@ class OffloadedForward(_RematForward):
         _storages((args, kwargs), keep)
         _storages(list(self.module.parameters()) + list(self.module.buffers()), keep)
         before = len(self.offloader.parked.get(self.name, ()))
-        with self.offloader.hooks(self.name, frozenset(keep)):
-            out = forward(*args, **kwargs)
+        if self.ops:
+            from remat.rewrite.policy import OutputNames
+
+            with OutputNames() as names, self.offloader.hooks(self.name, frozenset(keep), (self.ops, names)):
+                out = forward(*args, **kwargs)
+        else:
+            with self.offloader.hooks(self.name, frozenset(keep)):
+                out = forward(*args, **kwargs)
         self.offloader.keep_outputs(self.name, before, out)
         return out
 
@@ -331,12 +343,21 @@ def offloader_for(model: nn.Module) -> Offloader:
     return Offloader(HostPool())
 
 
-def offload_modules(model: nn.Module, names: Any) -> None:
+def offload_modules(model: nn.Module, names: Any, ops: dict[str, tuple[str, ...]] | None = None) -> None:
     """Offload the named modules' saved activations to host memory (Note [Offloaded units]; mutates ``model``).
-    Modules only (not segments, regions or selective units); one already checkpointed or offloaded is refused."""
+    Modules only (not segments, regions or selective units); one already checkpointed or offloaded is refused. A
+    part (``h.3~1``) moves only what the operators ``ops[part]`` made (Note [Offloaded parts] in
+    remat.costs.offload)."""
+    from remat.costs.offload import PART
     from remat.errors import InvalidInputError, PlanMismatchError
 
-    names = list(names)
+    ops = dict(ops or {})
+    parts = {n.split(PART)[0]: ops.get(n, ()) for n in names}
+    missing = [n for n in names if PART in n and not ops.get(n)]
+    if missing:
+        raise PlanMismatchError(f"the plan offloads parts {missing} without naming their operators (a plan's "
+                                "offloaded_ops); make the plan again with this remat")
+    names = list(parts)
     mods = dict(model.named_modules())
     bad = [n for n in names if n not in mods or n == ""]
     if bad:
@@ -349,4 +370,4 @@ def offload_modules(model: nn.Module, names: Any) -> None:
                                 "or offloaded, one of the three; call remove_checkpointing first")
     offloader = offloader_for(model)
     for n in names:
-        mods[n].forward = OffloadedForward(mods[n], n, offloader)
+        mods[n].forward = OffloadedForward(mods[n], n, offloader, parts[n])

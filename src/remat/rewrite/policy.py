@@ -62,7 +62,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from remat._compat import argument, cacheable_context_fn, storage_key, storage_ref, tree_flatten, written_arguments
+from remat._compat import (TorchDispatchMode, argument, cacheable_context_fn, storage_key, storage_ref, tree_flatten,
+                           written_arguments)
 from remat.costs.unit_costs import op_key
 from remat.errors import InvalidInputError
 
@@ -122,6 +123,33 @@ class PolicyNames:
     def _is_noise(self, t: torch.Tensor) -> bool:
         ref = self.noise.get(storage_key(t))
         return ref is not None and ref() is not None
+
+
+class OutputNames(TorchDispatchMode):
+    """While active, names each storage the operators of one call of a unit's forward make by the operator that
+    made it, as a selective policy names operators (:class:`PolicyNames`): what an offloaded part moves (Note
+    [Offloaded parts] in remat.costs.offload). A storage is known by a weak reference as well as its key, so a
+    later storage at a freed one's address is not taken for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names = PolicyNames()
+        self.made: dict[int, tuple[str, weakref.ref]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        key = self.names.key(func, args, kwargs)
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and self.name_of(t) is None:
+                if key is not None:
+                    self.made[storage_key(t)] = (key, storage_ref(t))
+        return out
+
+    def name_of(self, t: torch.Tensor) -> str | None:
+        """The operator of this call that made ``t``'s storage, or None (made before the call, or unnamed)."""
+        entry = self.made.get(storage_key(t))
+        return entry[0] if entry is not None and entry[1]() is not None else None
 
 
 def keep_ops_contexts(saved_ops: tuple[str, ...], keep_random: bool = False):

@@ -12,7 +12,7 @@ import math
 import time
 from typing import Iterable, Sequence
 
-from remat.costs.offload import HostLink, offloaded_unit
+from remat.costs.offload import HostLink, offloaded_choice, offloaded_unit
 from remat.costs.unit_costs import Profile, is_selective
 from remat.errors import InfeasibleBudgetError, InvalidInputError, UnsupportedError
 from remat.solve.calibrated import UNDER_COMPILE
@@ -116,7 +116,9 @@ class Planner:
         order = {u.name: (u.forward_start, -u.forward_end, i) for i, u in enumerate(self.profile.units)}
         every = tuple(sorted(set(units), key=lambda u: order[offloaded_unit(u) or u]))
         chosen = tuple(u for u in every if offloaded_unit(u) is None)
-        offloaded = tuple(offloaded_unit(u) for u in every if offloaded_unit(u) is not None)
+        offloaded = tuple(offloaded_choice(u) for u in every if offloaded_unit(u) is not None)
+        parts = {offloaded_choice(u): self.model.offloads[u].ops for u in every
+                 if u in self.model.offloads and self.model.offloads[u].ops}
         bd = self.model.breakdown(every)
         copy_s = self.model.exposed_copy_s(every)
         recompute_s = self.model.recompute_s(chosen)
@@ -148,7 +150,7 @@ class Planner:
             saved_ops={u: p.unit(u).saved_ops for u in chosen if p.unit(u).saved_ops},
             nested_in=self.model.outer_of(chosen),
             tokens_per_step=p.tokens_per_step, model_flops=p.model_flops, peak_flops_per_s=p.peak_flops_per_s,
-            offloaded=offloaded, predicted_offload_bytes=self.model.offloaded_bytes(every),
+            offloaded=offloaded, offloaded_ops=parts, predicted_offload_bytes=self.model.offloaded_bytes(every),
             predicted_exposed_copy_s=copy_s,
         )
 

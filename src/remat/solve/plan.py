@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from remat.costs import simulate
+from remat.costs.offload import PART
 from remat.costs.simulate import HeldTensor, PeakBreakdown
 
 GiB = 2**30
@@ -124,6 +125,9 @@ class Plan:
     #: forward order (Note [Offloaded units] in remat.rewrite.offload): the third choice beside keeping and
     #: recomputing; none unless offloading was offered
     offloaded: tuple[str, ...] = ()
+    #: for an offloaded part (``h.3~1``: Note [Offloaded parts] in remat.costs.offload), the operators of the
+    #: module's forward whose outputs it moves (``aten.mm.default#1``); a whole module moves every saved storage
+    offloaded_ops: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: bytes the offloaded units move each way per step, predicted
     predicted_offload_bytes: int = 0
     #: seconds of those copies the compute does not hide, predicted (in ``predicted_step_time_s``: Note [Offload in
@@ -233,6 +237,9 @@ class Plan:
                          f"{fmt_bytes(self.predicted_offload_bytes)} each way per step, "
                          f"{self.predicted_exposed_copy_s * 1e3:.1f} ms of copying not hidden behind compute "
                          "(predicted)")
+            for part, ops in self.offloaded_ops.items():
+                lines.append(f"    {part}: the outputs of {len(ops)} of {part.split(PART)[0]}'s operators "
+                             f"({', '.join(ops[:4])}{', ...' if len(ops) > 4 else ''}); the rest stays on the device")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -252,6 +259,7 @@ class Plan:
             d.pop(derived, None)
         d["checkpointed"] = tuple(d["checkpointed"])
         d["offloaded"] = tuple(d.get("offloaded", ()))
+        d["offloaded_ops"] = {k: tuple(v) for k, v in d.get("offloaded_ops", {}).items()}
         d["model_signature"] = tuple((n, tuple(s)) for n, s in d.get("model_signature", ()))
         d["notes"] = tuple(d.get("notes", ()))
         d["mutated_buffers"] = {k: tuple(v) for k, v in d.get("mutated_buffers", {}).items()}
