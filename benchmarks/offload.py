@@ -6,10 +6,10 @@ For budgets from the least peak to no checkpointing's (the planner's allocated p
 fastest plan without offloading and the fastest with it: their predicted step time and tokens/s per GPU, the
 bytes each keeps, recomputes and offloads, and the copies' predicted exposed time; the chosen plans' reserved
 peaks replayed through the allocator. Then the same budgets with the host link made slow (1 GB/s each way):
-offloading should not be chosen. Beside them torchtitan's op policy and full checkpointing, from the same
-recording (``benchmarks/published.py``'s figures come from the same model).
+offloading should not be chosen. Beside them full checkpointing, from the same recording, and torchtitan's op
+policy (its own selective checkpointing, recorded by ``benchmarks/published.py``).
 
-    python benchmarks/offload.py                # the table (about 5 minutes on 2 cores)
+    python benchmarks/offload.py                # the table (about 6 minutes on 2 cores)
     python benchmarks/offload.py --layers       # also keep / recompute / offload bytes per layer of each plan
 """
 
@@ -117,6 +117,12 @@ def main() -> None:
               f"{len(o.checkpointed) if o else '-':>4} | {len(o.offloaded) if o else '-':>4} | "
               f"{(o.predicted_offload_bytes / GiB if o else 0):>13.2f} | {(o.predicted_exposed_copy_s * 1e3 if o else 0):>10.1f} | "
               f"{len(s.offloaded) if s else '-':>15} | {res:>27}")
+    import published
+
+    sac, sac_time = published.predict(8), published.predict_time(8)
+    print(f"torchtitan's op policy (its selective checkpointing, every layer; benchmarks/published.py): "
+          f"{sac_time['step']:.3f} s, {sac_time['tps']:,.0f} tokens/s per GPU, allocated peak {sac['allocated']:.2f} "
+          f"GiB, reserved {sac['native']:.1f} GiB (native allocator), predicted")
     print(f"recording {recorded:.0f} s; whole run {time.perf_counter() - started:.0f} s")
     if a.layers:
         for budget, n, o in rows:

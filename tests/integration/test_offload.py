@@ -285,7 +285,8 @@ def _parts_of(unit: str):
     from remat.costs.offload import HostLink
 
     model, idx, targets = _gpt()
-    planner = remat.Planner(remat.make_profile(model, idx, loss_fn=_loss(targets)), offload=HostLink(63e9, 63e9))
+    planner = remat.Planner(remat.make_profile(model, idx, loss_fn=_loss(targets)), offload=HostLink(63e9, 63e9),
+                            granularity="op")
     return planner, {k: s for k, s in planner.model.offloads.items()
                      if k.split("~")[0] == remat.costs.offload.offload_key(unit)}
 
@@ -331,3 +332,22 @@ def test_a_part_whose_operators_are_counted_wrongly_moves_other_bytes_and_is_cau
     remat.apply_plan(model, planner.make_plan([key], "one"))
     _loss(targets)(model(idx)).backward()
     assert offloader_for(model).offloaded_bytes != span.nbytes
+
+
+def test_remats_equivalence_check_proves_an_offloaded_plan_and_catches_a_broken_copy_back(monkeypatch):
+    """The plan's proof holds with offloaded units and parts in it: ``check_equivalence`` runs the offloaded step
+    against the plain one (its copy with remat's rewrites removed) and finds them equal; with the copy back
+    perturbed it reports the gradients that differ."""
+    import remat.rewrite.offload as offload
+
+    planner, options = _parts_of("h.1")
+    part = next(k for k, s in options.items() if s.ops)
+    model, idx, targets = _gpt()
+    remat.apply_plan(model, planner.make_plan([part, remat.costs.offload.offload_key("h.3")], "two"))
+    assert remat.check_equivalence(model, idx, loss_fn=_loss(targets)).equal
+    real = offload.Offloader.unpack
+    monkeypatch.setattr(offload.Offloader, "unpack", lambda self, unit, packed: (
+        lambda out: out + 1e-3 if isinstance(packed, offload._Saved) and out.is_floating_point() else out)(
+        real(self, unit, packed)))
+    report = remat.check_equivalence(model, idx, loss_fn=_loss(targets))
+    assert not report.equal and any("grad" in m for m in report.mismatched), report.mismatched

@@ -133,7 +133,8 @@ def test_parts_of_a_unit_move_its_largest_operator_outputs_up_to_each_share_and_
 
 def test_a_unit_is_offloaded_once_whole_or_as_one_part_and_the_plan_names_the_parts_operators():
     p = _named_profile()
-    planner = Planner(p, offload=FAST)
+    assert not any("~" in k for k in Planner(p, offload=FAST).model.offloads)  # whole units only at "block"
+    planner = Planner(p, offload=FAST, granularity="op")
     part = next(k for k in planner.model.offloads if k.startswith(offload_key("u1") + "~"))
     with pytest.raises(InvalidInputError, match="offload a unit, or one part of it"):
         planner.make_plan([offload_key("u1"), part], "two")

@@ -118,13 +118,14 @@ class OffloadSpan:
         return {at for _, at, _ in self.drops} | {self.back_at}
 
 
-def offloadable_units(profile: Profile, units: dict[str, UnitCost], link: HostLink) -> dict[str, OffloadSpan]:
+def offloadable_units(profile: Profile, units: dict[str, UnitCost], link: HostLink,
+                      parts: bool = True) -> dict[str, OffloadSpan]:
     """Per candidate unit that may be offloaded over ``link``, its :class:`OffloadSpan` (Note [Offload in the memory
     model]): its drops of at least :data:`MIN_OFFLOAD_BYTES` (smaller ones stay on the device), gone once the units
     after it at its level have run forward long enough to copy them out, back when the next one's backward
     starts; a unit whose copy out cannot finish before the backward starts is not offered. Beside the whole unit,
     its parts (Note [Offloaded parts]): its largest operator outputs up to each of :data:`PART_SHARES` of its
-    bytes, each one more option of the unit."""
+    bytes, each one more option of the unit (with ``parts``)."""
     siblings: dict[str | None, list[UnitCost]] = {}
     for u in profile.units:
         if not (u.is_segment or u.is_region or is_selective(u.name)) and u.recompute_at is not None:
@@ -139,7 +140,7 @@ def offloadable_units(profile: Profile, units: dict[str, UnitCost], link: HostLi
         options = [((), drops)]
         named = sorted((d for d in drops if d.op is not None), key=lambda d: (-d.nbytes, d.op))
         total = sum(d.nbytes for d in drops)
-        for share in PART_SHARES:
+        for share in PART_SHARES if parts else ():
             part, acc = [], 0
             for d in named:
                 if part and acc + d.nbytes > share * total:

@@ -50,10 +50,11 @@ class MemoryModel(MemoryRows, PeakExplainer):
     :class:`~remat.costs.peak_breakdown.PeakExplainer`."""
 
     def __init__(self, profile: Profile, candidates: Iterable[str] | None = None, *, nesting: bool = False,
-                 offload: HostLink | None = None) -> None:
+                 offload: HostLink | None = None, parts: bool = True) -> None:
         """``nesting``: also offer units checkpointed inside a checkpointed unit (Note [Nested checkpoints] in
         remat.costs.memory_rows); ``offload``: also offer offloading units to host memory over that link (Note
-        [Offload in the memory model] in remat.costs.offload)."""
+        [Offload in the memory model] in remat.costs.offload), and with ``parts`` their parts too (Note [Offloaded
+        parts]: the operator-level choice, offered at ``granularity="op"``)."""
         self.profile = profile
         names = [u.name for u in profile.candidates()] if candidates is None else list(candidates)
         self.units: dict[str, UnitCost] = {n: profile.unit(n) for n in names}
@@ -63,7 +64,7 @@ class MemoryModel(MemoryRows, PeakExplainer):
         #: the 0/1 choices of a plan: a unit checkpointed at the top level (its name) or inside another
         #: (``nest_key(outer, inner)``)
         self.link = offload
-        self.offloads = offloadable_units(profile, self.units, offload) if offload is not None else {}
+        self.offloads = offloadable_units(profile, self.units, offload, parts) if offload is not None else {}
         self.variables: tuple[str, ...] = tuple(names) + tuple(
             nest_key(u, v) for u, inner in self.inner.items() for v in inner) + tuple(self.offloads)
         #: per unit, per recomputation index (``until``): sorted ``free_from`` and prefix sums of bytes
@@ -230,10 +231,10 @@ class WorstRankModel(MemoryModel):
     ranks (the slowest rank sets the pace). Candidates are the units every rank has."""
 
     def __init__(self, profiles: list[Profile], candidates: Iterable[str] | None = None, *,
-                 nesting: bool = False, offload: HostLink | None = None) -> None:
+                 nesting: bool = False, offload: HostLink | None = None, parts: bool = True) -> None:
         names = [u.name for u in profiles[0].candidates()] if candidates is None else list(candidates)
         names = [n for n in names if all(any(u.name == n for u in p.candidates()) for p in profiles)]
-        self.members = [MemoryModel(p, names, nesting=nesting, offload=offload) for p in profiles]
+        self.members = [MemoryModel(p, names, nesting=nesting, offload=offload, parts=parts) for p in profiles]
         self.profile = profiles[0]
         first = self.members[0]
         self.units = {n: dataclasses.replace(u, recompute_s=max(m.units[n].recompute_s for m in self.members),

@@ -73,7 +73,8 @@ class Planner:
         ``regions``: plans may checkpoint regions of a module's forward (Note [Regions] in remat.capture); off
         for compiled loops (Note [Compiled steps] in remat.solve.calibrated). ``offload``: plans may also offload
         units' activations to host memory over that link (Note [Offload in the memory model] in
-        remat.costs.offload)."""
+        remat.costs.offload), and with granularity "op" also some of a unit's operator outputs (Note [Offloaded
+        parts])."""
         if granularity not in ("block", "op"):
             raise InvalidInputError(f"granularity must be 'block' or 'op', got {granularity!r}")
         self.profile = profile
@@ -83,9 +84,10 @@ class Planner:
         self.nesting = nesting
 
         def model(candidates: list[str], nesting: bool = nesting) -> MemoryModel:
+            parts = granularity == "op"  # offloading some of a unit's operator outputs (Note [Offloaded parts])
             if ranks:
-                return WorstRankModel(list(ranks), candidates, nesting=nesting, offload=offload)
-            return MemoryModel(profile, candidates, nesting=nesting, offload=offload)
+                return WorstRankModel(list(ranks), candidates, nesting=nesting, offload=offload, parts=parts)
+            return MemoryModel(profile, candidates, nesting=nesting, offload=offload, parts=parts)
 
         self.model = model(names)
         #: the block-level problem without nesting, whose plans start the nested solves (Note [Warm start]
