@@ -35,10 +35,17 @@ class CudaCopies:
         self._events: dict[int, torch.cuda.Event] = {}
 
     def _retire(self) -> None:
+        """Let go of what completed copies held, and run their callbacks: each event asked once (asked twice, one
+        that completed between the asks would be neither run nor kept, and its host buffer never come back)."""
         self._reading = [(t, e) for t, e in self._reading if not e.query()]
-        done = [(e, f) for e, f in self._pending if e.query()]
-        self._pending = [(e, f) for e, f in self._pending if not e.query()]
-        for _, f in done:
+        pending, done = [], []
+        for e, f in self._pending:
+            if e.query():
+                done.append(f)
+            else:
+                pending.append((e, f))
+        self._pending = pending
+        for f in done:
             f()
 
     def to_host(self, host: torch.Tensor, t: torch.Tensor) -> None:
@@ -61,6 +68,7 @@ class CudaCopies:
         self._events[id(out)] = event
 
     def wait(self, out: torch.Tensor) -> None:
+        self._retire()
         event = self._events.pop(id(out), None)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
