@@ -17,7 +17,7 @@ class _Event:
 
 def _copies() -> CudaCopies:
     copies = object.__new__(CudaCopies)  # no stream: only the bookkeeping runs
-    copies._reading, copies._pending, copies._events = [], [], {}
+    copies._pending, copies._events = [], {}
     return copies
 
 
@@ -35,13 +35,3 @@ def test_a_buffer_whose_copy_completes_between_two_looks_still_goes_back_to_its_
     copies._retire()
     copies._retire()
     assert ran == ["second", "first", "late"] and copies._pending == []
-
-
-def test_device_tensors_are_held_until_their_copy_out_completes():
-    copies = _copies()
-    held = object()
-    copies._reading = [(held, _Event(1))]
-    copies._retire()
-    assert copies._reading and copies._reading[0][0] is held
-    copies._retire()
-    assert copies._reading == []

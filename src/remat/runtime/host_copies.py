@@ -4,10 +4,12 @@
 Note [Offload streams]
 ~~~~~~~~~~~~~~~~~~~~~~
 A copy out (device to host) waits for the compute stream (the tensor was just produced there), runs on the side
-stream, and holds the device tensor until its event has completed, so the allocator does not hand its memory to
-another tensor while the copy still reads it (the reference is dropped at the next copy or wait that finds the
-event done: torchtune's ``OffloadActivations`` does the same with its ``fwd_stash``). A copy back (host to
-device) runs on the side stream too, into a tensor allocated on the compute stream, and the compute stream waits
+stream, and marks the device storage used by the side stream (``record_stream``): when the step drops it, the
+caching allocator counts it freed and hands its block to another tensor only once the copy has completed.
+(Holding the device tensor in Python until a later copy finds its event done, as torchtune's
+``OffloadActivations`` does with its ``fwd_stash``, would keep the last offloaded unit's storages until the
+backward's first copy back: no later copy out comes to release them, and the offload would free nothing there.)
+A copy back (host to device) runs on the side stream too, into a tensor allocated on the compute stream, and the compute stream waits
 for its event before the tensor is used (:meth:`CudaCopies.wait`); ``record_stream`` tells the allocator the
 side stream used it. A host buffer goes back to the pool only once the copy that reads it has completed
 (:meth:`CudaCopies.after`). Written from torch's stream semantics and torchtune's offloader; not run on a GPU
@@ -28,16 +30,13 @@ class CudaCopies:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        #: device tensors kept alive until their copy out completes, with its event
-        self._reading: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         #: callbacks (a host buffer going back to its pool) run once their event completes
         self._pending: list[tuple[torch.cuda.Event, Callable[[], None]]] = []
         self._events: dict[int, torch.cuda.Event] = {}
 
     def _retire(self) -> None:
-        """Let go of what completed copies held, and run their callbacks: each event asked once (asked twice, one
-        that completed between the asks would be neither run nor kept, and its host buffer never come back)."""
-        self._reading = [(t, e) for t, e in self._reading if not e.query()]
+        """Run the callbacks of completed copies: each event asked once (asked twice, one that completed between
+        the asks would be neither run nor kept, and its host buffer never come back)."""
         pending, done = [], []
         for e, f in self._pending:
             if e.query():
@@ -53,9 +52,7 @@ class CudaCopies:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             host.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self._reading.append((t, event))
+        t.record_stream(self.stream)  # its block is not reused before the copy has read it
 
     def to_device(self, out: torch.Tensor, host: torch.Tensor) -> None:
         self._retire()
