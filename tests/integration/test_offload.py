@@ -351,3 +351,24 @@ def test_remats_equivalence_check_proves_an_offloaded_plan_and_catches_a_broken_
         real(self, unit, packed)))
     report = remat.check_equivalence(model, idx, loss_fn=_loss(targets))
     assert not report.equal and any("grad" in m for m in report.mismatched), report.mismatched
+
+
+def test_for_a_gpu_the_replayed_step_frees_what_each_part_moves_and_no_more_than_predicted():
+    """For an H100 target, each offload option of h.1 (whole and parts) replayed through the CUDA caching
+    allocator on fake tensors lowers the step's allocated peak by exactly the bytes the option moves (this GPT's
+    peak comes after h.1's forward, with every offloaded storage gone); the memory model's predicted peak falls by
+    that much or less (its rows bound the step from above)."""
+    from remat.costs.offload import HostLink
+
+    model, idx, targets = _gpt()
+    target = remat.Target(device="h100-80gb")
+    planner = remat.Planner(remat.make_profile(model, idx, loss_fn=_loss(targets), target=target),
+                            offload=HostLink(63e9, 63e9), granularity="op")
+    none = planner.make_plan([], "none")
+    plain = _replayed(target, none)
+    options = {k: s for k, s in planner.model.offloads.items() if k.split("~")[0] == "offload:h.1"}
+    assert len(options) == 4
+    for key, span in options.items():
+        plan = planner.make_plan([key], "one")
+        assert plain - _replayed(target, plan) == span.nbytes, key
+        assert 0 < none.predicted_peak_bytes - plan.predicted_peak_bytes <= span.nbytes, key
