@@ -9,7 +9,7 @@ peaks replayed through the allocator. Then the same budgets with the host link m
 offloading should not be chosen. Beside them full checkpointing, from the same recording, and torchtitan's op
 policy (its own selective checkpointing, recorded by ``benchmarks/published.py``).
 
-    python benchmarks/offload.py                # the table (about 6 minutes on 2 cores)
+    python benchmarks/offload.py                # the table (about 5 minutes on 2 cores)
     python benchmarks/offload.py --layers       # also keep / recompute / offload bytes per layer of each plan
 """
 
