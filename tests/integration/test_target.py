@@ -30,7 +30,8 @@ def real_step_peak(plan: remat.Plan) -> int:
     profiler's allocator-level memory events (``profile_memory=True``: every allocation and free of the CPU
     allocator, in or outside the dispatcher; tests/integration/distributed_worker.py's ``step_thread_peak``). Those
     events carry the bytes asked of the allocator, as remat counts a storage (not the 64-byte-aligned blocks the
-    CPU allocator hands out), so the two agree but for what remat does not see (:data:`UNCOUNTED_BYTES`)."""
+    CPU allocator hands out), so the two agree but for what remat does not see (:data:`UNCOUNTED_BYTES`). The most
+    any of three identical steps reads."""
     from distributed_worker import step_thread_peak
 
     model, (idx, tgt) = _gpt()
@@ -46,7 +47,9 @@ def real_step_peak(plan: remat.Plan) -> int:
     held = [*model.parameters(), *model.buffers(), idx, tgt,
             *(t for state in opt.state.values() for t in state.values() if torch.is_tensor(t))]
     held_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values())
-    return held_bytes + step_thread_peak(step)[0]
+    # the most of three identical steps: a meter that misses an allocation reads low, never high (two CI runs:
+    # real_step_peaks), so one low reading does not decide, and a step that reads above the bound still fails
+    return held_bytes + max(step_thread_peak(step)[0] for _ in range(3))
 
 
 def real_step_peaks(plans: list[remat.Plan], tmp_path) -> list[int]:
