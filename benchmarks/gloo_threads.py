@@ -22,9 +22,9 @@ import remat
 from remat.examples import make_gpt
 
 
-def readings(work) -> tuple[int, int, int]:
-    """(every thread's peak, the calling thread's peak, the other threads' peak) of ``work()``, in bytes above the
-    start, from the profiler's event tree (allocations' addresses and threads)."""
+def allocation_events(work) -> tuple[list, int]:
+    """The CPU allocator's events while ``work()`` runs, in time order, from the profiler's event tree (each with
+    its address, bytes, thread and parent operators), and the calling thread's id."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("bench::caller"):
             pass
@@ -35,13 +35,19 @@ def readings(work) -> tuple[int, int, int]:
         events.append(e)
         todo += e.children
     caller = next(e.start_tid for e in events if e.name == "bench::caller")
+    allocations = [e for e in events
+                   if e.tag == torch._C._profiler._EventType.Allocation and e.extra_fields.device.type == "cpu"]
+    return sorted(allocations, key=lambda e: e.start_time_ns), caller
+
+
+def readings(work) -> tuple[int, int, int]:
+    """(every thread's peak, the calling thread's peak, the other threads' peak) of ``work()``, in bytes above the
+    start (:func:`allocation_events`: allocations' addresses and threads)."""
+    allocations, caller = allocation_events(work)
     theirs_live: set[int] = set()
     every = mine = theirs = peaks_every = peaks_mine = peaks_theirs = 0
-    for e in sorted((e for e in events if e.tag == torch._C._profiler._EventType.Allocation),
-                    key=lambda e: e.start_time_ns):
+    for e in allocations:
         f = e.extra_fields
-        if f.device.type != "cpu":
-            continue
         every += f.alloc_size
         if f.alloc_size > 0 and e.start_tid != caller or f.alloc_size < 0 and f.ptr in theirs_live:
             (theirs_live.add if f.alloc_size > 0 else theirs_live.discard)(f.ptr)

@@ -491,19 +491,7 @@ def settled_thread_peak(work) -> int:
     sequence-parallel decoder read 1,379,592 bytes above its start in eight steps of eight; settled and read as
     :func:`step_thread_peak` does, 1,379,592-1,510,664 (up to four 32 KiB copies never freed), unsettled
     1,379,592-1,641,736."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function("worker::caller"):
-            pass
-        work()
-    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        e = todo.pop()
-        events.append(e)
-        todo += e.children
-    caller = next(e.start_tid for e in events if e.name == "worker::caller")
+    allocations, caller = _gloo_threads().allocation_events(work)
 
     def in_gloo(e) -> bool:
         while (e := e.parent) is not None:
@@ -513,10 +501,8 @@ def settled_thread_peak(work) -> int:
 
     left_out: set[int] = set()  # addresses of what is not counted: other threads' allocations, gloo's copies
     live = peak = 0
-    for e in sorted((e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns):
+    for e in allocations:
         f = e.extra_fields
-        if f.device.type != "cpu":
-            continue
         if f.alloc_size > 0:
             left_out.discard(f.ptr)  # (an address handed out again was freed, reported or not)
             if e.start_tid != caller or in_gloo(e):
@@ -537,14 +523,19 @@ def step_thread_peak(work) -> tuple[int, int]:
     other threads allocate (gloo's worker threads: a scratch buffer per collective, which is not the step's and
     meets the step's peak or not as the threads happen to be scheduled: issue #46, Note [The step's threads] in
     remat._compat.profiler). Returns (the calling thread's peak, the other threads' peak)."""
+    return _gloo_threads().readings(work)[1:]
+
+
+def _gloo_threads():
+    """benchmarks/gloo_threads.py, whose readings of the profiler's allocator events the tests share."""
     import sys
 
     bench = str(Path(__file__).parents[2] / "benchmarks")
     if bench not in sys.path:
         sys.path.insert(0, bench)
-    from gloo_threads import readings
+    import gloo_threads
 
-    return readings(work)[1:]
+    return gloo_threads
 
 
 def gloo_scratch_case() -> dict:

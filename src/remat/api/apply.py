@@ -57,9 +57,9 @@ def apply_plan(model: nn.Module, plan: Plan) -> None:
                 "this plan was made for another model (" + "; ".join(parts) + "); run optimize_checkpointing "
                 "on this model to make a new plan"
             )
-    from remat.costs.offload import PART
+    from remat.costs.offload import offloaded_module
 
-    absent = check_units(model, plan.checkpointed + tuple(u.split(PART)[0] for u in plan.offloaded))
+    absent = check_units(model, plan.checkpointed + tuple(offloaded_module(u) for u in plan.offloaded))
     if absent:
         raise PlanMismatchError(f"the plan checkpoints units this model does not have: {absent}")
     if plan.checkpointed:

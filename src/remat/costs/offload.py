@@ -72,11 +72,16 @@ def offloaded_choice(variable: str) -> str | None:
     return variable[len(OFFLOADED):] if variable.startswith(OFFLOADED) else None
 
 
+def offloaded_module(choice: str) -> str:
+    """The module a plan's offloaded entry names: ``"h.3"`` for ``"h.3"`` and for its part ``"h.3~1"``."""
+    return choice.split(PART)[0]
+
+
 def offloaded_unit(variable: str) -> str | None:
     """The module an offload variable moves activations of: ``"h.3"`` for ``"offload:h.3"`` and
     ``"offload:h.3~1"``; None for any other plan variable."""
     choice = offloaded_choice(variable)
-    return None if choice is None else choice.split(PART)[0]
+    return None if choice is None else offloaded_module(choice)
 
 
 @dataclass(frozen=True)

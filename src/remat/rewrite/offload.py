@@ -348,11 +348,11 @@ def offload_modules(model: nn.Module, names: Any, ops: dict[str, tuple[str, ...]
     Modules only (not segments, regions or selective units); one already checkpointed or offloaded is refused. A
     part (``h.3~1``) moves only what the operators ``ops[part]`` made (Note [Offloaded parts] in
     remat.costs.offload)."""
-    from remat.costs.offload import PART
+    from remat.costs.offload import PART, offloaded_module
     from remat.errors import InvalidInputError, PlanMismatchError
 
     ops = dict(ops or {})
-    parts = {n.split(PART)[0]: ops.get(n, ()) for n in names}
+    parts = {offloaded_module(n): ops.get(n, ()) for n in names}
     missing = [n for n in names if PART in n and not ops.get(n)]
     if missing:
         raise PlanMismatchError(f"the plan offloads parts {missing} without naming their operators (a plan's "

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from remat.costs import simulate
-from remat.costs.offload import PART
+from remat.costs.offload import offloaded_module
 from remat.costs.simulate import HeldTensor, PeakBreakdown
 
 GiB = 2**30
@@ -238,7 +238,7 @@ class Plan:
                          f"{self.predicted_exposed_copy_s * 1e3:.1f} ms of copying not hidden behind compute "
                          "(predicted)")
             for part, ops in self.offloaded_ops.items():
-                lines.append(f"    {part}: the outputs of {len(ops)} of {part.split(PART)[0]}'s operators "
+                lines.append(f"    {part}: the outputs of {len(ops)} of {offloaded_module(part)}'s operators "
                              f"({', '.join(ops[:4])}{', ...' if len(ops) > 4 else ''}); the rest stays on the device")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
