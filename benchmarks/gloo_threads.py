@@ -2,7 +2,8 @@
 Note [The step's threads] in remat._compat.profiler): the tests' GPT (2 blocks of width 64, vocabulary 256, batch 8 x
 64 per rank), FSDP2 over 2 gloo ranks on this CPU, its first block's MLP checkpointed, compiled with aot_eager, AdamW.
 Each of ``STEPS`` steps is read by the profiler's allocator-level events three ways: every thread counted, the
-step's own thread only (remat's meter), and the most that gloo's threads held at once.
+step's own thread only (remat's meter), and the most of gloo's scratch alive at once (what its threads allocate,
+and its copies of a reduce-scatter's input, made on the step's thread inside its ``c10d::`` operator).
 
     python benchmarks/gloo_threads.py [STEPS]     (default 12; about 30 s)
 """
@@ -41,22 +42,36 @@ def allocation_events(work) -> tuple[list, int]:
 
 
 def readings(work) -> tuple[int, int, int]:
-    """(every thread's peak, the calling thread's peak, the other threads' peak) of ``work()``, in bytes above the
-    start (:func:`allocation_events`: allocations' addresses and threads)."""
+    """(every thread's peak, the calling thread's peak, gloo's scratch peak) of ``work()``, in bytes above the
+    start (:func:`allocation_events`: allocations' addresses, threads and callers). Gloo's scratch: what other
+    threads allocate, and what the calling thread allocates inside a ``c10d::`` operator (gloo's copy of a
+    reduce-scatter's input, which its work holds and its thread may free, unreported)."""
     allocations, caller = allocation_events(work)
-    theirs_live: set[int] = set()
+    theirs_live: dict[int, int] = {}
     every = mine = theirs = peaks_every = peaks_mine = peaks_theirs = 0
     for e in allocations:
         f = e.extra_fields
         every += f.alloc_size
-        if f.alloc_size > 0 and e.start_tid != caller or f.alloc_size < 0 and f.ptr in theirs_live:
-            (theirs_live.add if f.alloc_size > 0 else theirs_live.discard)(f.ptr)
+        if f.alloc_size > 0 and f.ptr in theirs_live:  # the address handed out again: freed, reported or not
+            theirs -= theirs_live.pop(f.ptr)
+        if f.alloc_size > 0 and (e.start_tid != caller or in_collective(e)):
+            theirs_live[f.ptr] = f.alloc_size
             theirs += f.alloc_size
+        elif f.alloc_size < 0 and f.ptr in theirs_live:
+            theirs -= theirs_live.pop(f.ptr)
         else:
             mine += f.alloc_size
         peaks_every, peaks_mine, peaks_theirs = max(peaks_every, every), max(peaks_mine, mine), max(peaks_theirs,
                                                                                                    theirs)
     return peaks_every, peaks_mine, peaks_theirs
+
+
+def in_collective(e) -> bool:
+    """Whether the event ``e`` happened inside a ``c10d::`` operator."""
+    while (e := e.parent) is not None:
+        if e.name.startswith("c10d::"):
+            return True
+    return False
 
 
 def rank(r: int, world: int, port: int, steps: int) -> None:
@@ -93,7 +108,7 @@ def rank(r: int, world: int, port: int, steps: int) -> None:
     if r == 0:
         print(f"torch {torch.__version__}, {world} gloo ranks, {steps} identical compiled steps; bytes above the "
               "step's start (parameters, optimizer state and batch not included)")
-        print("| rank | every thread: least - largest (steps at the largest) | the step's thread | gloo's threads at "
+        print("| rank | every thread: least - largest (steps at the largest) | the step's thread | gloo's scratch at "
               "once |")
         print("|---|---|---|---|")
         for k, rs in enumerate(out):

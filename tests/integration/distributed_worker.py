@@ -164,6 +164,7 @@ def run(rank: int, world: int, port: int, out: str) -> None:
     result["cli"] = cli(rank)
     result["mismatch"] = mismatch(rank)
     result["gloo-scratch"] = gloo_scratch_case()
+    result["gloo-copy"] = gloo_copy_case()
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # no rank tears the group down while another still talks to it (a failing rank ends spawn)
     dist.destroy_process_group()
@@ -491,13 +492,8 @@ def settled_thread_peak(work) -> int:
     sequence-parallel decoder read 1,379,592 bytes above its start in eight steps of eight; settled and read as
     :func:`step_thread_peak` does, 1,379,592-1,510,664 (up to four 32 KiB copies never freed), unsettled
     1,379,592-1,641,736."""
-    allocations, caller = _gloo_threads().allocation_events(work)
-
-    def in_gloo(e) -> bool:
-        while (e := e.parent) is not None:
-            if e.name.startswith("c10d::"):
-                return True
-        return False
+    gloo_threads = _gloo_threads()
+    allocations, caller = gloo_threads.allocation_events(work)
 
     left_out: set[int] = set()  # addresses of what is not counted: other threads' allocations, gloo's copies
     live = peak = 0
@@ -505,7 +501,7 @@ def settled_thread_peak(work) -> int:
         f = e.extra_fields
         if f.alloc_size > 0:
             left_out.discard(f.ptr)  # (an address handed out again was freed, reported or not)
-            if e.start_tid != caller or in_gloo(e):
+            if e.start_tid != caller or gloo_threads.in_collective(e):
                 left_out.add(f.ptr)
                 continue
         elif f.ptr in left_out:
@@ -567,6 +563,37 @@ def gloo_scratch_case() -> dict:
     dist.barrier()
     return dict(peak=session.peak_bytes, scratch=session.foreign_peak_bytes, caller=caller, others=others,
                 output=n * world * 4)
+
+
+def gloo_copy_case() -> dict:
+    """One reduce-scatter (FSDP2's gradients' collective) read by remat's allocator-level meter and by
+    :func:`step_thread_peak`: gloo copies its input on the caller's thread, inside its ``c10d::`` operator, and
+    its work holds the copy. The caller drops the work at once and the last rank joins 0.3 s late, so on the
+    others gloo's thread drops the work last and frees the copy where the profiler does not report it (on the
+    last rank either thread may). Then the caller allocates the step's larger tensor."""
+    import time
+
+    from remat._compat import ProfilerSession
+
+    n, world, rank = 25_000, dist.get_world_size(), dist.get_rank()
+    inp = torch.ones(n * world)
+
+    def reduce_scatter() -> None:
+        if rank == world - 1:
+            time.sleep(0.3)
+        out = torch.empty(n)
+        work = dist.reduce_scatter_tensor(out, inp, async_op=True)
+        del work  # gloo's thread holds it until the last rank has joined
+        larger = torch.ones(4 * n * world)
+        del larger, out
+
+    with ProfilerSession(torch.device("cpu")) as session:
+        reduce_scatter()
+    dist.barrier()
+    caller, others = step_thread_peak(reduce_scatter)
+    dist.barrier()
+    return dict(peak=session.peak_bytes, scratch=session.foreign_peak_bytes, caller=caller, others=others,
+                own=(n + 4 * n * world) * 4, copy=n * world * 4)
 
 
 def cli_target():

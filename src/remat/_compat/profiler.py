@@ -33,9 +33,16 @@ class ProfilerSession:
     GPT 199,936 bytes per block and 82,432 for the root, each group's unsharded bytes), and when it is alive
     against the step's own peak depends on how the threads are scheduled (``benchmarks/gloo_threads.py``), and a
     check that read a step without it accepted a plan that the next steps read 3,264 bytes over its budget
-    (issue #46). The dispatch-level meter of eager steps never saw those buffers either (a dispatch mode is
-    thread-local), and on a GPU NCCL's buffers are outside the caching allocator's counts. ``foreign_peak_bytes``: the most such
-    scratch alive at once, for the record."""
+    (issue #46). Gloo also copies a reduce-scatter's input on the caller's thread, inside its ``c10d::`` operator
+    (FSDP2's gradients: 199,936 bytes per block, 82,432 for the root), and its work holds the copy: where gloo's
+    thread drops the work last, the copy's free is never reported (the profiler reports a free only on a thread
+    it profiles), and the meter counted it to the end of the step. It is gloo's scratch too and counted as such
+    (every allocation with a ``c10d::`` operator among its callers): counted, a compiled FSDP2 plan read
+    82,432 bytes more in some steps than in others, all three steps of one check on a new machine in CI, 3,264
+    bytes over its budget. The dispatch-level meter of eager steps never saw those buffers either (a dispatch
+    mode is thread-local and does not see inside an operator it hands on), and on a GPU NCCL's buffers are
+    outside the caching allocator's counts. ``foreign_peak_bytes``: the most such scratch alive at once, for
+    the record."""
 
     def __init__(self, device: torch.device) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -91,18 +98,19 @@ class ProfilerSession:
         owner = next(e.start_tid for e in tree if e.name == "remat::owner")
         # (time, order, bytes, foreign bytes, label): marks sort after the allocations of their instant
         events: list[tuple[int, int, int, int, str | None]] = []
-        foreign: set[int] = set()  # addresses of live scratch allocated on other threads
+        foreign: dict[int, int] = {}  # address -> bytes of live scratch (other threads', collectives' copies)
         for e in sorted(tree, key=lambda e: e.start_time_ns):
             if e.tag == _EventType.Allocation:
                 f = e.extra_fields
                 if f.device.type != self.device.type:
                     continue
-                if f.alloc_size > 0 and e.start_tid != owner:
-                    foreign.add(f.ptr)
+                if f.alloc_size > 0 and f.ptr in foreign:  # handed out again: freed, reported or not
+                    events.append((e.start_time_ns, 0, 0, -foreign.pop(f.ptr), None))
+                if f.alloc_size > 0 and (e.start_tid != owner or _in_collective(e)):
+                    foreign[f.ptr] = f.alloc_size
                     events.append((e.start_time_ns, 0, 0, f.alloc_size, None))
                 elif f.alloc_size < 0 and f.ptr in foreign:
-                    foreign.discard(f.ptr)
-                    events.append((e.start_time_ns, 0, 0, f.alloc_size, None))
+                    events.append((e.start_time_ns, 0, 0, -foreign.pop(f.ptr), None))
                 else:
                     events.append((e.start_time_ns, 0, f.alloc_size, 0, None))
             elif e.name.startswith("remat::mark::"):
@@ -117,6 +125,15 @@ class ProfilerSession:
             self.foreign_peak_bytes = max(self.foreign_peak_bytes, scratch)
             if label is not None:
                 self.marked[label] = run
+
+
+def _in_collective(event) -> bool:
+    """Whether ``event`` happened inside a ``c10d::`` operator (a process group's collective; not a functional
+    collective's ``_c10d_functional::`` wrapper, whose output is the step's)."""
+    while (event := event.parent) is not None:
+        if event.name.startswith("c10d::"):
+            return True
+    return False
 
 
 def profiler_memory_trace(work: Callable[[Callable[[str], None]], object] | Callable[[], object],

@@ -46,9 +46,9 @@ allocator in benchmarks/distributed.py for three rules of four (the least within
 FSDPMemTracker; every block 27.53-28.29 MiB), while three of its
 allocator-level steps read up to 3.4% apart on the tests' GPT when the machine was busy (a CI run with a
 second test process), above the 2% a test budget leaves over its least peak. A compiled step in a process group,
-which only the allocator's events see, is read on CHECKED_STEPS steps too: on the tests' compiled FSDP2 GPT the
-step's own thread read the root's 82,432 gathered bytes more in 1 step of 24 (benchmarks/gloo_threads.py; gloo's
-scratch on its threads is not counted: Note [The step's threads] in remat._compat.profiler).
+which only the allocator's events see, is read on CHECKED_STEPS steps too (gloo's scratch, on its threads and its
+copies of a reduce-scatter's input on the step's, is not counted: Note [The step's threads] in
+remat._compat.profiler; counted, the tests' compiled FSDP2 GPT read the root's 82,432-byte copy more in some steps).
 
 Note [Collectives settled]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
