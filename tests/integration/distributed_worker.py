@@ -541,8 +541,6 @@ def gloo_scratch_case() -> dict:
     when its work starts, is alive at the caller's peak (a schedule that happened by chance in CI)."""
     import time
 
-    from remat._compat import ProfilerSession
-
     n, world, rank = 25_000, dist.get_world_size(), dist.get_rank()
     inp = torch.ones(n)
 
@@ -556,13 +554,20 @@ def gloo_scratch_case() -> dict:
         work.wait()
         del out
 
+    return dict(_both_readings(gather), output=n * world * 4)
+
+
+def _both_readings(work) -> dict:
+    """``work()`` read by remat's allocator-level meter (its peak and gloo's scratch), then, on every rank once
+    all have done so, by :func:`step_thread_peak` (the caller's peak and the others')."""
+    from remat._compat import ProfilerSession
+
     with ProfilerSession(torch.device("cpu")) as session:
-        gather()
+        work()
     dist.barrier()
-    caller, others = step_thread_peak(gather)
+    caller, others = step_thread_peak(work)
     dist.barrier()
-    return dict(peak=session.peak_bytes, scratch=session.foreign_peak_bytes, caller=caller, others=others,
-                output=n * world * 4)
+    return dict(peak=session.peak_bytes, scratch=session.foreign_peak_bytes, caller=caller, others=others)
 
 
 def gloo_copy_case() -> dict:
@@ -572,8 +577,6 @@ def gloo_copy_case() -> dict:
     others gloo's thread drops the work last and frees the copy where the profiler does not report it (on the
     last rank either thread may). Then the caller allocates the step's larger tensor."""
     import time
-
-    from remat._compat import ProfilerSession
 
     n, world, rank = 25_000, dist.get_world_size(), dist.get_rank()
     inp = torch.ones(n * world)
@@ -587,13 +590,7 @@ def gloo_copy_case() -> dict:
         larger = torch.ones(4 * n * world)
         del larger, out
 
-    with ProfilerSession(torch.device("cpu")) as session:
-        reduce_scatter()
-    dist.barrier()
-    caller, others = step_thread_peak(reduce_scatter)
-    dist.barrier()
-    return dict(peak=session.peak_bytes, scratch=session.foreign_peak_bytes, caller=caller, others=others,
-                own=(n + 4 * n * world) * 4, copy=n * world * 4)
+    return dict(_both_readings(reduce_scatter), own=(n + 4 * n * world) * 4, copy=n * world * 4)
 
 
 def cli_target():
