@@ -37,9 +37,9 @@ class ProfilerSession:
     (FSDP2's gradients: 199,936 bytes per block, 82,432 for the root), and its work holds the copy: where gloo's
     thread drops the work last, the copy's free is never reported (the profiler reports a free only on a thread
     it profiles), and the meter counted it to the end of the step. It is gloo's scratch too and counted as such
-    (every allocation with a ``c10d::`` operator among its callers): counted, a compiled FSDP2 plan read
-    82,432 bytes more in some steps than in others, all three steps of one check on a new machine in CI, 3,264
-    bytes over its budget. The dispatch-level meter of eager steps never saw those buffers either (a dispatch
+    (on the CPU, every allocation with a ``c10d::`` operator among its callers): counted, a compiled FSDP2 plan
+    read 82,432 bytes more in some steps than in others, in all three steps of a test's reading on a new CI
+    machine, 3,264 bytes over its budget. The dispatch-level meter of eager steps never saw those buffers either (a dispatch
     mode is thread-local and does not see inside an operator it hands on), and on a GPU NCCL's buffers are
     outside the caching allocator's counts. ``foreign_peak_bytes``: the most such scratch alive at once, for
     the record."""
@@ -99,6 +99,7 @@ class ProfilerSession:
         # (time, order, bytes, foreign bytes, label): marks sort after the allocations of their instant
         events: list[tuple[int, int, int, int, str | None]] = []
         foreign: dict[int, int] = {}  # address -> bytes of live scratch (other threads', collectives' copies)
+        cpu = self.device.type == "cpu"  # gloo's copies; on a GPU what a collective allocates is the allocator's
         for e in sorted(tree, key=lambda e: e.start_time_ns):
             if e.tag == _EventType.Allocation:
                 f = e.extra_fields
@@ -106,7 +107,7 @@ class ProfilerSession:
                     continue
                 if f.alloc_size > 0 and f.ptr in foreign:  # handed out again: freed, reported or not
                     events.append((e.start_time_ns, 0, 0, -foreign.pop(f.ptr), None))
-                if f.alloc_size > 0 and (e.start_tid != owner or _in_collective(e)):
+                if f.alloc_size > 0 and (e.start_tid != owner or cpu and _in_collective(e)):
                     foreign[f.ptr] = f.alloc_size
                     events.append((e.start_time_ns, 0, 0, f.alloc_size, None))
                 elif f.alloc_size < 0 and f.ptr in foreign:
