@@ -52,15 +52,15 @@ def peaks(events: list[Event]) -> tuple[int, int]:
 
 def test_a_block_whose_free_was_not_reported_ends_where_its_address_is_handed_out_again():
     """A tensor of the step that gloo's thread frees is never reported freed; the next allocation at its address
-    proves it was freed before. Counted to the end of the step instead, the peak read 1,500 bytes, not 1,100."""
+    proves it was freed before. Counted to the end of the step instead, the peak read 1,600 bytes, not 1,100."""
     events = [alloc(1, 0xA, 1000), alloc(2, 0xB, 100), alloc(3, 0xA, 500), free(4, 0xA, 500), free(5, 0xB, 100)]
     assert peaks(events) == (1100, 0)
 
 
 def test_a_free_and_an_allocation_at_one_address_in_one_instant_read_as_the_free_first():
     """Events in the same nanosecond: a free, then the allocation that reuses its address (listed the other way
-    round here). Read allocation first, the free would end the new block and the step would read 0 bytes alive
-    where 700 are."""
+    round here). Read allocation first, the free would end the new block: 401 bytes alive at the end where 701
+    are, and a peak of 700."""
     events = [alloc(1, 0xA, 300), alloc(2, 0xA, 700), free(2, 0xA, 300), alloc(3, 0xC, 1)]
     step_peak = peaks(events)[0]
     assert step_peak == 701
