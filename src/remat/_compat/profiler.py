@@ -39,10 +39,11 @@ class ProfilerSession:
     it profiles), and the meter counted it to the end of the step. It is gloo's scratch too and counted as such
     (on the CPU, every allocation with a ``c10d::`` operator among its callers): counted, a compiled FSDP2 plan
     read 82,432 bytes more in some steps than in others, in all three steps of a test's reading on a new CI
-    machine, 3,264 bytes over its budget. The dispatch-level meter of eager steps never saw those buffers either (a dispatch
-    mode is thread-local and does not see inside an operator it hands on), and on a GPU NCCL's buffers are
-    outside the caching allocator's counts. ``foreign_peak_bytes``: the most such scratch alive at once, for
-    the record."""
+    machine, 3,264 bytes over its budget. The dispatch-level meter of eager steps never saw those buffers either
+    (a dispatch mode is thread-local and does not see inside an operator it hands on), and on a GPU NCCL's
+    buffers are outside the caching allocator's counts. ``foreign_peak_bytes``: the most such scratch alive at
+    once, for the record. A block of the step that gloo's thread frees, unreported, ends where its address is
+    handed out again (:func:`_step_events`)."""
 
     def __init__(self, device: torch.device) -> None:
         from torch.profiler import ProfilerActivity, profile
