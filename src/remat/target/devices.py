@@ -27,7 +27,10 @@ The rules the figures follow:
   else), **both directions together** as vendors quote it: one direction is half. ``link_kind`` says which
   link and anything a collective's time depends on (a direct mesh gives one peer a seventh of it).
   ``host_link_bytes_per_s``: the link to host memory (PCIe), **one direction**, where offloaded activations go
-  (remat.costs.offload).
+  (remat.costs.offload): the link's nominal rate. ``device_to_host_bytes_per_s`` and
+  ``host_to_device_bytes_per_s``: what a copy between device memory and *pinned* host memory was measured to
+  move on that device, each way; ``None`` where not measured (remat.costs.offload.link_from_spec says what is
+  used then).
 
 A device not in the table: give its spec, as ``DeviceSpec(name="my-gpu", memory_bytes=...)`` or a JSON file of
 the same fields (only ``name`` and ``memory_bytes`` are required); ``device_spec("cpu")`` / :func:`cpu_spec`
@@ -55,7 +58,8 @@ __all__ = ["DeviceSpec", "KNOWN", "device_spec", "cpu_spec", "generation_of"]
 
 #: the rates, each ``None`` where unknown: FLOP/s per dtype (dense), then bytes/s
 RATES = ("fp32_flops_per_s", "tf32_flops_per_s", "bf16_flops_per_s", "fp16_flops_per_s", "fp8_flops_per_s",
-         "hbm_bytes_per_s", "link_bytes_per_s", "host_link_bytes_per_s")
+         "hbm_bytes_per_s", "link_bytes_per_s", "host_link_bytes_per_s", "device_to_host_bytes_per_s",
+         "host_to_device_bytes_per_s")
 NUMBERS = ("memory_bytes",) + RATES
 
 _HOW_TO = """To plan for a device that is not built in, give its spec where the name goes: a JSON file (its path)
@@ -94,6 +98,9 @@ class DeviceSpec:
     #: the link to the host's memory, **one direction** (what offloading copies over: PCIe's rate from its
     #: generation and lanes where nothing measured is published)
     host_link_bytes_per_s: int | None = None
+    #: measured pinned copy rates, device to host and host to device (bytes/s; None: not measured on this device)
+    device_to_host_bytes_per_s: int | None = None
+    host_to_device_bytes_per_s: int | None = None
     sources: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
