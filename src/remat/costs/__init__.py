@@ -15,6 +15,7 @@ peak of any plan over it (:mod:`remat.costs.simulate`, the one definition).
 - ``compiled_memory``  the peak of a compiled step, from the programs inductor wrote
 - ``wrapper_statements`` the statements of an inductor wrapper, read one at a time (for compiled_memory)
 - ``extrapolate``      profiles at a few sizes -> a profile at any size
+- ``allocator_reading`` a step's peak from the CUDA allocator's statistics or history (what the budget means on CUDA)
 
 Nothing here imports torch: its tests run on hand-written recordings and profiles.
 """

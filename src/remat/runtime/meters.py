@@ -9,31 +9,106 @@ allocator events for compiled code (:class:`AllocatorMeter`); :func:`measure_pea
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
 
-from remat._compat import local_tensor, storage_key
+from remat._compat import clear_blas_workspaces, local_tensor, outside_dispatch_modes, storage_key
+from remat.costs.allocator_reading import AllocatorReading, live_bytes as reading_live_bytes, step_peak_bytes
 from remat.runtime.tracker import StorageTracker, allocated_bytes, tensor_bytes
+
+
+class CudaAllocator:
+    """The CUDA caching allocator of one device, as :class:`StepMeter` reads it (Note [The budget on CUDA is
+    absolute] in remat.costs.allocator_reading). Tests on a CPU stand a replay of a recorded history in its place."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def allocated_bytes(self) -> int:
+        """``allocated_bytes.all.current``: every block handed out, whole."""
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak_allocated_bytes(self) -> int:
+        """``allocated_bytes.all.peak`` since :meth:`reset_peak`."""
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def state_bytes(self, tensors: Sequence[torch.Tensor]) -> int:
+        """The blocks behind ``tensors``' distinct storages on this device as the allocator counts them (a large
+        block it did not split is up to 1 MiB over its storage: Note [The budget on CUDA is absolute]); a storage
+        whose block is not found (not the caching allocator's) at its size rounded to 512 bytes."""
+        blocks = {}
+        for seg in torch.cuda.memory_snapshot():
+            if seg.get("device", self.device.index) not in (self.device.index, None):
+                continue
+            addr = int(seg["address"])
+            for b in seg["blocks"]:
+                if b["state"] == "active_allocated":
+                    blocks[addr] = int(b["size"])
+                addr += int(b["size"])
+        seen, total = set(), 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or t.device.index != self.device.index:
+                continue
+            st = local_tensor(t).untyped_storage()
+            key = storage_key(t)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += blocks.get(st.data_ptr(), allocated_bytes(st.nbytes(), self.device))
+        return total
+
+    def workspace_bytes(self) -> int:
+        """The BLAS workspaces a training step holds, made now where missing: the cached ones freed and made
+        again by one small product on this thread and one in a backward (autograd's thread), the allocator's
+        growth between the two (bytes; 0 where this torch cannot free them, :func:`remat._compat.clear_blas_workspaces`,
+        the ones already there then being left out as before)."""
+        self.synchronize()
+        if not clear_blas_workspaces():
+            return 0
+        self.synchronize()
+        before = self.allocated_bytes()
+        with outside_dispatch_modes(), torch.enable_grad():
+            a = torch.ones(8, 8, device=self.device, requires_grad=True)
+            (a @ a).sum().backward()
+            del a
+        self.synchronize()
+        return self.allocated_bytes() - before
 
 
 class StepMeter:
     """Peak memory on ``device`` between :meth:`start` and :meth:`stop` (one thread): ``state`` (alive all
     along: parameters, buffers, optimizer state, inputs), all allocated after ``start``, and ``follow`` (alive
     at ``start``, maybe freed during the step: the gradients Lightning frees after the forward) until it dies.
-    On CUDA, the allocator's peak less what else is on the device. For :func:`measure_peak` and across two
-    callbacks of a framework's loop (Note [The first step measured] in remat.integrations.first_step)."""
+    On CUDA, the allocator's own statistics, absolute (Note [The budget on CUDA is absolute] in
+    remat.costs.allocator_reading): its peak less only the scratch on the device at the start, the state counted
+    as the allocator counts its blocks and the BLAS workspaces counted as the step's. ``allocator``: what is read
+    on CUDA (default: the device's :class:`CudaAllocator`). For :func:`measure_peak` and across two callbacks of a
+    framework's loop (Note [The first step measured] in remat.integrations.first_step)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, allocator: CudaAllocator | None = None) -> None:
         self.device = torch.device(device)
         self._tracker: StorageTracker | None = None
         self._base = 0
+        self._allocator = allocator if allocator is not None or self.device.type != "cuda" else \
+            CudaAllocator(self.device)
+        self._reading: AllocatorReading | None = None
 
     def start(self, state: Sequence[torch.Tensor], follow: Sequence[torch.Tensor] = ()) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self._base = torch.cuda.memory_allocated(self.device) - tensor_bytes([*state, *follow], self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self._allocator is not None:
+            alloc = self._allocator
+            workspaces = alloc.workspace_bytes()
+            alloc.synchronize()
+            self._reading = AllocatorReading(alloc.allocated_bytes(), 0, alloc.state_bytes([*state, *follow]),
+                                             workspaces)
+            alloc.reset_peak()
             return
         self._base = tensor_bytes(state, self.device)
         self._tracker = StorageTracker(self.device, ignore=state)
@@ -43,14 +118,16 @@ class StepMeter:
 
     def live_bytes(self) -> int:
         """Bytes alive now, on the same count."""
-        if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device) - self._base
+        if self._allocator is not None:
+            return reading_live_bytes(self._reading, self._allocator.allocated_bytes())
         return self._base + self._tracker.live_bytes
 
     def stop(self) -> int:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device) - self._base
+        if self._allocator is not None:
+            self._allocator.synchronize()
+            reading, self._reading = self._reading, None
+            return step_peak_bytes(dataclasses.replace(reading,
+                                                       peak_allocated_bytes=self._allocator.peak_allocated_bytes()))
         tracker, self._tracker = self._tracker, None
         tracker.__exit__(None, None, None)
         return self._base + tracker.peak_with_held()
@@ -65,7 +142,7 @@ class AllocatorMeter(StepMeter):
     after the forward read a compiled step 257,788 bytes (13%) above its own peak on a 1-block GPT."""
 
     def start(self, state: Sequence[torch.Tensor], follow: Sequence[torch.Tensor] = ()) -> None:
-        if self.device.type == "cuda":
+        if self._allocator is not None:
             super().start(state, follow)
             return
         from remat._compat import ProfilerSession
@@ -87,7 +164,7 @@ class AllocatorMeter(StepMeter):
         raise NotImplementedError("AllocatorMeter reads the profiler's events only when it stops")
 
     def stop(self) -> int:
-        if self.device.type == "cuda":
+        if self._allocator is not None:
             return super().stop()
         session, self._session = self._session, None
         session.__exit__(None, None, None)
@@ -95,10 +172,10 @@ class AllocatorMeter(StepMeter):
 
 
 def measure_peak(work: Callable[[Callable[[], int]], Any], device: torch.device,
-                 state: Sequence[torch.Tensor]) -> int:
+                 state: Sequence[torch.Tensor], *, allocator: CudaAllocator | None = None) -> int:
     """Peak bytes on ``device`` while ``work(live_now)`` runs (:class:`StepMeter`); ``live_now()`` gives the
-    bytes alive at the moment it is called, on the same count."""
-    meter = StepMeter(device)
+    bytes alive at the moment it is called, on the same count. ``allocator``: :class:`StepMeter`'s."""
+    meter = StepMeter(device, allocator)
     meter.start(state)
     try:
         work(meter.live_bytes)
