@@ -21,14 +21,29 @@ parameters and buffers (alive anyway); a storage its outputs turn out to hold is
 Host buffers come from a :class:`HostPool` that keeps them across steps, by size class (a power of two of at
 least 64 KiB): after the first step no host memory is allocated (one fresh pinned allocation per tensor costs
 milliseconds on a GPU host, the complaint offloaders' users make). On a GPU the buffers are pinned and the copies
-run on a side stream (:class:`remat._compat.offload_streams.CudaCopies`: what is CUDA-specific is there); on this
+run on a side stream (:class:`remat.runtime.host_copies.CudaCopies`: what is CUDA-specific is there); on this
 machine's CPU the copies are plain ``copy_`` calls: the device *is* host memory, so offloading frees nothing
 here, and the pool is what tests count (docs/offload.md says what is measured then and what is not).
+
+Note [Pinned at first run]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Pinned buffers and a side stream are a property of where a unit *runs*, not of where the plan was applied.
+torchtitan (and docs/targets.md's first flow) applies a plan to the model on the meta device, then FSDP2, then
+materializes it on the GPU: an offloader that decided from the first parameter's device when the plan was applied
+saw ``meta``, took pageable buffers and no side stream, and on an H200 every copy was synchronous and pageable
+(``Memcpy DtoH (Device -> Pageable)`` 14.0 GB/s, ``HtoD (Pageable -> Device)`` 6.95 GB/s: 1,118-1,190 ms a step
+against 447-451 with the plan applied after materializing; shared/gpu/README.md). So nothing is decided when the
+plan is applied: at each unit's first pack, :func:`copy_path` decides from the device of the tensor it saves
+(pinned buffers and a side stream on CUDA, plain copies on the CPU, nothing moved from ``meta``), and the model's
+:class:`Offloader` builds that path once per device (``Offloader.decided`` records each unit's). A GPU's copies
+never come from pageable memory. A model moved to another device between steps gets a new path; moved in the
+middle of a step (buffers still lent) it is refused.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +51,7 @@ from torch import nn
 
 from remat._compat import storage_key, storage_ref
 from remat.costs.offload import MIN_OFFLOAD_BYTES
+from remat.errors import InternalError
 from remat.rewrite.forwards import _RematForward
 
 _SIZE_CLASS = 64 * 1024
@@ -43,6 +59,52 @@ _SIZE_CLASS = 64 * 1024
 
 def _size_class(nbytes: int) -> int:
     return max(_SIZE_CLASS, 1 << (nbytes - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class CopyPath:
+    """How an offloaded unit's copies run on the device its saved tensors are on (Note [Pinned at first run]):
+    ``pinned``: host buffers in page-locked memory; ``side_stream``: copies asynchronous on a stream of their own,
+    ordered by events (:class:`remat.runtime.host_copies.CudaCopies`); neither: a synchronous ``copy_``."""
+
+    device: str
+    pinned: bool
+    side_stream: bool
+
+
+def copy_path(device: torch.device) -> CopyPath:
+    """The decision of Note [Pinned at first run], from the device of a tensor a unit saves: on a CUDA device
+    (ROCm's too) pinned buffers and a side stream; on the CPU plain copies (its memory *is* the host's). Another
+    accelerator is refused (:class:`~remat.errors.UnsupportedError`): remat offloads from CUDA devices only, and
+    would otherwise copy from pageable memory there."""
+    if device.type == "cuda":
+        return CopyPath(str(device), pinned=True, side_stream=True)
+    if device.type == "cpu":
+        return CopyPath(str(device), pinned=False, side_stream=False)
+    from remat.errors import UnsupportedError
+
+    raise UnsupportedError(f"an offloaded unit saved a tensor on {device}: remat offloads activations from CUDA "
+                           "GPUs (pinned host buffers, a side stream) and runs the mechanism on the CPU, not from "
+                           f"{device.type!r}. Checkpoint that unit instead (a plan made with offload=False)")
+
+
+def _device_of(t: torch.Tensor) -> torch.device:
+    """The device a saved tensor is on, as :func:`copy_path` decides from it (the seam tests replace to decide
+    for a CUDA tensor on a CPU build)."""
+    return t.device
+
+
+def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A host buffer of ``nbytes`` (``uint8``), page-locked where ``pinned`` (the seam tests replace: a CPU build
+    cannot pin)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pinned)
+
+
+def _side_stream(device: torch.device) -> Any:
+    """The side-stream copies for ``device`` (:class:`remat.runtime.host_copies.CudaCopies`)."""
+    from remat.runtime import host_copies
+
+    return host_copies.CudaCopies(device)
 
 
 class HostPool:
@@ -66,7 +128,7 @@ class HostPool:
         if free:
             buf = free.pop()
         else:
-            buf = torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
+            buf = _host_buffer(size, self.pin_memory)
             self.held_bytes += size
             self.allocations += 1
             self._all.append(buf)
@@ -152,6 +214,15 @@ class Offloader:
             self._plain = (torch.Tensor, FakeTensor)
         #: the device-specific copies (remat.runtime.host_copies.CudaCopies); None: synchronous copy_ (a CPU)
         self.copies = copies
+        #: how copies run now (Note [Pinned at first run]): None until a unit first saves a tensor, unless the
+        #: caller fixed it by giving ``pool`` or ``copies``
+        self.path: CopyPath | None = None
+        self._path_device: torch.device | None = None
+        if pool is not None or copies is not None:
+            self.path = CopyPath("given", pinned=self.pool.pin_memory, side_stream=copies is not None)
+        self._fixed = self.path is not None
+        #: per unit, the path its first saved tensor was copied by (Note [Pinned at first run])
+        self.decided: dict[str, CopyPath] = {}
         self._seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}
         #: per unit, in forward order, the tensors it parked this step (for prefetching)
         self.parked: dict[str, list[weakref.ref]] = {}
@@ -174,6 +245,10 @@ class Offloader:
             return t
         if only is not None and only[1].name_of(t) not in only[0]:
             return t  # a part: another operator's output stays on the device
+        if t.device.type == "meta" and not self.modelled:
+            return t  # a forward on the meta device (before materializing): no data to move
+        if not self.modelled:
+            self._path_for(unit, _device_of(t))
         key = storage_key(t)
         seen = self._seen.get(key)
         parked = seen[1]() if seen is not None and seen[0]() is not None else None
@@ -197,6 +272,28 @@ class Offloader:
         self.offloaded_bytes += nbytes
         self.offloaded_tensors += 1
         return _Saved(parked, t)
+
+    def _path_for(self, unit: str, device: torch.device) -> CopyPath:
+        """The copy path for a tensor ``unit`` saves on ``device``, decided at the first one and again when the
+        model has moved (Note [Pinned at first run]); records ``unit``'s first."""
+        if not self._fixed and device != self._path_device:
+            path = copy_path(device)
+            if self._path_device is not None and self.pool.in_use_bytes:
+                from remat.errors import UnsupportedError
+
+                raise UnsupportedError(
+                    f"offloaded unit {unit!r} saved a tensor on {device} while {self.pool.in_use_bytes:,} bytes "
+                    f"offloaded from {self._path_device} in this step had not come back: move the model between "
+                    "steps, not during one")
+            if path.pinned != self.pool.pin_memory:
+                self.pool.release()  # the free buffers of the other kind go; the next ones are of this kind
+                self.pool.pin_memory = path.pinned
+            self.copies = _side_stream(device) if path.side_stream else None
+            self.path, self._path_device = path, device
+        if self.path is None:
+            raise InternalError("the offloader's copy path is undecided after deciding it")
+        self.decided.setdefault(unit, self.path)
+        return self.path
 
     def unpack(self, unit: str, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Saved):
@@ -250,10 +347,11 @@ class Offloader:
 
     def prefetch(self, unit: str) -> None:
         """Bring ``unit``'s parked storages back to the device, and start bringing back those of the unit before
-        it in forward order, whose backward runs next (one unit ahead)."""
+        it in forward order, whose backward runs next (one unit ahead). ``unit``'s own first: its backward waits
+        for them, and the side stream runs copies in the order they are issued."""
         order = list(self.parked)
         i = order.index(unit) if unit in order else 0
-        for name in order[max(0, i - 1): i + 1]:
+        for name in reversed(order[max(0, i - 1): i + 1]):
             for ref in self.parked[name]:
                 p = ref()
                 if p is not None and p.ready is None and p.live:
@@ -322,9 +420,10 @@ class OffloadedForward(_RematForward):
 
 
 def offloader_for(model: nn.Module) -> Offloader:
-    """The model's :class:`Offloader` (one per model, so its units prefetch each other's tensors), made on first
-    use for the device of its first parameter: pinned buffers and a side stream on a GPU; nothing copied for a
-    model on fake tensors (``Offloader(modelled=True)``)."""
+    """The model's :class:`Offloader` (one per model, so its units prefetch each other's tensors). Pinned buffers
+    and a side stream are decided when a unit first runs, from the device of what it saves, not here (Note
+    [Pinned at first run]: the model may be on meta now); nothing copied for a model on fake tensors
+    (``Offloader(modelled=True)``)."""
     for m in model.modules():
         f = m.__dict__.get("forward")
         if isinstance(f, OffloadedForward):
@@ -335,12 +434,7 @@ def offloader_for(model: nn.Module) -> Offloader:
     if isinstance(first, FakeTensor) or (first is not None and isinstance(getattr(first, "_local_tensor", None),
                                                                            FakeTensor)):
         return Offloader(modelled=True)  # a modelled target's fake model (remat.target)
-    device = first.device if first is not None else torch.device("cpu")
-    if device.type == "cuda":
-        from remat.runtime.host_copies import CudaCopies
-
-        return Offloader(HostPool(pin_memory=True), copies=CudaCopies(device))
-    return Offloader(HostPool())
+    return Offloader()  # Note [Pinned at first run]: its copy path is decided at its units' first saved tensor
 
 
 def offload_modules(model: nn.Module, names: Any, ops: dict[str, tuple[str, ...]] | None = None) -> None:
