@@ -46,6 +46,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from remat.errors import InvalidInputError
+
 #: the CUDA caching allocator's smallest block, and the multiple every block size is rounded to (bytes)
 BLOCK_BYTES = 512
 
@@ -115,7 +117,7 @@ def events_peak_bytes(events: Iterable[AllocatorEvent], held_bytes: int = 0) -> 
         elif e.action == "free":
             now -= live.pop(e.addr, 0)
         else:
-            raise ValueError(f"unknown allocator action {e.action!r}: 'alloc' or 'free'")
+            raise InvalidInputError(f"unknown allocator action {e.action!r} at address {e.addr}: 'alloc' or 'free'")
     return peak
 
 

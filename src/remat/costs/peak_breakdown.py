@@ -81,6 +81,8 @@ class PeakBreakdown:
     #: alive then, each saying whether a plan could free it (Note [What holds the peak]); empty when the
     #: profile has no tensor list
     largest: tuple[HeldTensor, ...] = ()
+    #: the libraries' workspaces held all step (``Profile.workspace_bytes``: cuBLAS's on CUDA)
+    workspace_bytes: int = 0
 
     @property
     def unfreeable_bytes(self) -> int:
@@ -124,6 +126,7 @@ class PeakExplainer:
             phase=phase,
             index=i,
             largest=self.held_at(i, chosen, grads),
+            workspace_bytes=p.workspace_bytes,
         )
 
     @functools.cached_property

@@ -89,6 +89,23 @@ class ForwardOp:
     bytes_accessed: int = 0
 
 
+# Note [In-operator transients]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An operator may allocate through the caching allocator inside itself, beyond its outputs, and free it before it
+# returns: cuDNN's convolution workspaces (7,059,355 bytes at the plain U-Net's peak on the H200, inside
+# ``convolution_backward`` on autograd's thread), cuBLASLt's where it does not share cuBLAS's. No dispatch-level
+# recorder sees those blocks; the allocator does. On a real CUDA recording the recorder reads the allocator's peak
+# inside each operator (its peak statistic reset before the operator, read after: host-side counters updated at
+# malloc time, no synchronisation) and keeps, per timeline index, what the operator held above what it left
+# allocated (``transient_bytes``). The memory model adds it at that operator's instant, in the timeline every row is
+# read from: ``live_bytes[i] + transient_bytes[i]`` is the allocator's peak inside operator ``i`` on the recording's
+# count, so a plan whose peak is such an instant is predicted with the workspace, and a recomputation that runs the
+# operator again (its growth read from the same timeline) holds it again. ``before_bytes`` (what is alive before an
+# operator) leaves it out. What a library keeps after the operator (cuBLAS's workspace, made at a thread's first
+# product and held for the process's life) is not a transient: the profile counts it all step long
+# (``Profile.workspace_bytes``, Note [The budget on CUDA is absolute] in remat.costs.allocator_reading).
+
+
 def _frozen(d: Mapping) -> Mapping:
     return MappingProxyType(dict(d))
 
@@ -119,14 +136,24 @@ class Recording:
     flops: Mapping[str, int]
     #: the backward's operators, in order (name, FLOPs and bytes; ``created`` empty): what a device model times
     backward_ops: tuple[ForwardOp, ...] = ()
+    #: per timeline index, the bytes the operator held inside itself above what it left allocated (a library's
+    #: workspace: Note [In-operator transients]); empty where not read (CPU, fake tensors)
+    transient_bytes: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("spans", "calls", "inputs", "last_use", "flops"):
+        for name in ("spans", "calls", "inputs", "last_use", "flops", "transient_bytes"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
 
     # -- derived timelines -----------------------------------------------------------------
     def timeline(self, only: Collection[int] | None = None) -> tuple[int, ...]:
-        """Bytes alive after each operator, of the storages in ``only`` (all by default)."""
+        """Bytes alive after each operator, of the storages in ``only``; by default all of them, each operator's
+        in-operator transient added at its own index (Note [In-operator transients])."""
+        out = self._storage_timeline(only)
+        if only is not None or not self.transient_bytes:
+            return out
+        return tuple(v + self.transient_bytes.get(i, 0) for i, v in enumerate(out))
+
+    def _storage_timeline(self, only: Collection[int] | None = None) -> tuple[int, ...]:
         n = self.n_ops
         diff = [0] * (n + 1)
         for i, s in enumerate(self.storages):
@@ -147,7 +174,7 @@ class Recording:
         for s in self.storages:
             if s.alloc_index < self.n_ops:
                 made[s.alloc_index] += s.nbytes
-        return tuple(max(v - a, 0) for v, a in zip(self.timeline(), made))
+        return tuple(max(v - a, 0) for v, a in zip(self._storage_timeline(), made))
 
     def saved_timeline(self) -> tuple[int, ...]:
         """Bytes alive after each operator of storages autograd saved for backward."""

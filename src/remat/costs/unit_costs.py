@@ -314,11 +314,14 @@ class Profile:
     model_flops: int = 0
     #: the device's dense peak FLOP/s in the step's compute dtype, for MFU (a modelled target's; None: unknown)
     peak_flops_per_s: float | None = None
+    #: BLAS workspaces held all step, measured on CUDA (Note [The budget on CUDA is absolute]); 0 elsewhere
+    workspace_bytes: int = 0
 
     @property
     def fixed_bytes(self) -> int:
         """Memory alive during the whole step that no plan removes (bytes)."""
-        return self.params_bytes + self.buffers_bytes + self.inputs_bytes + self.optimizer_state_bytes
+        return self.params_bytes + self.buffers_bytes + self.inputs_bytes + self.optimizer_state_bytes + \
+            self.workspace_bytes
 
     @property
     def step_time_s(self) -> float:

@@ -46,6 +46,7 @@ from remat.costs.unit_costs import Profile, UnitCost
 from remat.costs.effects import UnitSpec, largest_tensors, unit_costs
 from remat.errors import InvalidInputError
 from remat.runtime.measure import LossFn, input_tensors, tensor_bytes, trainable_parameters
+from remat.runtime.meters import CudaAllocator
 from remat.profile import cache
 from remat.profile.calibrate import LoggedOp, align_forward, calibrate_sizes, diverged, ops_summary, \
     plain_forward_ops, plain_step_fits
@@ -98,7 +99,11 @@ def profile_model(
     if optimizer is None:
         notes.append("no optimizer given: optimizer state and step are not counted")
     buffer_bytes = {name: tensor_bytes([b], device) for name, b in model.named_buffers()}
-    assembled = functools.partial(_assembled, step, opt=opt, recorded=recorded.how, notes=notes)
+    # the BLAS workspaces the step holds all along (Note [The budget on CUDA is absolute] in
+    # remat.costs.allocator_reading): measured, as the check measures them
+    workspaces = CudaAllocator(device).workspace_bytes() if device.type == "cuda" else 0
+    assembled = functools.partial(_assembled, step, opt=opt, recorded=recorded.how, notes=notes,
+                                  workspace_bytes=workspaces)
 
     rec, ran, memory = recorded.rec, recorded.ran, recorded.memory
     cand = [u for u in ran if memory[u].excluded is None and memory[u].drops and memory[u].calls == 1]
@@ -261,6 +266,14 @@ def _check_against_real_forward(
         if fixed:
             notes.append(f"{fixed} storage size(s) on fake tensors differed from the real kernels' and were "
                          "corrected from the real forward")
+    if recorded.how == "fake" and step.device.type == "cuda" and plain_step_fits(recorded.rec, step.device):
+        # Note [In-operator transients] in remat.costs.recording: what an operator allocates inside itself (cuDNN's
+        # and cuBLASLt's workspaces) only the allocator sees, on a real step; the plain step fits, so it is recorded
+        recorded = _Recorded.of(*step.record(fake=False), "real")
+        held = recorded.rec.transient_bytes
+        notes.append("memory recorded on a real CUDA step (it fits the device), with what each operator allocates "
+                     f"inside itself as the allocator reads it: {len(held)} operators, at most "
+                     f"{max(held.values(), default=0):,} bytes (Note [In-operator transients] in remat.costs.recording)")
     return recorded, plain, changed
 
 
@@ -333,7 +346,7 @@ def _backward_s(units: list[UnitCost], times: UnitTimes, top: list[str]) -> floa
 
 
 def _assembled(step: _Step, rec: Recording, units: list[UnitCost], forward_s: float, backward_s: float, *,
-               opt: OptimizerCost, recorded: str, notes: list[str]) -> Profile:
+               opt: OptimizerCost, recorded: str, notes: list[str], workspace_bytes: int = 0) -> Profile:
     """The Profile: the recording's timelines, the units, the step's sizes and times, the notes so far."""
     model, args, kwargs, device = step.model, step.args, step.kwargs, step.device
     return Profile(
@@ -363,6 +376,7 @@ def _assembled(step: _Step, rec: Recording, units: list[UnitCost], forward_s: fl
         notes=tuple(notes),
         tensors=largest_tensors(rec),
         parameter_shapes=tuple((n, tuple(q.shape)) for n, q in model.named_parameters() if q.requires_grad),
+        workspace_bytes=workspace_bytes,
     )
 
 

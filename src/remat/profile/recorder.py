@@ -27,6 +27,8 @@ from torch import nn
 
 from remat._compat import fake_mode, op_bytes, op_flops, storage_key, tree_flatten, tree_map, written_arguments
 from remat.runtime.measure import LossFn, StorageRecord, StorageTracker, input_tensors, run_step
+from remat.runtime.meters import CudaAllocator, InOperatorPeak
+from remat.runtime.tracker import OperatorProbe
 from remat.costs.recording import ForwardOp, Recording, SavedTensor, Storage, Write
 from remat.rewrite import PolicyNames, draws_random
 from remat.runtime.state import fresh_grads
@@ -148,6 +150,7 @@ class _Recorder(StorageTracker):
             last_use={index[k]: v for k, v in self.last_use.items()},
             flops=dict(self.flops),
             backward_ops=tuple(self.backward_ops),
+            transient_bytes={i: b for i, b in self.transients.items() if i < n_ops},
         )
 
 
@@ -186,14 +189,19 @@ def grad_targets(params: list[torch.Tensor], inputs: Any) -> list[torch.Tensor]:
 
 def record_step(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, units: list[str], *,
-    fake: bool, output_alive: bool = True,
+    fake: bool, output_alive: bool = True, probe: OperatorProbe | None = None,
 ) -> Recording:
     """Run forward + loss + backward once under the recorder, as the training loop does (Note [Loop
     style] in remat.profile): ``loss.backward()`` into gradients that start as None, the output dropped
     after the loss unless ``output_alive``; on fake tensors (``fake``) or for real. ``units``: the modules
-    to follow (those that do not run have no span). Leaves the model's ``.grad`` as it was; the caller
-    restores buffers and RNG (``remat.runtime.state.preserved``)."""
+    to follow (those that do not run have no span). ``probe``: reads what each operator allocates inside itself
+    (Note [In-operator transients] in remat.costs.recording); None: the allocator's peak inside each operator on
+    a real CUDA recording, nothing elsewhere. Leaves the model's ``.grad`` as it was; the caller restores buffers
+    and RNG (``remat.runtime.state.preserved``)."""
     rec = _Recorder(device)
+    if probe is None and not fake and torch.device(device).type == "cuda":
+        probe = InOperatorPeak(CudaAllocator(torch.device(device)))
+    rec.probe = probe
     named_params = dict(model.named_parameters(remove_duplicate=False))
     named_buffers = dict(model.named_buffers(remove_duplicate=False))
     if fake:

@@ -83,6 +83,22 @@ class CudaAllocator:
         return self.allocated_bytes() - before
 
 
+class InOperatorPeak:
+    """The :class:`~remat.runtime.tracker.OperatorProbe` of a real CUDA recording (Note [In-operator transients] in
+    remat.costs.recording): the allocator's peak statistic reset before each operator and read after it, less what
+    is allocated then. Host-side counters, updated as the allocator hands out blocks: no synchronisation. It resets
+    the device's peak statistics: not for use while a :class:`StepMeter` reads them."""
+
+    def __init__(self, allocator: CudaAllocator) -> None:
+        self.allocator = allocator
+
+    def before(self) -> None:
+        self.allocator.reset_peak()
+
+    def after(self) -> int:
+        return max(self.allocator.peak_allocated_bytes() - self.allocator.allocated_bytes(), 0)
+
+
 class StepMeter:
     """Peak memory on ``device`` between :meth:`start` and :meth:`stop` (one thread): ``state`` (alive all
     along: parameters, buffers, optimizer state, inputs), all allocated after ``start``, and ``follow`` (alive

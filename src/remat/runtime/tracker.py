@@ -37,7 +37,7 @@ import contextvars
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
 
 import torch
 
@@ -268,6 +268,15 @@ class StorageBook:
             return rec
 
 
+class OperatorProbe(Protocol):
+    """Reads, around one operator, the bytes it held inside itself above what it left allocated (Note [In-operator
+    transients] in remat.costs.recording): :meth:`before` just before it runs, :meth:`after` just after."""
+
+    def before(self) -> None: ...
+
+    def after(self) -> int: ...
+
+
 class StorageTracker(StorageBook, TorchDispatchMode):
     """Follows the storages created by operators while active; ``peak_bytes`` is their highest total.
 
@@ -293,6 +302,11 @@ class StorageTracker(StorageBook, TorchDispatchMode):
         self.clock: Clock | None = None
         #: (start, end) clock marks of each operator, when timed
         self.op_marks: list[tuple[Any, Any]] = []
+        #: reads what each operator holds inside itself above what it leaves allocated (Note [In-operator
+        #: transients] in remat.costs.recording); None: not read
+        self.probe: OperatorProbe | None = None
+        #: per operator index, what ``probe`` read where it was above 0 (bytes)
+        self.transients: dict[int, int] = {}
 
     def __enter__(self):
         self._fake_on_entry = active_fake_mode()
@@ -322,12 +336,17 @@ class StorageTracker(StorageBook, TorchDispatchMode):
         # is fake, counted) in the recording's own mode, marked (Note [Sharded tensors])
         if in_sharding_propagation() if self.count_fake else active_fake_mode() is not self._fake_on_entry:
             return func(*args, **kwargs)
+        probe = self.probe
+        if probe is not None:
+            probe.before()
         if self.clock is not None:
             t0 = self.clock.mark()
             out = func(*args, **kwargs)
             self.op_marks.append((t0, self.clock.mark()))  # the operator itself, not the bookkeeping
         else:  # memory, not time: Note [Collectives settled] in remat.runtime.distributed
             out = settled_collective(func, args, kwargs)
+        if probe is not None and (held := probe.after()) > 0:
+            self.transients[self.index] = held
         if func.namespace == "prim":  # metadata queries (prim.device) under FakeTensorMode
             return out
         if func is _WAIT and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor) \

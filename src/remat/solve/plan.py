@@ -218,6 +218,7 @@ class Plan:
             ("optimizer_state_bytes", f"optimizer state [{self.optimizer or '?'}]"),
             ("buffers_bytes", "buffers"),
             ("inputs_bytes", "inputs"),
+            *((("workspace_bytes", "library workspaces (cuBLAS)"),) if b.workspace_bytes else ()),
             ("saved_activations_bytes", "saved activations"),
             ("temporaries_bytes", "temporaries"),
         ]:
