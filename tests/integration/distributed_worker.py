@@ -599,6 +599,14 @@ def cli_target():
     return model, inputs, loss_fn
 
 
+#: the command lines :func:`cli` runs on every rank. ``--device cpu``: the ranks' model is on the CPU (gloo);
+#: without it, on a machine with a GPU the command line's default device is cuda and it moves the model there
+#: (tests/integration/test_cli_device.py)
+CLI_PLAN = ["plan", f"{__file__}:cli_target", "--device", "cpu", "--budget", "0.0075", "--optimizer", "adamw"]
+CLI_TRADEOFF = ["tradeoff", f"{__file__}:cli_target", "--device", "cpu", "--budgets", "0.0075", "--repeats", "1",
+                "--optimizer", "adamw"]
+
+
 def cli(rank: int) -> dict:
     """``remat plan`` run on every rank, as torchrun would run it."""
     import contextlib
@@ -609,10 +617,9 @@ def cli(rank: int) -> dict:
     os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(rank))
     buf, table = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(buf):
-        code = main(["plan", f"{__file__}:cli_target", "--budget", "0.0075", "--optimizer", "adamw"])
+        code = main(CLI_PLAN)
     with contextlib.redirect_stdout(table):
-        table_code = main(["tradeoff", f"{__file__}:cli_target", "--budgets", "0.0075", "--repeats", "1",
-                           "--optimizer", "adamw"])
+        table_code = main(CLI_TRADEOFF)
     del os.environ["WORLD_SIZE"], os.environ["RANK"]
     return dict(code=code, out=buf.getvalue(), table_code=table_code, table=table.getvalue())
 

@@ -74,20 +74,24 @@ def test_plan_then_verify_the_saved_plan(capsys, tmp_path):
 
 
 def test_verify_with_a_budget_and_custom_file_target(capsys):
-    target = f"{ROOT / 'examples' / 'custom_target.py'}:build"
-    code, out, err = run(capsys, "verify", target, "--budget", "0.006", "--device", "cpu")
+    code, out, err = run(capsys, *VERIFY_CUSTOM)
     assert code == 0, err
     assert "remat equivalence check: equivalent" in out
 
 
-@pytest.mark.parametrize("argv, message", [
+MISTAKES = [
     (["profile", "nosuchmodel"], "unknown target 'nosuchmodel'"),
     (["profile", "examples/custom_target.py:nope"], "has no function 'nope'"),
     (["profile", "no/such/file.py:build"], "does not exist"),
     (["profile", "remat.examples:EXAMPLES"], "has no function 'EXAMPLES'"),
     (["profile", "no_such_package.mod:build"], "cannot import module 'no_such_package.mod'"),
-    (["plan", "unet", "--budget", "0.0000001", "--image-size", "16"], "least peak any checkpointing plan reaches"),
-])
+    (["plan", "unet", "--budget", "0.0000001", "--image-size", "16", "--device", "cpu"],
+     "least peak any checkpointing plan reaches"),
+]
+VERIFY_CUSTOM = ["verify", f"{ROOT / 'examples' / 'custom_target.py'}:build", "--budget", "0.006", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("argv, message", MISTAKES)
 def test_user_mistakes_exit_2_with_one_line(capsys, monkeypatch, argv, message):
     monkeypatch.chdir(ROOT)
     code, out, err = run(capsys, *argv)
@@ -226,3 +230,29 @@ def test_a_target_that_puts_its_own_folder_first_keeps_it(tmp_path, capsys, monk
     code, out, err = run(capsys, "profile", f"{tmp_path / 'target.py'}:build")
     assert code == 0, err
     assert sys.path == [str(tmp_path / "models")] + before
+
+
+def test_the_suites_cpu_command_lines_stay_on_the_cpu_where_a_gpu_is(monkeypatch):
+    """Every command line of the suite that builds and runs a model on the CPU says ``--device cpu``: with a GPU
+    present the default device is cuda (``remat.cli.common._device``), and the model would be moved there (on the
+    H200 machine the two gloo ranks' ``remat plan`` of test_distributed.py exited 2 so). Here CUDA is made to look
+    available and each command line stops where the target is built, with the device it was asked for."""
+    import distributed_worker
+    import remat.cli.common as common
+
+    class Built(Exception):
+        pass
+
+    def built(target, *, device, **kwargs):
+        raise Built(torch.device(device))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(common, "resolve_target", built)
+    assert common._device(None).type == "cuda"  # what an invocation without --device gets on a GPU machine
+    lines = [["tradeoff", *TINY_GPT], ["plan", *TINY_UNET, "--budget", "1"], ["profile", *TINY_UNET], VERIFY_CUSTOM,
+             distributed_worker.CLI_PLAN, distributed_worker.CLI_TRADEOFF,
+             *(argv for argv, _ in MISTAKES if argv[1] in ("gpt", "unet"))]
+    for argv in lines:
+        with pytest.raises(Built) as e:
+            main(list(argv))
+        assert e.value.args[0] == torch.device("cpu"), argv
