@@ -88,6 +88,22 @@ def _ranks_reading(ranks: Ranks | None, reading: CompiledReading) -> CompiledRea
     return CompiledReading(max(peak for peak, _ in readings), None if None in programs else max(programs))
 
 
+# Note [The optimizer beside the checked step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The checked step runs forward and backward for real and reads them by the allocator (on CUDA absolutely: Note [The
+# budget on CUDA is absolute] in remat.costs.allocator_reading); the optimizer's part is predicted beside it, not
+# measured on a copy. A copy that really steps would have to be an independent optimizer over the real parameters
+# and gradients (the user's object is never called: Note [Never call the user's optimizer]): it writes the
+# parameters, so they must be copied first and restored (the parameters' bytes again on the device, 2.47 GB for the
+# 1B Llama, when the device is the one thing short), and its state (AdamW: twice the parameters) is allocated inside
+# the measured window in the order the allocator then serves, not the user's. Predicted beside: the state is what
+# the same class with the same hyperparameters creates for each parameter's shape, dtype and device (measured on
+# zero-filled shadows, one parameter at a time, on this device), held all step; the step's temporaries, measured on
+# the same shadows (summed where the optimizer runs foreach or fused), on top of what the measured step holds once
+# backward has returned, workspaces included. What prediction cannot see is where the allocator places the state
+# (a large block left unsplit counts up to 1 MiB more than its tensor); that is the allocator model's to replay.
+
+
 def measure_checked_peak(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, *,
     output_alive: bool = True, optimizer_state_bytes: int = 0, optimizer_step_bytes: int = 0,
