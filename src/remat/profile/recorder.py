@@ -199,7 +199,7 @@ def record_step(
     a real CUDA recording, nothing elsewhere. Leaves the model's ``.grad`` as it was; the caller restores buffers
     and RNG (``remat.runtime.state.preserved``)."""
     rec = _Recorder(device)
-    if probe is None and not fake and torch.device(device).type == "cuda":
+    if probe is None and not fake and torch.device(device).type == "cuda" and torch.cuda.is_available():
         probe = InOperatorPeak(CudaAllocator(torch.device(device)))
     rec.probe = probe
     named_params = dict(model.named_parameters(remove_duplicate=False))
