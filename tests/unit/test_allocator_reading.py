@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from remat.costs.allocator_reading import (
-    AllocatorEvent, AllocatorReading, block_bytes, blocks_alive_outside, events_from_snapshot, events_peak_bytes,
+    AllocatorEvent, AllocatorReading, active_blocks, block_bytes, blocks_alive_outside, events_from_snapshot,
+    events_peak_bytes,
     step_peak_bytes)
 from remat.runtime.meters import StepMeter, measure_peak
 
@@ -167,3 +168,15 @@ def test_events_free_only_what_they_allocated():
     assert events_peak_bytes(events, held_bytes=10_000) == 10_000 + 1024 + 2048
     with pytest.raises(ValueError):
         events_peak_bytes([AllocatorEvent("resize", 1, 1)])
+
+
+def test_the_blocks_handed_out_are_found_by_address(snapshot):
+    """How the meter counts the state at its blocks' sizes: the blocks handed out, by address, from the snapshot's
+    segments: each inside its segment, their bytes the segments' own ``allocated_size``, the two cuBLAS workspaces
+    among them (everything the history allocated was freed by its end)."""
+    blocks = active_blocks(snapshot["segments"])
+    segments = [(int(g["address"]), int(g["total_size"])) for g in snapshot["segments"]]
+    assert all(any(a <= addr and addr + size <= a + n for a, n in segments) for addr, size in blocks.items())
+    assert sum(blocks.values()) == sum(int(g["allocated_size"]) for g in snapshot["segments"])
+    assert sorted(blocks.values())[-2:] == [32 * MiB, 32 * MiB]
+    assert sorted(blocks.values()) == sorted(blocks_alive_outside(snapshot))

@@ -135,17 +135,23 @@ def events_from_snapshot(snapshot: Mapping, device: int = 0) -> list[AllocatorEv
     return out
 
 
+def active_blocks(segments: Iterable[Mapping], device: int = 0) -> dict[int, int]:
+    """The blocks handed out now, by address, each with its bytes as the allocator counts them, from the segments
+    ``torch.cuda.memory_snapshot()`` lists (a segment's blocks in address order from the segment's address)."""
+    out = {}
+    for seg in segments:
+        if seg.get("device", device) != device:
+            continue
+        addr = int(seg["address"])
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                out[addr] = int(b["size"])
+            addr += int(b["size"])
+    return out
+
+
 def blocks_alive_outside(snapshot: Mapping, device: int = 0) -> list[int]:
     """The bytes of each block alive when the snapshot was taken that its history did not allocate: what was on
     the device before recording began and stayed (a library's workspaces)."""
     made = {int(e["addr"]) for e in snapshot["device_traces"][device] if e["action"] == "alloc"}
-    return [int(b["size"]) for seg in snapshot["segments"] if seg.get("device", device) == device
-            for addr, b in _blocks(seg) if b["state"] == "active_allocated" and addr not in made]
-
-
-def _blocks(segment: Mapping) -> list[tuple[int, Mapping]]:
-    addr, out = int(segment["address"]), []
-    for b in segment["blocks"]:
-        out.append((addr, b))
-        addr += int(b["size"])
-    return out
+    return [nbytes for addr, nbytes in active_blocks(snapshot["segments"], device).items() if addr not in made]

@@ -15,7 +15,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from remat._compat import clear_blas_workspaces, local_tensor, outside_dispatch_modes, storage_key
-from remat.costs.allocator_reading import AllocatorReading, live_bytes as reading_live_bytes, step_peak_bytes
+from remat.costs.allocator_reading import AllocatorReading, active_blocks, live_bytes as reading_live_bytes, \
+    step_peak_bytes
 from remat.runtime.tracker import StorageTracker, allocated_bytes, tensor_bytes
 
 
@@ -25,6 +26,8 @@ class CudaAllocator:
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
+        if self.device.index is None and torch.cuda.is_available():  # the blocks are listed by device index
+            self.device = torch.device("cuda", torch.cuda.current_device())
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -44,15 +47,7 @@ class CudaAllocator:
         """The blocks behind ``tensors``' distinct storages on this device as the allocator counts them (a large
         block it did not split is up to 1 MiB over its storage: Note [The budget on CUDA is absolute]); a storage
         whose block is not found (not the caching allocator's) at its size rounded to 512 bytes."""
-        blocks = {}
-        for seg in torch.cuda.memory_snapshot():
-            if seg.get("device", self.device.index) not in (self.device.index, None):
-                continue
-            addr = int(seg["address"])
-            for b in seg["blocks"]:
-                if b["state"] == "active_allocated":
-                    blocks[addr] = int(b["size"])
-                addr += int(b["size"])
+        blocks = active_blocks(torch.cuda.memory_snapshot(), self.device.index)
         seen, total = set(), 0
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or t.device.index != self.device.index:
