@@ -180,3 +180,31 @@ def test_the_blocks_handed_out_are_found_by_address(snapshot):
     assert sum(blocks.values()) == sum(int(g["allocated_size"]) for g in snapshot["segments"])
     assert sorted(blocks.values())[-2:] == [32 * MiB, 32 * MiB]
     assert sorted(blocks.values()) == sorted(blocks_alive_outside(snapshot))
+
+
+def test_the_h200_llama_65_mib_are_two_cublas_workspaces_and_an_unsplit_mebibyte():
+    """The 1B Llama's training steps after optimize_checkpointing on the H200 peaked 68,157,440 bytes (65 MiB) over
+    the checked peak (25,796,031,488 against 25,727,874,048: ../shared/gpu/h200-2026-12-04/
+    optimize_checkpointing_llama1b_24gib.json), what the old meter's ``_base`` left out. The allocator's history of
+    the same model's plain steps (tests/data/llama1b_none.snapshot.pickle.gz) holds what: exactly two blocks alive
+    from their first product to the end, 32 MiB each (cuBLAS's workspaces: the forward's on the step's thread, the
+    backward's on autograd's, no Python frame), and the tied embedding (525,336,576 bytes) alone in a segment of
+    526,385,152, whose 1 MiB is not split off (the allocator splits a large block only when more than 1 MiB
+    remains), so the allocator counts its block 1 MiB over its storage, all along."""
+    with gzip.open(DATA.parent / "llama1b_none.snapshot.pickle.gz", "rb") as f:
+        snap = pickle.load(f)
+    trace = snap["device_traces"][0]
+    alive: dict[int, dict] = {}
+    for e in trace:
+        if e["action"] == "alloc":
+            alive[e["addr"]] = e
+        elif e["action"] == "free_requested":
+            alive.pop(e["addr"], None)
+    kept = sorted(alive.values(), key=lambda e: trace.index(e))
+    assert [e["size"] for e in kept] == [32 * MiB, 32 * MiB]
+    assert kept[0]["frames"] and not kept[1]["frames"]  # the step's thread, then autograd's
+    embedding = 128_256 * 2_048 * 2
+    made = [(trace[i - 1]["size"], e["size"]) for i, e in enumerate(trace)
+            if e["action"] == "alloc" and e["size"] == embedding and trace[i - 1]["action"] == "segment_alloc"]
+    assert made and made[0] == (embedding + MiB, embedding)
+    assert 2 * 32 * MiB + MiB == 25_796_031_488 - 25_727_874_048

@@ -24,9 +24,10 @@ and both there during every later step:
 * 1 MiB = 1,048,576 bytes of the tied embedding's block: its storage is 525,336,576 bytes (501 MiB, 128,256 x
   2,048 in bfloat16), its segment 526,385,152 (rounded up to 2 MiB), and the allocator splits a large block only
   when more than 1 MiB would remain, so the block, and ``allocated_bytes``, is 1 MiB larger than the storage all
-  along. In that history the allocator's peak (34,470,885,376, ``oracle.json``) is the history's own peak of
-  requested sizes rounded to 512 bytes (34,469,836,800) plus exactly that 1,048,576. The meter counted the
-  parameters at their storage sizes, so the 1 MiB was in ``_base`` and left out.
+  along. The plain step's measured peak (34,470,885,376, ``oracle.json``) is that history's own peak of requested
+  sizes rounded to 512 bytes (34,469,836,800) plus exactly that 1,048,576. The meter counted the parameters at
+  their storage sizes, so the 1 MiB was in ``_base`` and left out. (``tests/unit/test_allocator_reading.py`` reads
+  both causes from the history.)
 
 (The optimizer is predicted beside the step, the same in both readings: not a cause. The previous step's loss,
 which the loop holds through the next forward, is 512 bytes and counted by neither.)
