@@ -358,7 +358,9 @@ def _assembled(step: _Step, rec: Recording, units: list[UnitCost], forward_s: fl
         grad_bytes=rec.grad_timeline(),
         saved_bytes=rec.saved_timeline(),
         backward_start=rec.backward_start,
-        params_bytes=tensor_bytes(model.parameters()),
+        # on CUDA as the allocator counts their blocks, as the check does (Note [The budget on CUDA is absolute])
+        params_bytes=CudaAllocator(device).state_bytes(list(model.parameters())) if device.type == "cuda" and
+        torch.cuda.is_available() else tensor_bytes(model.parameters()),
         grads_bytes=tensor_bytes(trainable_parameters(model)),
         buffers_bytes=tensor_bytes(model.buffers()),
         inputs_bytes=tensor_bytes(input_tensors(args, kwargs), device),
