@@ -334,3 +334,32 @@ def test_a_check_of_several_steps_keeps_the_largest():
     # and the dispatch-level reading of the first step agrees with the allocator's within the meters' difference
     dispatch = measure_checked_peak(EverySecondCall(), (x,), {}, loss_fn, torch.device("cpu"))
     assert abs(dispatch - one) <= 4096, (dispatch, one)
+
+
+def test_the_tradeoffs_first_budget_is_one_its_check_meets(monkeypatch):
+    """Note [The sweep starts where the check meets it] in remat.sweeps.report: on an H200 ``remat tradeoff gpt
+    --device cuda`` refused its own first budget (the predicted least 2.930 GiB; its check measured the
+    least-memory plan at 2.957). Here every checked step reads 64 KiB more than the real one (as a workspace no
+    recorded step shows would): the sweep starts at the least the check measures, and that budget gets a plan
+    (the old sweep started at the predicted least, which the check then refused)."""
+    import remat.api.checking as checking
+
+    extra = 64 * 1024
+    real, seen = checking.peak_with_plan, {}
+
+    def over(model, plan, *args, **kwargs):
+        seen[plan.choices] = real(model, plan, *args, **kwargs) + extra
+        return seen[plan.choices]
+
+    monkeypatch.setattr(checking, "peak_with_plan", over)
+    model, inputs, _ = make_gpt(layers=2, batch_size=2, seq_len=16, d_model=32, vocab=64)
+    adam = lambda ps: torch.optim.Adam(ps)  # noqa: E731
+    profile = remat.make_profile(model, inputs, optimizer=torch.optim.Adam(model.parameters()))
+    planner = remat.Planner(profile)
+    rows = remat.tradeoff(model, inputs, profile, loss_fn=None, optimizer_factory=adam, points=2, warmup=0,
+                          repeats=1, warmup_s=0.0, planner=planner)
+    first = next(r for r in rows if r.budget_bytes is not None)
+    least = seen[planner.least_memory().choices]
+    assert least > planner.min_peak_bytes  # the check's least above the prediction's
+    assert first.budget_bytes == least and first.status != "infeasible", first
+    assert first.budget_met is True and first.measured_peak_bytes <= first.budget_bytes

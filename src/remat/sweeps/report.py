@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from remat.api import checked_reading, plan_checked, prepare_hf_for_training
+from remat.api.checking import least_checked
 from remat.runtime.compiled import compiled_loop
 from remat.costs.unit_costs import Profile
 from remat.errors import InfeasibleBudgetError
@@ -82,12 +83,30 @@ class _Infeasible:
     strategy: str
 
 
-def budget_sweep(planner: Planner, points: int) -> list[int]:
-    """``points`` budgets (bytes) evenly from the least achievable peak to the no-checkpointing peak."""
-    lo, hi = planner.min_peak_bytes, planner.baseline_peak_bytes
+def budget_sweep(planner: Planner, points: int, *, least_bytes: int | None = None) -> list[int]:
+    """``points`` budgets (bytes) evenly from the least achievable peak to the no-checkpointing peak: the
+    planner's predicted least, or ``least_bytes`` (the least peak the check measures, Note [The sweep starts
+    where the check meets it]) where that is higher."""
+    lo, hi = max(planner.min_peak_bytes, least_bytes or 0), planner.baseline_peak_bytes
     if points <= 1 or hi <= lo:
-        return [hi]
+        return [max(hi, lo)]
     return [int(lo + (hi - lo) * i / (points - 1)) for i in range(points)]
+
+
+def _measured_sweep(model, inputs, loss_fn, planners: dict[str, Planner], granularities, points: int,
+                    ranks) -> list[int]:
+    """Note [The sweep starts where the check meets it]: each budget's plan is checked on a real step, and a
+    budget below the least peak the check measures (the least-memory plan's, :func:`least_checked`) is refused.
+    A prediction under the real step (on an H200, ``remat tradeoff gpt --device cuda`` predicted its least
+    2.930 GiB and measured 2.957: workspaces and kernels the recorded step does not show) made the table's
+    first budget one its own check refused. So the sweep starts at the measured least where that is above the
+    predicted one, for every granularity with rows (one real step each, which the first budget's check then
+    takes again)."""
+    args, kwargs = split_inputs(inputs)
+    device = model_device(model)
+    measured = max(least_checked(model, args, kwargs, loss_fn, device, planners[g], planners[g].min_peak_bytes,
+                                 ranks=ranks) for g in granularities)
+    return budget_sweep(planners["block"], points, least_bytes=measured)
 
 
 def tradeoff(
@@ -206,13 +225,17 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
     wrapping, ranks = ranks_for(model, same=dict(budgets=budgets, points=points, granularities=granularities))
     profiles = ranks.gather(profile) if ranks is not None else None
     planner = planner or Planner(profile, ranks=profiles)
-    sweep = budgets if budgets is not None else budget_sweep(planner, points)
     say = progress or (lambda msg: None)
     rules = planner.baselines() if hand_rules is None else hand_rules
     plans: list[tuple[Plan | None, int | None, str]] = [(p, None, "") for p in rules]
     planners = {"block": planner}
     if "op" in granularities:
         planners["op"] = Planner(profile, granularity="op", ranks=profiles)
+    if budgets is not None:
+        sweep = budgets
+    else:
+        say("measuring the least-memory plan")
+        sweep = _measured_sweep(model, inputs, loss_fn or default_loss, planners, granularities, points, ranks)
     if ranks is not None:
         return _tradeoff_ranks(model, inputs, profile, ranks, planners, sweep, plans, loss_fn=loss_fn,
                                optimizer_factory=optimizer_factory, warmup=warmup, repeats=repeats,
