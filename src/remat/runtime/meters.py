@@ -61,12 +61,15 @@ class CudaAllocator:
         return total
 
     def workspace_bytes(self) -> int:
-        """The BLAS workspaces a training step holds, made now where missing: the cached ones freed and made
-        again by one small product on this thread and one in a backward (autograd's thread), the allocator's
-        growth between the two (bytes; 0 where this torch cannot free them, :func:`remat._compat.clear_blas_workspaces`,
-        the ones already there then being left out as before)."""
+        """The BLAS workspaces a training step holds (bytes), measured once per device and process (Note [Workspaces
+        measured once]): the cached ones freed and made again by one small product on this thread and one in a
+        backward (autograd's thread), the allocator's growth between the two; 0 where this torch cannot free them
+        (:func:`remat._compat.clear_blas_workspaces`), the ones already there then left out as before."""
+        if self.device.index in _WORKSPACES:
+            return _WORKSPACES[self.device.index]
         self.synchronize()
         if not clear_blas_workspaces():
+            _WORKSPACES[self.device.index] = 0
             return 0
         self.synchronize()
         before = self.allocated_bytes()
@@ -75,7 +78,19 @@ class CudaAllocator:
             (a @ a).sum().backward()
             del a
         self.synchronize()
-        return self.allocated_bytes() - before
+        _WORKSPACES[self.device.index] = self.allocated_bytes() - before
+        return _WORKSPACES[self.device.index]
+
+
+# Note [Workspaces measured once]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The BLAS workspaces are freed and made again to be measured, once per device and process, at remat's first meter
+# or profile on it (before it compiles anything), not at every meter: CUDA graphs captured later (compile's
+# "reduce-overhead") may hold the workspace they were captured with, which freeing would hand to other tensors.
+# Later readings take the figure as held: a workspace freed since (torch frees them around a CUDA graph's capture) and
+# made again inside the step is then counted twice, over the step's true reading by at most that figure (the safe
+# side of the budget).
+_WORKSPACES: dict[int | None, int] = {}
 
 
 class InOperatorPeak:
