@@ -5,6 +5,7 @@
     remat profile TARGET       per-unit costs and the capture path
     remat verify TARGET (--budget GIB | --plan plan.json)   equivalence check; exit 1 on mismatch
     remat maxbatch TARGET --budget GIB [--dim batch|seq]     the largest and the fastest batch (or sequence)
+    remat accuracy TARGET [--budget GIB,...] [--steps N]     on a CUDA GPU: the prediction for it beside real steps
 
 TARGET is a built-in example (gpt, unet), path/to/file.py:function or package.module:function.
 User mistakes print one line and exit with status 2; --debug shows the traceback.
@@ -55,6 +56,7 @@ from remat.cli.common import (
     _target,
 )
 from remat.cli.render import _compiled_footer, _eager_footer, _print_profile, _tradeoff_table
+from remat.cli.accuracy import add_accuracy, cmd_accuracy
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--atol", type=float, default=0.0)
     v.add_argument("--granularity", choices=["block", "op"], default="op",
                    help="with --budget: allow selective (op-level) units (op, the default) or whole units only")
+    add_accuracy(sub, common)
     return p
 
 
@@ -318,7 +321,7 @@ def cmd_verify(args, out, err) -> int:
 
 
 COMMANDS = {"tradeoff": cmd_tradeoff, "plan": cmd_plan, "profile": cmd_profile, "verify": cmd_verify,
-            "maxbatch": cmd_maxbatch}
+            "maxbatch": cmd_maxbatch, "accuracy": cmd_accuracy}
 
 
 def _join_ranks() -> int:
