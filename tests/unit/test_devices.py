@@ -37,7 +37,8 @@ DOCUMENTS = json.loads(Path(devices.__file__).with_name("devices.json").read_tex
 #: Built-in figures no source of which names a document one could look up, with why (an entry whose source comes
 #: to name one fails, to be removed). (Every figure's note writes it: the 15 dense figures whose notes gave only the
 #: sparse one "halved", or another device's, write their value since the test was made exact.)
-NO_DOCUMENT = {("l4", "memory_bytes"): "a deviceQuery quoted in a GitHub issue whose address was not recorded"}
+NO_DOCUMENT = {("l4", "memory_bytes"): "a deviceQuery quoted in a GitHub issue whose address was not recorded",
+               ("h100-pcie", "memory_bytes"): "a torch printout in a stored public file whose address was not recorded"}
 
 
 def figures(note: str) -> list[tuple[str, str | None, Fraction, Fraction]]:
@@ -165,6 +166,19 @@ def test_the_check_finds_a_wrong_or_unsourced_figure(name, field, change, said):
     assert unsourced(KNOWN) == []
     problems = unsourced(_changed(name, field, **change))
     assert len(problems) == 1 and problems[0].startswith(f"{name}.{field} = ") and said in problems[0], problems
+
+
+def test_the_h200s_memory_is_what_torch_reported_on_one():
+    """Issue #55: on an H200 torch reported total_memory 150,109,880,320 bytes (torch 2.11.0+cu130, driver
+    580.159.04, 2026-12-04); the table had the marketed 141e9, 6% less, so a step that would reserve between the
+    two was called one that does not fit the device. The table holds the measured figure, and its one source
+    says measured, where and when."""
+    h200 = KNOWN["h200"]
+    assert h200.memory_bytes == 150_109_880_320 and str(h200).endswith("(139.8 GiB)")
+    ((doc, note),) = h200.sources_of("memory_bytes")
+    assert note.startswith("Measured on an H200 by remat on 2026-12-04") and "remat's measurement" in doc
+    assert "torch 2.11.0+cu130" in note and "driver 580.159.04" in note and "total_memory" in note
+    assert writes(note, "memory_bytes", 150_109_880_320)
 
 
 def test_dense_figures_rank_as_the_dtypes_do():
