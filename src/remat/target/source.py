@@ -11,10 +11,10 @@ build] in remat.target.world), and how each is taken into account (docs/targets.
 
 * allocation sizes: every block is rounded up to 512 bytes (``Modelled.counted``), segments and pools by the
   allocator replay (remat.costs.allocator);
-* attention: on fake CPU tensors ``scaled_dot_product_attention`` picks the CPU flash kernel, which saves the
-  output and the log-sum-exp rows (float32, batch x heads x queries), as CUDA's flash, memory-efficient and
-  cuDNN kernels do for the shapes and dtypes training uses (their RNG seed and offset: 16 bytes, ignored); the
-  math fallback (which saves the whole attention matrix) is not what a GPU picks for bf16 and head size <= 256;
+* attention: each ``scaled_dot_product_attention`` call runs through the CUDA operator of the kernel torch would
+  pick on the target's GPU (flash, memory-efficient, cuDNN or math, by torch's rules: Note [SDPA selection rules]
+  in remat.costs.attention_kernels), so the recording keeps what that kernel saves and times it by its name, not
+  the CPU's choice (Note [Attention on the target] in remat.target.attention);
 * optimizer steps: ``foreach`` (torch's default on CUDA) unless the optimizer says otherwise, so one step's
   temporaries are a whole parameter group's at once, recorded on the fake parameters;
 * cuBLAS workspaces: one per thread that runs matrix products (the step's and autograd's), of torch's default
@@ -51,6 +51,7 @@ from remat.runtime.measure import StorageTracker, allocated_bytes, input_tensors
 from remat.solve import Planner
 from remat.solve.plan import Plan, fmt_bytes
 from remat.target.timing import OperatorTimes, efficiencies_elsewhere, operator_seconds, rates_of, step_time
+from remat.target.attention import AttentionCall, describe_calls
 from remat.target.limits import fake_tensor_limits
 from remat.target.world import Target, as_target, built, wrapping_assumed
 
@@ -72,6 +73,9 @@ class ModelledTarget:
         self.replayed: dict[tuple[str, ...], AllocatorPeaks] = {}
         #: what the time model found worth saying about the last profile (FSDP2's communication)
         self.time_notes: list[str] = []
+        #: every attention call of the last profile's recordings, with the kernel assumed (Note [Attention on
+        #: the target] in remat.target.attention)
+        self.attention: list[AttentionCall] = []
 
     def describe(self) -> str:
         return f"predicted for {self.target.describe()}, not measured"
@@ -100,9 +104,10 @@ class ModelledTarget:
 
         rates = rates_of(self.target, _model_dtype(req.model))
         self.time_notes = []
+        self.attention = []
         with fake_tensor_limits(self.target), \
-                built(self.target, req.model, (req.args, req.kwargs), before=capture_unwrapped) as (
-                fake, (args, kwargs), mode):
+                built(self.target, req.model, (req.args, req.kwargs), before=capture_unwrapped,
+                      attention_calls=self.attention) as (fake, (args, kwargs), mode):
             opt = _optimizer_cost(req.optimizer, req.model, fake, mode, self.target)
             modelled = Modelled(optimizer=opt, op_seconds=lambda op: operator_seconds(op, rates, self.target),
                                 overhead=self._overhead(), counted=self._counted, note=self._note(rates),
@@ -123,7 +128,8 @@ class ModelledTarget:
             profile, device=self.describe(), world_size=self.target.world, target=self.target.describe(), **fixed,
             optimizer_s=optimizer_s, tokens_per_step=_tokens(req.args, req.kwargs, self.target),
             peak_flops_per_s=rates.flops_per_s,
-            notes=profile.notes + tuple(self.time_notes) + (
+            notes=profile.notes + tuple(self.time_notes) + tuple(
+                n for n in (describe_calls(self.attention, self.target),) if n) + (
                 f"wrapping assumed: {wrapping_assumed(self.target, req.model)}",
                 f"recorded on fake tensors in {time.perf_counter() - started:.1f} s",))
 

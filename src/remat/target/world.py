@@ -9,7 +9,8 @@ where users plan. So a target's step is recorded on fake *CPU* tensors in the ta
 and storage sizes, no memory), and what the target's kernels do differently from the CPU ones is modelled
 explicitly where it matters to memory (Note [Target kernels] in remat.target.source; docs/targets.md): each
 block rounded to the CUDA allocator's 512 bytes, the allocator replayed for reserved bytes, ``foreach`` optimizer
-steps (torch's default on CUDA), the attention kernel's saved tensors. Collectives run on torch's fake process
+steps (torch's default on CUDA), the attention kernel CUDA picks (Note [Attention on the target] in
+remat.target.attention). Collectives run on torch's fake process
 group (backend ``"fake"``): they return at once with their outputs allocated, so FSDP2's all-gather and
 reduce-scatter buffers, sharded parameters, gradients and optimizer state are the real code's, at a world size
 that does not exist.
@@ -171,7 +172,9 @@ def _aten(name: str) -> Any:
 #: list: 39.17 GiB predicted reserved as shipped, 44.13 with the CPU kernel added by hand; issue #47). So while a
 #: CUDA target's step is recorded, a policy asked about a CPU stand-in that it would not save is asked again about
 #: the CUDA operators it stands in for (``remat._compat.checkpoint_policies_asked_for``), and saves where the run
-#: would. The stand-ins (docs/targets.md lists them):
+#: would. Since Note [Attention on the target] (remat.target.attention) a call found as
+#: ``F.scaled_dot_product_attention`` runs CUDA's operator itself, and the policy is asked about that; the stand-in
+#: is left for a call the replacement does not reach. The stand-ins (docs/targets.md lists them):
 CUDA_STAND_INS: dict[Any, tuple[Any, ...]] = {
     _aten("_scaled_dot_product_flash_attention_for_cpu"): tuple(
         _aten(n) for n in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -337,11 +340,15 @@ def default_parallelize(target: Target) -> Parallelize:
 
 @contextlib.contextmanager
 def built(target: Target, model: nn.Module, example_inputs: Any,
-          before: Callable[[nn.Module, Any], None] | None = None) -> Iterator[tuple[nn.Module, Any, Any]]:
+          before: Callable[[nn.Module, Any], None] | None = None,
+          attention_calls: list | None = None) -> Iterator[tuple[nn.Module, Any, Any]]:
     """The target's world, with ``model`` copied onto fake tensors, parallelized as on the target, and the
     inputs made fake: yields (fake model, fake inputs, the FakeTensorMode to run them under). ``before(fake,
     inputs)`` runs on the copy before it is parallelized (the capture: Note [Capture before parallelizing] in
-    remat.target.source)."""
+    remat.target.source). While the block runs, attention runs the kernel the target's GPU would (Note [Attention
+    on the target] in remat.target.attention), each call appended to ``attention_calls``."""
+    from remat.target.attention import attention_as_on
+
     mode = fake_mode()
     with fake_world(target) as mesh, \
             checkpoint_policies_asked_for(CUDA_STAND_INS) if target.is_cuda else contextlib.nullcontext():
@@ -365,5 +372,6 @@ def built(target: Target, model: nn.Module, example_inputs: Any,
                             f"applied to a copy of the model on fake tensors over a mesh of {mesh.mesh_dim_names} = "
                             f"{tuple(mesh.shape)} (torch's fake process group); its traceback is chained below") \
                             from e
-        yield fake, inputs, mode
+        with attention_as_on(target, attention_calls):
+            yield fake, inputs, mode
 
