@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import remat
-from remat._compat import clear_blas_workspaces
+from remat._compat import clear_blas_workspaces, torch_release
 from remat.examples import make_gpt, make_unet
 
 pytestmark = pytest.mark.cuda
@@ -31,7 +31,8 @@ def test_cuda_budget_met_and_gradients_equal(make):
     opt = torch.optim.AdamW(model.parameters())
     args, kwargs = remat.api.split_inputs(inputs)
     profile = remat.make_profile(model, inputs, loss_fn=loss_fn, optimizer=opt)
-    assert profile.workspace_bytes > 0  # the BLAS workspaces, measured and counted
+    if torch_release() < (2, 15):  # cuBLAS's workspaces cached in the allocator (Note [cuBLAS workspaces])
+        assert profile.workspace_bytes > 0  # measured and counted
     planner = remat.Planner(profile)
     least = remat.checked_plan(model, inputs, planner, planner.baseline_peak_bytes, loss_fn=loss_fn).min_peak_bytes
     assert abs(planner.min_peak_bytes - least) <= 0.02 * least, (planner.min_peak_bytes, least)
