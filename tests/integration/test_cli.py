@@ -256,3 +256,26 @@ def test_the_suites_cpu_command_lines_stay_on_the_cpu_where_a_gpu_is(monkeypatch
         with pytest.raises(Built) as e:
             main(list(argv))
         assert e.value.args[0] == torch.device("cpu"), argv
+
+
+def test_under_torchrun_device_cpu_joins_the_ranks_with_gloo_where_a_gpu_is(monkeypatch):
+    """``torchrun ... remat plan --device cpu`` on a machine with a GPU: the ranks' model is on the CPU, so the
+    process group remat joins is gloo's (NCCL moves no CPU tensor); it picked NCCL whenever CUDA was there."""
+    import torch.distributed as dist
+
+    class Joined(Exception):
+        pass
+
+    def join(backend, *args, **kwargs):
+        raise Joined(backend)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", join)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(Joined) as e:
+        main(["profile", *TINY_GPT])
+    assert e.value.args[0] == "gloo"
+    with pytest.raises(Joined) as e:  # without --device the default is cuda there, and so NCCL
+        main(["profile", *TINY_GPT[:-2]])
+    assert e.value.args[0] == "nccl"

@@ -324,15 +324,17 @@ COMMANDS = {"tradeoff": cmd_tradeoff, "plan": cmd_plan, "profile": cmd_profile, 
             "maxbatch": cmd_maxbatch, "accuracy": cmd_accuracy}
 
 
-def _join_ranks() -> int:
-    """Under torchrun, join the default process group (if the caller has not); returns this rank (0 alone)."""
+def _join_ranks(device: str | None = None) -> int:
+    """Under torchrun, join the default process group (if the caller has not); returns this rank (0 alone).
+    ``device``: --device; ``cpu`` joins with gloo even where CUDA is available (NCCL moves no CPU tensor)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0
     import torch.distributed as dist
 
+    cuda = torch.cuda.is_available() and device != "cpu"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return dist.get_rank()
 
@@ -341,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out, err = _console()
     try:
-        if _join_ranks() != 0:  # one rank speaks for all
+        if _join_ranks(getattr(args, "device", None)) != 0:  # one rank speaks for all
             out, err = _quiet(out), _quiet(err)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.command == "verify":
             raise UsageError("remat verify compares deep copies of the model, which a model sharded or replicated "
