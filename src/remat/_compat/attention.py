@@ -33,8 +33,9 @@ _KEPT = frozenset({"output", "logsumexp", "log_sumexp", "rng_state", "unused", "
 
 def sdp_switches() -> tuple[frozenset[str], tuple[str, ...] | None]:
     """The SDP backends this process has enabled (``torch.backends.cuda.*_sdp_enabled``, public) and the priority
-    order a user set (``torch._C._get_sdp_priority_order``, from ``sdpa_kernel(..., set_priority=True)``;
-    None when it is torch's default or this torch lacks it)."""
+    order a user set (``torch._C._get_sdp_priority_order``, from ``sdpa_kernel(..., set_priority=True)``; checked
+    on 2.13); None when it is torch's default (or its cuDNN-first one, which a user may also have set: taken as
+    torch's) or this torch lacks it."""
     import torch.backends.cuda as bc
 
     enabled = {name for name, on in (("flash", bc.flash_sdp_enabled()), ("efficient", bc.mem_efficient_sdp_enabled()),
@@ -45,7 +46,10 @@ def sdp_switches() -> tuple[frozenset[str], tuple[str, ...] | None]:
     order = None
     if get is not None:
         names = tuple(_BACKEND_NAMES[i] for i in get() if i in _BACKEND_NAMES)
-        order = None if names == ("flash", "efficient", "math", "cudnn") else names
+        # torch's default, or the cuDNN-first order torch itself sets once SDPA has run on a Hopper or Blackwell
+        # GPU in this process (``priority_order``): neither is the user's
+        order = None if names in (("flash", "efficient", "math", "cudnn"), ("cudnn", "flash", "efficient", "math")) \
+            else names
     return frozenset(enabled), order
 
 
