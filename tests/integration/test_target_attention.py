@@ -157,3 +157,12 @@ def test_the_rules_pick_what_torch_picks_on_this_gpu():
                                            c.head_dim_v, getattr(torch, dtype), is_causal=c.is_causal,
                                            mask=c.has_attn_mask, dropout_p=c.dropout_p, enable_gqa=c.enable_gqa)
                 assert choose_kernel(c, vendor, capability, settings).kernel == got, (family, c, got)
+
+
+def test_a_target_names_the_torch_its_run_uses():
+    """``Target(torch_version=...)``: a bf16 call on an H100 runs flash as torch 2.8 picks it (cuDNN last), cuDNN
+    as 2.11 does (the H200 measurement's torch), whatever torch plans."""
+    config = _tiny("Mistral")
+    for release, kernel in (("2.8", "flash"), ("2.11", "cudnn")):
+        calls = _recorded_calls(config, "bfloat16", Target(device="h100-80gb", torch_version=release))
+        assert calls and {c.choice.kernel for c in calls} == {kernel}, release

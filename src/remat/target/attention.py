@@ -19,7 +19,8 @@ rules choose (its meta kernel runs on the fake CPU tensors, and autograd keeps w
 keeps), with the arguments ``scaled_dot_product_attention`` passes it on CUDA (remat._compat.attention.run_kernel):
 the recording holds that kernel's saved tensors, times it by its own operator name, and a selective policy that
 names CUDA's kernels is asked about the one the run calls. The release is this process's torch (the planning
-process is assumed to run the release the target will), the cuDNN the default wheel of that release brings, and
+process runs the release the target will, unless ``Target(torch_version=...)`` names the run's), the cuDNN the
+default wheel of that release brings, and
 this process's SDP switches (``torch.backends.cuda.enable_*_sdp``, an order set with ``sdpa_kernel(...,
 set_priority=True)``) and environment (``TORCH_CUDNN_SDPA_PREFERRED``, ``TORCH_CUDNN_SDPA_DEPRIORITIZED``).
 """
@@ -66,13 +67,14 @@ def gpu_of(target: Target) -> tuple[str, tuple[int, int]]:
     return spec.vendor, CAPABILITY.get(generation_of(spec), (9, 0))
 
 
-def settings_here() -> SdpaSettings:
-    """The torch release, SDP switches and environment of this process (Note [Attention on the target])."""
+def settings_here(torch_version: str | None = None) -> SdpaSettings:
+    """The torch release (``torch_version``, else this process's), SDP switches and environment of this process
+    (Note [Attention on the target])."""
     from remat._compat import torch_release
     from remat._compat.attention import sdp_switches
 
     enabled, order = sdp_switches()
-    return SdpaSettings(torch=torch_release(), enabled=enabled, order=order,
+    return SdpaSettings(torch=torch_release(torch_version), enabled=enabled, order=order,
                         cudnn_preferred_env=os.environ.get("TORCH_CUDNN_SDPA_PREFERRED"),
                         cudnn_deprioritized_env=os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED"))
 
@@ -97,7 +99,7 @@ def attention_as_on(target: Target, calls: list[AttentionCall] | None = None) ->
     from remat._compat.attention import sdpa_replaced
 
     vendor, capability = gpu_of(target)
-    settings = settings_here()
+    settings = settings_here(target.torch_version)
     choices: dict[SdpaCall, Choice] = {}
 
     def choose(a: dict) -> str:
@@ -133,6 +135,6 @@ def describe_calls(calls: list[AttentionCall], target: Target) -> str | None:
              + (f"/{k[3]}" if k[3] != k[2] else "") + (f", dropout {k[4]}" if k[4] else "")
              + (", mask" if k[5] else "") + (", grouped heads" if k[6] else "") + ")" for k, n in seen.items()]
     first = calls[0].choice
-    release = ".".join(map(str, torch_release()))
+    release = ".".join(map(str, torch_release(target.torch_version)))
     return (f"attention assumed as torch {release} picks it on {vendor} sm {major}.{minor} (order "
             f"{' > '.join(first.order)}; Note [Attention on the target]): " + "; ".join(parts))

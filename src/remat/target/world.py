@@ -77,6 +77,9 @@ class Target:
     network_bytes_per_s: float | None = 50e9
     #: GPUs per node: a group of more ranks (counting the TP ranks between FSDP ranks) crosses the network
     devices_per_node: int = 8
+    #: the torch release the run uses ("2.11"): which attention kernel CUDA picks (Note [Attention on the target] in
+    #: remat.target.attention); None: this process's torch
+    torch_version: str | None = None
     #: host memory one rank may fill with offloaded activations (bytes; the server's, not the GPU's: e.g. a DGX H100's
     #: 2 TB over 8 GPUs, less what the run itself uses); None: not limited (Note [Offload in the memory model])
     host_memory_bytes: int | None = None
@@ -111,6 +114,10 @@ class Target:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise InvalidInputError(f"Target.{name} takes a number > 0 or None, got {value!r}")
+        if self.torch_version is not None and not (isinstance(self.torch_version, str)
+                                                   and re.match(r"^\d+\.\d+", self.torch_version)):
+            raise InvalidInputError(f"Target.torch_version takes a release such as '2.11' or None (this process's "
+                                    f"torch), got {self.torch_version!r}")
         if self.parallelize is not None and not callable(self.parallelize):
             raise InvalidInputError(f"Target.parallelize takes a function fn(model, mesh), got {self.parallelize!r}")
         allocator = self.allocator
@@ -148,7 +155,7 @@ class Target:
         from remat.target.devices import generation_of
         from remat.target.workspace import blas_workspaces
 
-        version = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+        version = tuple(int(x) for x in re.findall(r"\d+", self.torch_version or torch.__version__)[:2])
         return blas_workspaces(self.spec.vendor, generation_of(self.spec), version, os.environ)
 
     def describe(self) -> str:
