@@ -53,6 +53,7 @@ from remat.cli.common import (
     _profile,
     _quiet,
     _rank,
+    _size_args,
     _target,
 )
 from remat.cli.render import _compiled_footer, _eager_footer, _print_profile, _tradeoff_table
@@ -66,13 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     _target_args(common)
     common.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
                         help="optimizer whose state counts in the budget (default: adamw)")
-    size = common.add_argument_group("size of a built-in example")
-    size.add_argument("--layers", type=int, help="gpt: decoder blocks (default 4)")
-    size.add_argument("--batch-size", "--batch", type=int, help="examples per batch")
-    size.add_argument("--seq-len", "--seq", type=int, help="gpt: tokens per example (default 64)")
-    size.add_argument("--d-model", type=int, help="gpt: width (default 128)")
-    size.add_argument("--image-size", type=int, help="unet: image side in pixels (default 64)")
-    size.add_argument("--depth", type=int, help="unet: down/up levels (default 3)")
+    _size_args(common)
     common.add_argument("--output-dropped", action="store_true",
                         help="the training loop drops the model's output once the loss is computed (HF Trainer, "
                              "torchtitan); default: it keeps it until the step ends (nanoGPT, most hand loops)")

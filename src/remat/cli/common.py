@@ -80,6 +80,17 @@ def _target_args(common: argparse.ArgumentParser) -> None:
     world.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (needs the target's parallelize)")
 
 
+def _size_args(common: argparse.ArgumentParser) -> None:
+    """The size of a built-in example (--layers, --batch-size, --seq-len, --d-model, --image-size, --depth)."""
+    size = common.add_argument_group("size of a built-in example")
+    size.add_argument("--layers", type=int, help="gpt: decoder blocks (default 4)")
+    size.add_argument("--batch-size", "--batch", type=int, help="examples per batch")
+    size.add_argument("--seq-len", "--seq", type=int, help="gpt: tokens per example (default 64)")
+    size.add_argument("--d-model", type=int, help="gpt: width (default 128)")
+    size.add_argument("--image-size", type=int, help="unet: image side in pixels (default 64)")
+    size.add_argument("--depth", type=int, help="unet: down/up levels (default 3)")
+
+
 def _modelled(args) -> Any:
     """The :class:`remat.target.Target` the command line plans for (``--device`` a GPU of the table or a JSON spec,
     ``--world``/``--fsdp``/``--tp``), or None to run here; the target's ``parallelize`` is added by :func:`_target`,
