@@ -340,16 +340,20 @@ def test_the_tradeoffs_first_budget_is_one_its_check_meets(monkeypatch):
     """Note [The sweep starts where the check meets it] in remat.sweeps.report: on an H200 ``remat tradeoff gpt
     --device cuda`` refused its own first budget (the predicted least 2.930 GiB; its check measured the
     least-memory plan at 2.957). Here every checked step reads 64 KiB more than the real one (as a workspace no
-    recorded step shows would): the sweep starts at the least the check measures, and that budget gets a plan
-    (the old sweep started at the predicted least, which the check then refused)."""
+    recorded step shows would), and one byte more than the check before it (as a reading that moves from step to
+    step could): the sweep starts at the least the check measured, and that budget gets a plan, met by the very
+    reading it was set from (the old sweep started at the predicted least, which the check then refused; one
+    that started at the measured least but checked it again read a byte over it)."""
     import remat.api.checking as checking
 
     extra = 64 * 1024
-    real, seen = checking.peak_with_plan, {}
+    real, seen, calls = checking.peak_with_plan, {}, []
 
     def over(model, plan, *args, **kwargs):
-        seen[plan.choices] = real(model, plan, *args, **kwargs) + extra
-        return seen[plan.choices]
+        calls.append(plan.choices)
+        peak = real(model, plan, *args, **kwargs) + extra + len(calls)
+        seen.setdefault(plan.choices, peak)  # the first reading of each plan
+        return peak
 
     monkeypatch.setattr(checking, "peak_with_plan", over)
     model, inputs, _ = make_gpt(layers=2, batch_size=2, seq_len=16, d_model=32, vocab=64)

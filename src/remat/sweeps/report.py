@@ -94,19 +94,21 @@ def budget_sweep(planner: Planner, points: int, *, least_bytes: int | None = Non
 
 
 def _measured_sweep(model, inputs, loss_fn, planners: dict[str, Planner], granularities, points: int,
-                    ranks) -> list[int]:
+                    ranks) -> tuple[list[int], dict[str, dict[tuple[str, ...], int]]]:
     """Note [The sweep starts where the check meets it]: each budget's plan is checked on a real step, and a
     budget below the least peak the check measures (the least-memory plan's, :func:`least_checked`) is refused.
     A prediction under the real step (on an H200, ``remat tradeoff gpt --device cuda`` predicted its least
     2.930 GiB and measured 2.957: workspaces and kernels the recorded step does not show) made the table's
     first budget one its own check refused. So the sweep starts at the measured least where that is above the
-    predicted one, for every granularity with rows (one real step each, which the first budget's check then
-    takes again)."""
+    predicted one, for every granularity with rows. Returns the budgets and, per granularity, the checked peaks
+    read (by the plans' units), which the first budget's check reuses: the budget is met by the very reading it
+    was set from, not by a second step that could read a few bytes more (the same real steps, none added)."""
     args, kwargs = split_inputs(inputs)
     device = model_device(model)
+    checked: dict[str, dict[tuple[str, ...], int]] = {g: {} for g in granularities}
     measured = max(least_checked(model, args, kwargs, loss_fn, device, planners[g], planners[g].min_peak_bytes,
-                                 ranks=ranks) for g in granularities)
-    return budget_sweep(planners["block"], points, least_bytes=measured)
+                                 ranks=ranks, checked=checked[g]) for g in granularities)
+    return budget_sweep(planners["block"], points, least_bytes=measured), checked
 
 
 def tradeoff(
@@ -155,14 +157,16 @@ def tradeoff(
         undo()
 
 
-def _checked_plans(model, inputs, loss_fn, planners, granularities, budget: int, ranks) -> list:
-    """remat's checked plan for ``budget`` at each granularity, or a stand-in saying why there is none."""
+def _checked_plans(model, inputs, loss_fn, planners, granularities, budget: int, ranks,
+                   checked: dict[str, dict[tuple[str, ...], int]] | None = None) -> list:
+    """remat's checked plan for ``budget`` at each granularity, or a stand-in saying why there is none.
+    ``checked``: peaks already read per granularity (plan_checked's ``checked``; copied, not filled)."""
     args, kwargs = split_inputs(inputs)
     out: list = []
     for gran in granularities:
         try:
             out.append((plan_checked(model, args, kwargs, loss_fn, model_device(model), planners[gran], budget,
-                                     ranks=ranks), budget, ""))
+                                     ranks=ranks, checked=dict((checked or {}).get(gran, {}))), budget, ""))
         except InfeasibleBudgetError as e:
             out.append((_Infeasible("ilp" if gran == "block" else "ilp-op"), budget,
                         f"below the least achievable peak {fmt_bytes(e.min_feasible_bytes)}"))
@@ -175,12 +179,13 @@ def _infeasible_row(plan: "_Infeasible", budget: int | None, note: str) -> Trade
 
 
 def _tradeoff_ranks(model, inputs, profile, ranks, planners, sweep, plans, *, loss_fn, optimizer_factory, warmup,
-                    repeats, granularities, say) -> list[TradeoffRow]:
-    """Note [Tradeoff on every rank]."""
+                    repeats, granularities, say, first_checked=None) -> list[TradeoffRow]:
+    """Note [Tradeoff on every rank]. ``first_checked``: the peaks the sweep's first budget was set from."""
     loss_fn = loss_fn or default_loss
-    for b in sweep:
+    for i, b in enumerate(sweep):
         say(f"planning for {fmt_bytes(b)}")
-        plans += _checked_plans(model, inputs, loss_fn, planners, granularities, b, ranks)
+        plans += _checked_plans(model, inputs, loss_fn, planners, granularities, b, ranks,
+                                first_checked if i == 0 else None)
     distinct: dict[frozenset[str], Plan] = {}
     for plan, _, _ in plans:
         if not isinstance(plan, _Infeasible) and plan.solver_status != "infeasible":
@@ -231,18 +236,21 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
     planners = {"block": planner}
     if "op" in granularities:
         planners["op"] = Planner(profile, granularity="op", ranks=profiles)
+    first_checked = None
     if budgets is not None:
         sweep = budgets
     else:
         say("measuring the least-memory plan")
-        sweep = _measured_sweep(model, inputs, loss_fn or default_loss, planners, granularities, points, ranks)
+        sweep, first_checked = _measured_sweep(model, inputs, loss_fn or default_loss, planners, granularities,
+                                               points, ranks)
     if ranks is not None:
         return _tradeoff_ranks(model, inputs, profile, ranks, planners, sweep, plans, loss_fn=loss_fn,
                                optimizer_factory=optimizer_factory, warmup=warmup, repeats=repeats,
-                               granularities=granularities, say=say)
-    for b in sweep:
+                               granularities=granularities, say=say, first_checked=first_checked)
+    for i, b in enumerate(sweep):
         say(f"planning for {fmt_bytes(b)}")
-        plans += _checked_plans(model, inputs, loss_fn or default_loss, planners, granularities, b, None)
+        plans += _checked_plans(model, inputs, loss_fn or default_loss, planners, granularities, b, None,
+                                first_checked if i == 0 else None)
         if greedy:
             g = planner.greedy(b)
             plans.append((g, b, "" if g.solver_status != "infeasible" else "greedy found no plan within the budget"))
