@@ -14,7 +14,8 @@ import torch
 import remat
 from remat.cli import main
 from remat.errors import InvalidInputError, UnsupportedError
-from remat.target.accuracy import check_prediction, match_spec
+from remat.target.accuracy import check_prediction
+from remat.target.this_gpu import match_spec
 from remat.target.devices import KNOWN
 
 TINY = ["gpt", "--layers", "2", "--batch-size", "2", "--seq-len", "32", "--d-model", "32"]

@@ -41,7 +41,7 @@ def add_accuracy(sub, common: argparse.ArgumentParser) -> None:
 
 def _spec(args):
     """The spec to predict for and how it was chosen (None, "cuda" or "cuda:N": this GPU's)."""
-    from remat.target.accuracy import spec_here
+    from remat.target.this_gpu import spec_here
     from remat.target.devices import device_spec
 
     device = args.device
@@ -55,7 +55,8 @@ def _spec(args):
 
 def cmd_accuracy(args, out, err) -> int:
     from remat.cli.targets import resolve_target
-    from remat.target.accuracy import check_prediction, cuda_required
+    from remat.target.accuracy import check_prediction
+    from remat.target.this_gpu import cuda_required
 
     if args.world != 1 or args.tp != 1 or args.fsdp not in (None,):
         raise UsageError("remat accuracy runs the plans on this one GPU: --world 1, no --fsdp or --tp (a world that "
@@ -85,8 +86,8 @@ def cmd_accuracy(args, out, err) -> int:
         described.append(desc)
         return model, inputs, loss_fn
 
-    out.print(f"[bold]remat[/bold] {__version__} · target {args.target} · predicted for {spec} ({how}) · measured on "
-              f"{measure_on} · optimizer {args.optimizer} · torch {torch.__version__}")
+    out.print(f"[bold]remat[/bold] {__version__} · target {args.target} · predicted for {spec} ({how}) · measured "
+              f"on {measure_on} · optimizer {args.optimizer} · torch {torch.__version__}")
     with err.status("predicting") as st:
         result = check_prediction(build, device=spec, optimizer_factory=OPTIMIZERS[args.optimizer],
                                   output_alive=not args.output_dropped, budgets_gb=args.budgets, steps=args.steps,
@@ -133,7 +134,8 @@ def accuracy_table(result):
     table = Table(title=f"remat's prediction for {result.spec} beside the plans run on {result.measured_on}",
                   title_justify="left")
     for col, just in [("plan", "left"), ("units", "right"),
-                      ("allocated\npredicted", "right"), ("allocated\nmeasured", "right"), ("allocated\nerror", "right"),
+                      ("allocated\npredicted", "right"), ("allocated\nmeasured", "right"),
+                      ("allocated\nerror", "right"),
                       ("reserved\npredicted", "right"), ("reserved\nmeasured", "right"), ("reserved\nerror", "right"),
                       ("step time\npredicted", "right"), ("step time\nmeasured", "right"),
                       ("step time\nerror", "right")]:

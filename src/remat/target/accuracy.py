@@ -36,9 +36,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import re
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -46,16 +44,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from remat.errors import InfeasibleBudgetError, InvalidInputError, RematError, UnsupportedError
+from remat.errors import InfeasibleBudgetError, InvalidInputError, RematError
 from remat.solve.plan import GiB, Plan
-from remat.target.devices import KNOWN, DeviceSpec, device_spec
+from remat.target.devices import DeviceSpec, device_spec
+from remat.target.this_gpu import cuda_required, describe_device, spec_here
 
 #: ``build(device)`` -> ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``: the target built on
 #: ``device`` (the meta device for the prediction, the GPU for each measured row)
 Build = Callable[[torch.device], tuple]
-
-#: a table device whose rates stand for a GPU of this compute capability when its name is not in the table
-BY_CAPABILITY = {(8, 0): "a100-80gb", (9, 0): "h100-80gb", (10, 0): "b200", (8, 9): "l4"}
 
 
 @dataclass(frozen=True)
@@ -169,80 +165,6 @@ def _rel(predicted: float | None, measured: float | None) -> float | None:
     return None if predicted is None or not measured else predicted / measured - 1
 
 
-# -- the spec of the GPU here ------------------------------------------------------------------------------------
-
-def cuda_required(what: str = "remat accuracy") -> UnsupportedError:
-    """The error for a check asked for on a machine without CUDA."""
-    return UnsupportedError(
-        f"{what} runs the plans for real on a CUDA GPU, and torch here ({torch.__version__}) sees none "
-        f"(torch.cuda.is_available() is False). On this machine, predict for a GPU that is not here instead: "
-        f"remat tradeoff TARGET --device h100-80gb (or remat plan ... --device GPU), and run remat accuracy "
-        f"where the GPU is")
-
-
-def spec_here(device: torch.device | str | None = None) -> tuple[DeviceSpec, str]:
-    """This GPU's spec and how it was found: the table's entry whose name or alias is torch's name of the GPU
-    (``torch.cuda.get_device_name``), else whose key is part of it (e.g. "NVIDIA H200 NVL" -> h200), else the
-    entry of the same compute capability (:data:`BY_CAPABILITY`); its memory replaced by what torch reports here
-    (``total_memory``) where the two differ. Raises :class:`UnsupportedError` without CUDA and
-    :class:`InvalidInputError` for a GPU nothing in the table stands for."""
-    if not torch.cuda.is_available():
-        raise cuda_required()
-    device = torch.device(device or "cuda")
-    props = torch.cuda.get_device_properties(device)
-    return match_spec(props.name, (props.major, props.minor), props.total_memory)
-
-
-def match_spec(gpu_name: str, capability: tuple[int, int], total_memory_bytes: int) -> tuple[DeviceSpec, str]:
-    """:func:`spec_here` for a GPU described by torch's name, its compute capability and ``total_memory``."""
-    key = re.sub(r"[\s_]+", "-", gpu_name.strip().lower())
-    spec, how = None, ""
-    try:
-        spec = device_spec(gpu_name)
-        how = f"torch's name {gpu_name!r} is the table's {spec.name}"
-    except InvalidInputError:
-        # the longest table name or alias inside torch's name ("nvidia-h200-nvl" holds "h200")
-        from remat.target.devices import _ALIASES
-
-        inside = sorted((a for a in _ALIASES if re.search(rf"(^|-){re.escape(a)}($|-)", key)), key=len, reverse=True)
-        if inside:
-            spec = KNOWN[_ALIASES[inside[0]]]
-            how = f"torch's name {gpu_name!r} holds the table's {spec.name} ({inside[0]!r})"
-        elif capability in BY_CAPABILITY:
-            spec = KNOWN[BY_CAPABILITY[capability]]
-            how = (f"{gpu_name!r} is not in the table; its compute capability {capability[0]}.{capability[1]} is the "
-                   f"table's {spec.name}'s, whose rates stand for it")
-    if spec is None:
-        raise InvalidInputError(
-            f"the GPU here, {gpu_name!r} (compute capability {capability[0]}.{capability[1]}), is not in remat's device "
-            f"table ({', '.join(KNOWN)}): give its spec with --device FILE (a JSON file with name, memory_bytes "
-            f"{total_memory_bytes}, bf16_flops_per_s, hbm_bytes_per_s; docs/targets.md)")
-    if spec.memory_bytes != total_memory_bytes:
-        how += (f"; memory as torch reports it here, {total_memory_bytes:,} bytes (the table's "
-                f"{spec.memory_bytes:,})")
-        spec = dataclasses.replace(spec, memory_bytes=total_memory_bytes)
-    return spec, how
-
-
-def _driver() -> str:
-    """The NVIDIA driver's version as ``nvidia-smi`` reports it, or "unknown"."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "unknown"
-
-
-def describe_device(device: torch.device) -> str:
-    """E.g. "NVIDIA H200 (cuda:0), torch 2.11.0+cu130, CUDA 13.0, driver 580.159.04"; "cpu, torch ..." on a CPU."""
-    if device.type != "cuda":
-        return f"{device}, torch {torch.__version__}"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return (f"{torch.cuda.get_device_name(index)} (cuda:{index}), torch {torch.__version__}, CUDA {torch.version.cuda}, "
-            f"driver {_driver()}")
-
-
 # -- the prediction -----------------------------------------------------------------------------------------------
 
 def _built(build: Build, device: torch.device) -> tuple[nn.Module, Any, Any]:
@@ -330,11 +252,6 @@ def measure_plans(build: Build, plans: Sequence[Plan | None], device: torch.devi
     Every row's steps start from the random seed ``seed`` (the caller's random state is given back after), so
     every plan trains as the plain row does: its ``losses`` equal. ``progress(message)`` is called before each
     plan."""
-    from remat.api import apply_plan
-    from remat.rewrite import checkpointed_modules
-    from remat.runtime.measure import default_loss, input_tensors, run_step, split_inputs
-    from remat.runtime.meters import StepMeter
-
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -346,60 +263,65 @@ def measure_plans(build: Build, plans: Sequence[Plan | None], device: torch.devi
         if progress is not None:
             progress(f"running plan {k + 1} of {len(plans)} for real on {device} ({steps} steps)")
         _free(device)
-        model, inputs, built_loss = _built(build, device)
-        model = model.to(device).train()
-        if plan is not None and plan.choices:
-            apply_plan(model, plan)
-        checkpointed = tuple(checkpointed_modules(model))
-        opt = optimizer_factory(model.parameters()) if optimizer_factory is not None else None
-        args, kwargs = split_inputs(inputs)
-        fn = loss_fn or built_loss or default_loss
-        _sync(device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)  # every row draws the same random numbers (dropout): each trains as the plain
+            out.append(_measure_one(build, plan, device, optimizer_factory, loss_fn, output_alive, steps))
         _free(device)
-        cuda = device.type == "cuda"
-        base = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)) if cuda else (None, None)
-        times: list[float] = []
-        losses: list[float] = []
-        meter = None
-        rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-        rng.__enter__()  # every row draws the same random numbers (dropout): each trains as the plain row does
-        torch.manual_seed(seed)
-        try:
-            for i in range(steps):
-                if i == 1:  # steps 2..N are read
-                    if cuda:
-                        torch.cuda.reset_peak_memory_stats(device)
-                    else:
-                        state = [*model.parameters(), *model.buffers(), *input_tensors(args, kwargs),
-                                 *(t for s in (opt.state.values() if opt is not None else ()) for t in s.values()
-                                   if isinstance(t, torch.Tensor))]
-                        meter = StepMeter(device)
-                        meter.start(state)
-                _sync(device)
-                t0 = time.perf_counter()
-                result = run_step(model, args, kwargs, fn, output_alive=output_alive, optimizer=opt)
-                _sync(device)
-                times.append(time.perf_counter() - t0)
-                losses.append(float(result.loss))
-                del result
-            if cuda:
-                st = torch.cuda.memory_stats(device)
-                alloc, reserved = st["allocated_bytes.all.peak"], st["reserved_bytes.all.peak"]
-            else:
-                alloc, reserved = meter.stop(), None
-                meter = None
-            out.append(PlanMeasurement(alloc, reserved, statistics.median(times[1:]), *base, checkpointed,
-                                       tuple(times), tuple(losses)))
-        except torch.OutOfMemoryError as e:
-            out.append(PlanMeasurement(None, None, None, *base, checkpointed, tuple(times), tuple(losses),
-                                       error=f"out of memory on the device: {' '.join(str(e).split())[:300]}"))
-        finally:
-            if meter is not None:
-                meter.stop()
-            rng.__exit__(None, None, None)
-            del model, opt, inputs, args, kwargs
-            _free(device)
     return out
+
+
+def _measure_one(build: Build, plan: Plan | None, device: torch.device, optimizer_factory: Any, loss_fn: Any,
+                 output_alive: bool, steps: int) -> PlanMeasurement:
+    """One row of :func:`measure_plans`: built, planned, ``steps`` steps, read."""
+    from remat.api import apply_plan
+    from remat.rewrite import checkpointed_modules
+    from remat.runtime.measure import default_loss, input_tensors, run_step, split_inputs
+    from remat.runtime.meters import StepMeter
+
+    model, inputs, built_loss = _built(build, device)
+    model = model.to(device).train()
+    if plan is not None and plan.choices:
+        apply_plan(model, plan)
+    checkpointed = tuple(checkpointed_modules(model))
+    opt = optimizer_factory(model.parameters()) if optimizer_factory is not None else None
+    args, kwargs = split_inputs(inputs)
+    fn = loss_fn or built_loss or default_loss
+    cuda = device.type == "cuda"
+    _sync(device)
+    _free(device)
+    base = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)) if cuda else (None, None)
+    times: list[float] = []
+    losses: list[float] = []
+    meter, started = StepMeter(device), False
+    try:
+        for i in range(steps):
+            if i == 1 and cuda:  # steps 2..N are read
+                torch.cuda.reset_peak_memory_stats(device)
+            elif i == 1:
+                opt_state = (t for s in (opt.state.values() if opt is not None else ()) for t in s.values()
+                             if isinstance(t, torch.Tensor))
+                meter.start([*model.parameters(), *model.buffers(), *input_tensors(args, kwargs), *opt_state])
+                started = True
+            _sync(device)
+            t0 = time.perf_counter()
+            result = run_step(model, args, kwargs, fn, output_alive=output_alive, optimizer=opt)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            losses.append(float(result.loss))
+            del result
+        if cuda:
+            st = torch.cuda.memory_stats(device)
+            alloc, reserved = st["allocated_bytes.all.peak"], st["reserved_bytes.all.peak"]
+        else:
+            alloc, reserved, started = meter.stop(), None, False
+        return PlanMeasurement(alloc, reserved, statistics.median(times[1:]), *base, checkpointed, tuple(times),
+                               tuple(losses))
+    except torch.OutOfMemoryError as e:
+        return PlanMeasurement(None, None, None, *base, checkpointed, tuple(times), tuple(losses),
+                               error=f"out of memory on the device: {' '.join(str(e).split())[:300]}")
+    finally:
+        if started:  # (stopped early by an error)
+            meter.stop()
 
 
 # -- both ---------------------------------------------------------------------------------------------------------
@@ -419,11 +341,11 @@ def check_prediction(build: Build, *, device: DeviceSpec | str | None = None,
     many. A 1B model takes a few minutes.
 
     ``device``: the spec to predict for (a table name, a JSON file's path or a :class:`DeviceSpec`); None: this
-    GPU's (:func:`spec_here`: torch's name matched against the table, memory as torch reports it).
-    ``optimizer_factory(params)`` builds the loop's optimizer (None: no optimizer). ``measure_on``: the CUDA
-    device to run on (default the current one); ``"cpu"`` is for tests only (remat's CPU meter, no reserved
-    figure, labelled so). ``progress(message)`` is told what runs. Raises :class:`UnsupportedError` without CUDA
-    (unless measuring on a CPU)."""
+    GPU's (:func:`~remat.target.this_gpu.spec_here`: torch's name matched against the table, memory as torch
+    reports it). ``optimizer_factory(params)`` builds the loop's optimizer (None: no optimizer). ``measure_on``:
+    the CUDA device to run on (default the current one); ``"cpu"`` is for tests only (remat's CPU meter, no
+    reserved figure, labelled so). ``progress(message)`` is told what runs. Raises
+    :class:`~remat.errors.UnsupportedError` without CUDA (unless measuring on a CPU)."""
     where = torch.device(measure_on) if measure_on is not None else torch.device("cuda")
     if where.type == "cuda" and not torch.cuda.is_available():
         raise cuda_required("check_prediction")
