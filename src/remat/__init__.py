@@ -27,7 +27,8 @@ Entry points: :func:`optimize_checkpointing` (all of it, in place), :func:`make_
 :class:`Planner` (profile once, plan many budgets and hand rules), :func:`apply_plan` (a saved plan),
 :func:`tradeoff` (the CLI's table: plans per budget and hand rules, each measured), :func:`max_batch`
 (the largest and the fastest batch or sequence under a budget),
-:func:`check_equivalence` and :func:`measure_step` (prove it). Every error is a :class:`RematError`.
+:func:`check_equivalence` and :func:`measure_step` (prove it), :func:`check_prediction` (on a GPU: the
+prediction for it beside the same plans run there). Every error is a :class:`RematError`.
 """
 
 from remat._compat import TORCH_FLOOR as _TORCH_FLOOR, require_torch as _require_torch
@@ -57,6 +58,7 @@ from remat.sweeps.sizing import BatchSizeReport, SizeRow, max_batch
 from remat.solve import Planner
 from remat.check.verify import EquivalenceReport, assert_equivalent, check_equivalence
 from remat.target import DeviceSpec, Target
+from remat.target.accuracy import AccuracyRow, PredictionCheck, check_prediction
 
 from remat._compat.versions import REMAT_VERSION as __version__  # noqa: E402
 
@@ -64,6 +66,9 @@ __all__ = [
     "optimize_checkpointing",
     "Target",
     "DeviceSpec",
+    "check_prediction",
+    "PredictionCheck",
+    "AccuracyRow",
     "make_profile",
     "Planner",
     "checked_plan",
