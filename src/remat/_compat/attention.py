@@ -107,7 +107,8 @@ def sdpa_replaced(choose: Callable[[dict], str], seen: Callable[[dict, str, dict
     """Within the block, ``torch.nn.functional.scaled_dot_product_attention`` (the module attribute that callers
     read as ``F.scaled_dot_product_attention``) runs, for dense 4-D tensors, the kernel ``choose(arguments)`` names
     through its CUDA operator (:func:`run_kernel`), and ``seen(arguments, kernel, kept)`` is told; other calls run
-    as they are. Restored after, also on error.
+    as they are. Where the operator cannot run on fake tensors in this torch (a meta kernel missing), the CPU's
+    kernel runs, as before, and ``seen`` is told ``"cpu (why)"``. Restored after, also on error.
 
     Why the attribute and not a ``TorchFunctionMode``: a mode's handler runs the function with the mode off, so
     ``loss.backward()`` called under it recomputes checkpointed attention without it (the CPU's operator, which
@@ -122,7 +123,12 @@ def sdpa_replaced(choose: Callable[[dict], str], seen: Callable[[dict, str, dict
                    for n in ("query", "key", "value")):
             return original(*args, **kwargs)
         kernel = choose(a)
-        out, kept = run_kernel(kernel, a)
+        try:
+            out, kept = run_kernel(kernel, a)
+        except (NotImplementedError, RuntimeError) as e:  # a torch whose meta kernel for it is missing or refuses
+            seen(a, f"cpu ({kernel}'s operator did not run on fake tensors here: {type(e).__name__}: "
+                    f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else ''})", {})
+            return original(*args, **kwargs)
         seen(a, kernel, kept)
         return out
 

@@ -111,7 +111,8 @@ def attention_as_on(target: Target, calls: list[AttentionCall] | None = None) ->
     def seen(a: dict, kernel: str, kept: dict) -> None:
         if calls is not None:
             call = call_of(a)
-            calls.append(AttentionCall(call, choices[call], tuple(
+            choice = choices[call] if kernel == choices[call].kernel else Choice(kernel, choices[call].order)
+            calls.append(AttentionCall(call, choice, tuple(
                 (n, tuple(t.shape), str(t.dtype).removeprefix("torch."),
                  t.untyped_storage().nbytes()) for n, t in kept.items())))
 
