@@ -24,10 +24,28 @@ of ``S`` bytes (the gathered size) over ``n`` ranks takes ``S (n-1)/n / bus``, a
 ``bus`` is the link bandwidth in one direction per GPU at :data:`COLLECTIVE_EFFICIENCY`: NVLink (or the
 device's link) while the group fits in one node, the network's per-GPU bandwidth once it spans nodes.
 
-What it leaves out: kernel fusion (eager operators, one kernel each: a compiled step is not modelled), host
-dispatch time (the host runs ahead of the GPU in eager mode for the sizes training uses), caches (every byte
-from device memory), overlap of compute and communication other than FSDP2's prefetch (remat.target.timing),
-stragglers and clock throttling.
+On Hopper the efficiencies are the H200's own, measured from its kernels (``benchmarks/gpu_traces.py``, issue
+#56): the model's seconds for each class at the peak rates against the class's kernel time in the trace of the
+1B Llama's step (every block checkpointed); an H100 takes them unmeasured (same generation, its own peaks).
+
+What it leaves out: kernel fusion (eager operators, one kernel each: a compiled step is not modelled), caches
+(every byte from device memory), overlap of compute and communication other than FSDP2's prefetch
+(remat.target.timing), stragglers and clock throttling.
+
+Note [Host time model]
+~~~~~~~~~~~~~~~~~~~~~~
+In eager mode the host dispatches every operator (Python, the dispatcher, autograd, the kernel's launch) while the
+GPU runs what it was given before: a phase (forward, backward) takes the longer of its GPU work and its host work,
+never their sum (the launch queue was never full in the H200's traces: no launch took over 56 µs).
+The host's work is counted per recorded operator (views included: each is dispatched), at :class:`HostCosts`
+measured on the H200's host from the traces' host events: the forward's host wall time over its recorded
+operators, the backward's (less the recomputations') over its, and for a selective unit
+(``torch.utils.checkpoint``'s selective policy runs a Python dispatch mode over every operator of the unit, in
+the forward and in the recomputation) the host wall of its dispatch mode's calls per unit over the unit's
+recorded operators, less a plain operator's. No figure was fitted to a step time. What it leaves out: the
+optimizer's host time (its foreach operators are few and long: GPU-bound), synchronisations (none in an eager
+step without ``.item()``), the queue's depth, and hosts other than the H200's (the figures are carried to every
+CUDA target unmeasured).
 """
 
 from __future__ import annotations
@@ -36,8 +54,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-__all__ = ["Efficiency", "EFFICIENCY", "DeviceRates", "op_class", "op_seconds", "collective_seconds",
-           "COLLECTIVE_EFFICIENCY"]
+__all__ = ["Efficiency", "EFFICIENCY", "DeviceRates", "HostCosts", "GPU_HOST", "op_class", "op_seconds",
+           "collective_seconds", "COLLECTIVE_EFFICIENCY"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,12 @@ _TORCHAO = ("torchao testing/training/roofline_utils.py (pytorch/ao): pct_achiev
             "experimental observation with sample large inputs' and pct_achievable_mem_bw 0.92 (pointwise triton "
             "kernels with large inputs) on H100")
 
+_H200 = ("measured on the H200 (torch 2.11, 2026-12-04) from its kernels in llama1b__1.trace.json.gz (a 1B Llama's "
+         "step, every block checkpointed; benchmarks/gpu_traces.py --calibrate): ")
+_ELEMENTWISE = ("elementwise, copy and reduction kernels 76.89 ms for what the model moves in 47.17 ms at the peak "
+                "4.8 TB/s (2.9 TB/s achieved: many kernels strided, broadcast or in float32, in torch's "
+                "unvectorized loops)")
+
 #: per operator class, the fractions of peak reached (Note [Device time model]). "attention@hopper": torch's
 #: flash attention is FlashAttention-2, which does not use Hopper's asynchronous tensor-core instructions
 EFFICIENCY: Mapping[str, Efficiency] = MappingProxyType({
@@ -63,11 +87,20 @@ EFFICIENCY: Mapping[str, Efficiency] = MappingProxyType({
     "conv": Efficiency(0.78, 0.92, "as matmul (cuDNN's implicit GEMM): no separate published figure used", "H100"),
     "attention": Efficiency(0.70, 0.92, "FlashAttention-2 (Dao, 2023, arXiv:2307.08691): forward up to 73% of "
                                         "A100's peak, training 225 TFLOP/s of 312 (72%)", "A100"),
-    "attention@hopper": Efficiency(0.35, 0.92, "FlashAttention-3 (Shah et al., 2024, arXiv:2407.08608): "
-                                               "FlashAttention-2 on H100 reaches 335-350 TFLOP/s in bf16 at head "
-                                               "dimension 128 (about 35% of 989), FlashAttention-3 1.5-2x that",
-                                   "H100"),
+    # torch picks cuDNN's attention on Hopper for bf16 (the H200's traces: cudnn sdpa flash fprop/bprop kernels)
+    "attention@hopper": Efficiency(0.66, 0.92, _H200 + "cuDNN's attention forward and backward: 10.00 ms of "
+                                               "FLOPs (causal, halved) at the dense peak in 15.26 ms", "H200"),
     "pointwise": Efficiency(1.0, 0.92, _TORCHAO, "H100"),
+    # the optimizer's foreach kernels (multi_tensor_apply): as pointwise where not measured
+    "foreach": Efficiency(1.0, 0.92, "as pointwise: " + _TORCHAO, "H100"),
+    # Hopper: measured on the H200 (Note [Device time model]; benchmarks/gpu_traces.py --calibrate prints them)
+    "matmul@hopper": Efficiency(0.80, 0.92, _H200 + "matrix products: 72.3 TFLOP (73.05 ms at the dense peak) in "
+                                            "91.12 ms of cuBLAS's nvjet kernels", "H200"),
+    "pointwise@hopper": Efficiency(1.0, 0.61, _H200 + _ELEMENTWISE, "H200"),
+    "transcendental@hopper": Efficiency(1.0, 0.61, _H200 + _ELEMENTWISE, "H200"),
+    "reduction@hopper": Efficiency(1.0, 0.61, _H200 + _ELEMENTWISE, "H200"),
+    "foreach@hopper": Efficiency(1.0, 0.46, _H200 + "AdamW's foreach kernels: 15.56 ms of multi_tensor_apply for "
+                                           "what the model moves in 7.21 ms at the peak bandwidth", "H200"),
     "transcendental": Efficiency(1.0, 0.92, "as pointwise on a GPU (bandwidth-bound): " + _TORCHAO, "H100"),
     "reduction": Efficiency(1.0, 0.92, "as pointwise (norms, softmax, losses read their input once): "
                                        + _TORCHAO, "H100"),
@@ -97,14 +130,43 @@ _TRANSCENDENTAL = ("gelu", "silu", "sigmoid", "tanh", "exp", "log", "erf", "rsqr
                    "mish", "elu", "sin", "cos", "log_sigmoid_forward", "log1p", "expm1", "reciprocal")
 
 
+@dataclass(frozen=True)
+class HostCosts:
+    """Host seconds per recorded operator of an eager step (Note [Host time model]), and where they come from."""
+
+    #: an operator of the forward (the model's Python, the dispatcher, autograd's records, the launch); also an
+    #: operator of a whole unit's recomputation, which runs the same forward again
+    forward_op_s: float
+    #: an operator of the backward (autograd's engine, the launch)
+    backward_op_s: float
+    #: what a selective unit's dispatch mode adds to each of its operators in the forward
+    selective_forward_op_s: float
+    #: what it adds to each operator of its recomputation
+    selective_recompute_op_s: float
+    source: str
+
+
+#: the H200's host (torch 2.11, 2026-12-04), from the host events of the traces ``benchmarks/gpu_traces.py``
+#: reads (--calibrate prints the derivation); carried to every CUDA target unmeasured
+GPU_HOST = HostCosts(
+    forward_op_s=24.7e-6, backward_op_s=18.0e-6, selective_forward_op_s=42.1e-6, selective_recompute_op_s=12.0e-6,
+    source="measured on the H200's host (torch 2.11, 2026-12-04): llama1b__1's forward, 35.35 ms of host wall for "
+           "1,433 recorded operators; llama1b__4's backward, 102.70 ms less its 16 recomputations' dispatch-mode "
+           "spans (50.27 ms) for 2,910; its selective units' dispatch-mode spans per unit (median: forward 5.68 ms, "
+           "recomputation 3.12 ms) over the unit's 85 recorded operators, less a plain forward operator's")
+
+
 def op_class(name: str) -> str:
     """The class of an operator (``"aten.addmm.default"``): "matmul", "conv", "attention", "collective",
-    "reduction", "transcendental" (GELU, SiLU, exp, ...) or "pointwise" (every other kernel); a backward takes its forward's class; "none" for waiting
+    "reduction", "transcendental" (GELU, SiLU, exp, ...), "foreach" (an optimizer's ``_foreach_*``) or
+    "pointwise" (every other kernel); a backward takes its forward's class; "none" for waiting
     on a collective (no kernel)."""
     parts = name.split(".")
     namespace, base = (parts[0], parts[1]) if len(parts) > 1 else ("", parts[0])
     if namespace in ("c10d", "_c10d_functional", "c10d_functional", "_dtensor"):
         return "none" if base.startswith(("wait", "barrier", "monitored_barrier")) else "collective"
+    if base.startswith("_foreach_"):
+        return "foreach"
     if "attention" in base:
         return "attention"
     if "convolution" in base or base.startswith(("conv", "cudnn_convolution", "mkldnn_convolution")):
@@ -149,9 +211,15 @@ class DeviceRates:
     #: process allows it) at the TF32 tensor-core rate (Note [Device time model])
     class_flops_per_s: Mapping[str, float] = field(default_factory=dict)
 
+    #: host seconds per operator (Note [Host time model]); None: the host is not modelled (a CPU's operators are
+    #: timed with their dispatch in ``dispatch_s``)
+    host: HostCosts | None = None
+
     def efficiency_of(self, cls: str) -> Efficiency:
-        return self.efficiency.get(f"{cls}@{self.generation}") or self.efficiency.get(cls) or Efficiency(
-            1.0, 1.0, "no figure: peak")
+        found = self.efficiency.get(f"{cls}@{self.generation}") or self.efficiency.get(cls)
+        if found is None and cls == "foreach":  # a table without the class: as pointwise (a CPU's)
+            return self.efficiency_of("pointwise")
+        return found or Efficiency(1.0, 1.0, "no figure: peak")
 
 
 def op_seconds(name: str, flops: int, bytes_accessed: int, rates: DeviceRates, *, random: bool = False) -> float:

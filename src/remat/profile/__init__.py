@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from remat.capture import ModelGraph, quiet_loggers, unit_parent
-from remat.costs.unit_costs import Profile, UnitCost
+from remat.costs.unit_costs import Profile, UnitCost, with_host_times
 from remat.costs.effects import UnitSpec, largest_tensors, unit_costs
 from remat.errors import InvalidInputError
 from remat.runtime.measure import LossFn, input_tensors, tensor_bytes, trainable_parameters
@@ -140,8 +140,14 @@ def profile_modelled(step: _Step, modelled: Modelled, notes: list[str]) -> Profi
                                     backward_s={u: s * ratio for u, s in times.forward_s.items()})
     buffer_bytes = {name: tensor_bytes([b], step.device) for name, b in step.model.named_buffers()}
     units = unit_costs(rec, specs, times=times, overhead=modelled.overhead, buffer_bytes=buffer_bytes)
+    host = modelled.host
+    if host is not None:  # Note [Host time model] in remat.costs.device_time
+        units = list(with_host_times(units, host))
     profile = _assembled(step, rec, units, times.step_forward_s, times.step_backward_s, opt=modelled.optimizer,
                          recorded="fake", notes=notes)
+    if host is not None:
+        profile = dataclasses.replace(profile, forward_host_s=len(rec.forward_ops) * host.forward_op_s,
+                                      backward_host_s=len(rec.backward_ops) * host.backward_op_s)
     return dataclasses.replace(profile, model_flops=flops) if flops else profile
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from remat.costs.device_time import HostCosts
 from remat.costs.recording import CheckpointOverhead, ForwardOp, Recording, UnitTimes
 from remat.profile.optimizer import OptimizerCost
 
@@ -28,6 +29,9 @@ class Modelled:
     #: the plain step's (forward seconds, backward seconds, FLOPs) on the target from its recording (operators
     #: and communication, remat.target.timing); None: backward twice the forward, FLOPs unknown
     step_time: Callable[[Recording], tuple[float, float, int]] | None = None
+    #: the host's seconds per operator on the target (Note [Host time model] in remat.costs.device_time); None:
+    #: the host is not modelled
+    host: HostCosts | None = None
 
 
 def times_of_ops(rec: Recording, units: list[str]) -> UnitTimes:

@@ -13,7 +13,7 @@ import time
 from typing import Iterable, Sequence
 
 from remat.costs.offload import HostLink, offloaded_choice, offloaded_unit
-from remat.costs.unit_costs import Profile, is_selective
+from remat.costs.unit_costs import Profile, is_selective, plan_step_time_s
 from remat.errors import InfeasibleBudgetError, InvalidInputError, UnsupportedError
 from remat.solve.calibrated import UNDER_COMPILE
 from remat.solve.plan import Plan, fmt_bytes
@@ -133,7 +133,10 @@ class Planner:
             baseline_peak_bytes=self.baseline_peak_bytes,
             min_peak_bytes=self.min_peak_bytes,
             breakdown=bd,
-            predicted_step_time_s=p.step_time_s + recompute_s + copy_s,
+            # Note [Host time in the plan]: where the host is modelled, each phase the longer of its GPU's and
+            # its host's time
+            predicted_step_time_s=(plan_step_time_s(p, (p.unit(u) for u in chosen))
+                                   if p.forward_host_s or p.backward_host_s else p.step_time_s + recompute_s) + copy_s,
             baseline_step_time_s=p.step_time_s,
             predicted_recompute_s=recompute_s,
             solver_status=status,

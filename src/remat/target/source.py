@@ -111,7 +111,7 @@ class ModelledTarget:
             opt = _optimizer_cost(req.optimizer, req.model, fake, mode, self.target)
             modelled = Modelled(optimizer=opt, op_seconds=lambda op: operator_seconds(op, rates, self.target),
                                 overhead=self._overhead(), counted=self._counted, note=self._note(rates),
-                                step_time=lambda rec: self._step_time(rec, rates))
+                                step_time=lambda rec: self._step_time(rec, rates), host=rates.host)
             wrapping, graph = wrapping_of(fake), graphs[0]
             with mode:
                 profile = _make_profile(fake, args, kwargs, loss_fn=req.loss_fn, optimizer=None,

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from remat.costs.device_time import GPU_LAUNCH_S, DeviceRates, Efficiency, collective_seconds, op_class, \
+from remat.costs.device_time import GPU_HOST, GPU_LAUNCH_S, DeviceRates, Efficiency, collective_seconds, op_class, \
     op_seconds
 from remat.costs.recording import ForwardOp, Recording
 from remat.target.devices import DeviceSpec, generation_of
@@ -251,7 +251,8 @@ def rates_of(target: Any, model_dtype: torch.dtype | None = None) -> DeviceRates
                        flops_per_s=float(flops), memory_bytes_per_s=float(spec.hbm_bytes_per_s), launch_s=GPU_LAUNCH_S,
                        link_bytes_per_s=spec.link_bytes_per_s / 2 if spec.link_bytes_per_s else None,
                        network_bytes_per_s=target.network_bytes_per_s, devices_per_node=target.devices_per_node,
-                       generation=generation, class_flops_per_s={c: float(spec.tf32_flops_per_s) for c in tf32})
+                       generation=generation, class_flops_per_s={c: float(spec.tf32_flops_per_s) for c in tf32},
+                       host=GPU_HOST)
 
 
 def tf32_classes(spec: DeviceSpec, dtype: torch.dtype) -> tuple[str, ...]:
@@ -270,7 +271,9 @@ def efficiencies_elsewhere(rates: DeviceRates, device: str) -> str:
     for cls in ("matmul", "conv", "attention", "pointwise"):
         eff = rates.efficiency_of(cls)
         if eff.measured_on and eff.measured_on.lower() not in device.lower():
-            on.setdefault(eff.measured_on, []).append(f"{cls} {eff.compute:.2f}")
+            # the figure that bounds the class: FLOP/s for products and attention, bandwidth for pointwise
+            on.setdefault(eff.measured_on, []).append(
+                f"{cls} {eff.memory if cls == 'pointwise' else eff.compute:.2f}")
     return "".join(f"; efficiencies measured on the {gpu}, applied to {device} unmeasured: {', '.join(c)}"
                    for gpu, c in on.items())
 

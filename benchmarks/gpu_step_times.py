@@ -1,0 +1,66 @@
+"""remat's predicted step time for the H200 against the step times measured there (issue #56): every llama1b and
+titan4 row of ``../shared/gpu/h200-2026-12-04/oracle.json``, each plan as saved in ``plans/`` (the plan the GPU
+ran), predicted here on the CPU with today's time model (Note [Device time model], Note [Host time model] in
+remat.costs.device_time; Note [Host time in the plan] in remat.costs.unit_costs).
+
+    flock /tmp/remat-heavy.lock python benchmarks/gpu_step_times.py [llama1b] [titan4]   # ~1-2 min a config
+
+Prints, per row: measured (the median of steps 2-4 on the H200), predicted when the GPU was measured (the
+oracle's, remat at 1067e0c), predicted now, and the error; per config the plain step's phases (GPU and host).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.environ.get("GPU_DATA", os.path.join(HERE, "..", "..", "shared", "gpu", "h200-2026-12-04"))
+
+
+def predict(name: str, rows: list[dict]) -> None:
+    sys.path.insert(0, os.path.join(DATA, "..", "oracle"))
+    os.environ.setdefault("REMAT_PROJECT", os.path.join(HERE, ".."))
+    import gpu_models as gm
+
+    import remat
+    from remat.api.profiling import make_profile
+    from remat.costs.unit_costs import plan_step_time_s
+
+    c = gm.build(name, "meta")
+    model = c["model"]
+    opt = c["opt"](model.parameters())
+    target = remat.Target(device="h200", parallelize=c["parallelize"], clip_grad_norm=c["clip"], **c["target"])
+    t0 = time.perf_counter()
+    p = make_profile(model, c["inputs"], target=target, loss_fn=c["loss_fn"], optimizer=opt,
+                     output_alive=c["output_alive"])
+    print(f"\n## {name} (profiled for the H200 in {time.perf_counter() - t0:.0f} s)\n")
+    print(f"plain step, predicted: forward GPU {p.forward_s * 1e3:.1f} ms, host {p.forward_host_s * 1e3:.1f}; backward "
+          f"GPU {p.backward_s * 1e3:.1f}, host {p.backward_host_s * 1e3:.1f}; optimizer {p.optimizer_s * 1e3:.1f}\n")
+    print("| row | measured ms | predicted then ms (error) | predicted now ms (error) | forward GPU / host ms "
+          "| backward GPU / host ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        plan = remat.Plan.load(os.path.join(DATA, "plans", r["plan"]))
+        units = [p.unit(u) for u in plan.checkpointed]
+        now = plan_step_time_s(p, units)
+        fwd_host = p.forward_host_s + sum(u.forward_host_s for u in units)
+        bwd_gpu = p.backward_s + sum(u.recompute_s + u.overhead_s for u in units)
+        bwd_host = p.backward_host_s + sum(u.recompute_host_s for u in units)
+        m, then = r["step_s"], r["pred_step_s"]
+        print(f"| {r['row']} | {m * 1e3:.1f} | {then * 1e3:.1f} ({then / m - 1:+.1%}) | {now * 1e3:.1f} "
+              f"({now / m - 1:+.1%}) | {p.forward_s * 1e3:.1f} / {fwd_host * 1e3:.1f} | {bwd_gpu * 1e3:.1f} / "
+              f"{bwd_host * 1e3:.1f} |", flush=True)
+
+
+def main() -> None:
+    with open(os.path.join(DATA, "oracle.json")) as f:
+        oracle = json.load(f)
+    for name in sys.argv[1:] or ("llama1b", "titan4"):
+        predict(name, [r for r in oracle if r["config"] == name and r.get("plan") and r.get("pred_step_s")])
+
+
+if __name__ == "__main__":
+    main()

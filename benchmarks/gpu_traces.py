@@ -1,0 +1,464 @@
+"""Where the time of a training step went on the H200 (issue #56): the Chrome traces torch.profiler wrote of one
+step (``../shared/gpu/h200-2026-12-04/*.trace.json.gz``, made by ``../shared/gpu/oracle/gpu_profile_steps.py``:
+torch 2.11, one step after two warm-up steps, CPU and CUDA activities), read into tables:
+
+* GPU time and kernel count per kernel class (matrix products, attention forward / backward, elementwise,
+  reductions, the optimizer's foreach kernels, copies, NCCL), and per phase (forward, backward, optimizer);
+* per phase: the host's wall time, the GPU's busy time (the union of its kernels) and its span: which one set
+  the phase;
+* the host's cost per operator: top-level ATen operators (median by kind), ``cudaLaunchKernel``, and
+  ``PythonDispatchMode`` (selective checkpointing's dispatch mode) per call, its own time beyond the operator it
+  wraps;
+* achieved rates: the matrix products' TFLOP/s and the elementwise kernels' bandwidth, where a kernel's work
+  follows from the model's shapes (``llama1b``: Llama 3.2 1B's widths, batch 4 x 2048, bf16).
+
+    python benchmarks/gpu_traces.py [TRACE_DIR]   # default ../shared/gpu/h200-2026-12-04
+    python benchmarks/gpu_traces.py --calibrate   # the device table's H200 figures (records llama1b: ~30 s)
+
+Phases: forward is the main thread up to the first event of autograd's thread, backward is autograd's thread
+(its first to last event), optimizer the ``Optimizer.step`` annotation (with ``zero_grad`` and anything after it
+on the main thread). A kernel belongs to the phase in which the host launched it (``correlation``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_DIR = os.path.join(HERE, "..", "..", "shared", "gpu", "h200-2026-12-04")
+TRACES = ("llama1b__1", "llama1b__4", "titan4_off__0")
+ABOUT = {"llama1b__1": "llama1b, every block checkpointed", "llama1b__4": "llama1b, 16 selective units (@ops)",
+         "titan4_off__0": "titan4, one layer offloaded (plan applied on meta: pageable copies)"}
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync",
+            "cudaMemsetAsync")
+
+
+def kernel_class(event: dict) -> str:
+    """The class of one GPU activity, from the kernel's name."""
+    name, cat = event["name"], event.get("cat")
+    if cat == "gpu_memcpy":
+        return "copy (memcpy " + name.split(" ")[1] + ")"
+    if cat == "gpu_memset":
+        return "copy (memset)"
+    low = name.lower()
+    if "nccl" in low:
+        return "nccl"
+    if "sdpa" in low or "flash" in low or "fmha" in low or "cudnn::fusion" in low:
+        return "attention bwd" if ("bprop" in low or "dot_do_o" in low or "dq_to" in low) else "attention fwd"
+    if low.startswith("nvjet") or "gemm" in low or "cutlass" in low or "cublas" in low:
+        return "matmul"
+    if "multi_tensor_apply" in low or "lpnorm_cleanup" in low:
+        return "optimizer foreach"
+    if "copy_kernel" in low or "catarraybatchedcopy" in low or "chunk_cat" in low:
+        return "copy (kernel)"
+    if "reduce_kernel" in low or "softmax" in low or "nll_loss" in low or "norm" in low:
+        return "reduction"
+    if "elementwise" in low or "index" in low or "gather" in low or "scatter" in low:
+        return "elementwise"
+    return "other"
+
+
+@dataclass
+class Trace:
+    name: str
+    events: list
+    main_tid: int
+    span_us: float
+
+    @classmethod
+    def load(cls, path: str) -> "Trace":
+        with gzip.open(path) as f:
+            data = json.load(f)
+        ev = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+        span = next(e["dur"] for e in ev if e.get("cat") == "Trace")
+        host = [e for e in ev if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")]
+        pid = host[0]["pid"]
+        return cls(os.path.basename(path).split(".")[0], ev, pid, span)
+
+    def of(self, *cats: str) -> list:
+        return [e for e in self.events if e.get("cat") in cats]
+
+
+def phases(t: Trace) -> dict[str, tuple[float, float]]:
+    """(start, end) in µs of each phase on the host."""
+    host = t.of("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
+    main = [e for e in host if e["tid"] == t.main_tid]
+    other = [e for e in host if e["tid"] != t.main_tid]
+    start = min(e["ts"] for e in main)
+    end = max(e["ts"] + e["dur"] for e in host)
+    opt = [e for e in t.of("user_annotation") if e["name"].startswith("Optimizer.step")]
+    bwd_start = min(e["ts"] for e in other) if other else None
+    bwd_end = max(e["ts"] + e["dur"] for e in other) if other else None
+    out = {}
+    if bwd_start is None:  # no autograd thread (no CUDA backward): forward is all before the optimizer
+        out["forward"] = (start, opt[0]["ts"] if opt else end)
+    else:
+        out["forward"] = (start, bwd_start)
+        out["backward"] = (bwd_start, bwd_end)
+    if opt:
+        out["optimizer"] = (opt[0]["ts"], end)
+    return out
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def phase_of(ts: float, tid: int, t: Trace, ph: dict[str, tuple[float, float]]) -> str:
+    if "optimizer" in ph and ts >= ph["optimizer"][0] and tid == t.main_tid:
+        return "optimizer"
+    if tid != t.main_tid:
+        return "backward"
+    return "forward" if ts < ph.get("backward", ph["forward"])[0] else "optimizer" if "optimizer" in ph else "backward"
+
+
+def gpu_by_phase(t: Trace) -> dict[str, list[dict]]:
+    """Each GPU activity with the phase its launch was in."""
+    ph = phases(t)
+    launch = {e["args"]["correlation"]: e for e in t.of("cuda_runtime", "cuda_driver") if "correlation" in e.get("args", {})}
+    out: dict[str, list[dict]] = defaultdict(list)
+    for k in t.of(*GPU_CATS):
+        l = launch.get(k["args"].get("correlation"))
+        out[phase_of(l["ts"], l["tid"], t, ph) if l else "unknown"].append(k)
+    return out
+
+
+def top_level_ops(t: Trace, prefix: str = "aten::") -> list[dict]:
+    """ATen operators not inside another ATen operator on the same thread (what Python or autograd called)."""
+    out = []
+    by_tid = defaultdict(list)
+    for e in t.of("cpu_op"):
+        if e["name"].startswith(prefix):
+            by_tid[e["tid"]].append(e)
+    for evs in by_tid.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        end = -1.0
+        for e in evs:
+            if e["ts"] >= end:
+                out.append(e)
+                end = e["ts"] + e["dur"]
+    return out
+
+
+def dispatch_mode(t: Trace) -> tuple[int, float, float, float]:
+    """PythonDispatchMode: (calls, total µs, median µs per call, median µs per call beyond the ATen operators
+    inside it)."""
+    modes = [e for e in t.of("cpu_op", "user_annotation") if "PythonDispatchMode" in e["name"]]
+    if not modes:
+        return 0, 0.0, 0.0, 0.0
+    aten = defaultdict(list)
+    for e in t.of("cpu_op"):
+        if e["name"].startswith("aten::"):
+            aten[e["tid"]].append(e)
+    for v in aten.values():
+        v.sort(key=lambda e: e["ts"])
+    own = []
+    import bisect
+    for m in modes:
+        evs = aten[m["tid"]]
+        i = bisect.bisect_left([e["ts"] for e in evs], m["ts"]) if len(evs) < 50000 else 0
+        inner, end = 0.0, -1.0
+        for e in evs[i:]:
+            if e["ts"] > m["ts"] + m["dur"]:
+                break
+            if e["ts"] >= end and e["ts"] + e["dur"] <= m["ts"] + m["dur"] + 1e-3:
+                inner += e["dur"]
+                end = e["ts"] + e["dur"]
+        own.append(m["dur"] - inner)
+    durs = [m["dur"] for m in modes]
+    return len(modes), sum(durs), statistics.median(durs), statistics.median(own)
+
+
+# -- llama1b's shapes (../shared/gpu/oracle/gpu_models.py): what a kernel's work is ------------------------------
+TOKENS, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 4 * 2048, 2048, 8192, 32, 8, 64, 16, 128256
+
+
+def gemm_flops_llama1b() -> dict[str, float]:
+    """FLOPs of the matrix products of one plain step (forward, backward's two products each) and per
+    recomputed layer: per layer q (2048 x 2048), k, v (2048 x 512), o (2048 x 2048), gate, up (2048 x 8192),
+    down (8192 x 2048); the tied head (2048 x 128256)."""
+    per_layer = 2 * TOKENS * (HIDDEN * HIDDEN * 2 + HIDDEN * KV_HEADS * HEAD_DIM * 2 + 3 * HIDDEN * FFN)
+    head = 2 * TOKENS * HIDDEN * VOCAB
+    return {"layer_forward": per_layer, "head_forward": head}
+
+
+def rows(t: Trace) -> None:
+    by_phase = gpu_by_phase(t)
+    ph = phases(t)
+    print(f"\n## {t.name}: {ABOUT.get(t.name, '')}; traced span {t.span_us / 1e3:.1f} ms")
+    # -- kernel classes -----------------------------------------------------------------------------------------
+    cls_t: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    cls_ph: dict[tuple[str, str], float] = defaultdict(float)
+    for p, ks in by_phase.items():
+        for k in ks:
+            c = kernel_class(k)
+            cls_t[c][0] += 1
+            cls_t[c][1] += k["dur"]
+            cls_ph[c, p] += k["dur"]
+    names = [p for p in ("forward", "backward", "optimizer", "unknown") if p in by_phase]
+    print("\n| kernel class | kernels | GPU ms | " + " | ".join(f"{p} ms" for p in names) + " |")
+    print("|---|---:|---:|" + "---:|" * len(names))
+    for c, (n, us) in sorted(cls_t.items(), key=lambda x: -x[1][1]):
+        print(f"| {c} | {n} | {us / 1e3:.2f} | " + " | ".join(f"{cls_ph[c, p] / 1e3:.2f}" for p in names) + " |")
+    total = sum(v[1] for v in cls_t.values())
+    print(f"| all | {sum(v[0] for v in cls_t.values())} | {total / 1e3:.2f} | "
+          + " | ".join(f"{sum(k['dur'] for k in by_phase[p]) / 1e3:.2f}" for p in names) + " |")
+    # -- phases: host vs GPU ------------------------------------------------------------------------------------
+    ops = top_level_ops(t)
+    launches = [e for e in t.of("cuda_runtime", "cuda_driver") if e["name"] in LAUNCHES]
+    syncs = [e for e in t.of("cuda_runtime") if "Synchronize" in e["name"]]
+    print("\n| phase | host wall ms | of it in synchronize ms | top-level ATen ops | launches | host µs / top-level op "
+          "| GPU busy ms | GPU span ms | GPU idle in span ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    all_busy = []
+    for p in names:
+        if p == "unknown":
+            continue
+        s, e = ph[p]
+        inside = (lambda ev: (s <= ev["ts"] < e) and phase_of(ev["ts"], ev["tid"], t, ph) == p)
+        n_ops = sum(1 for o in ops if inside(o))
+        n_l = sum(1 for o in launches if inside(o))
+        sync = sum(o["dur"] for o in syncs if inside(o))
+        ks = by_phase[p]
+        iv = [(k["ts"], k["ts"] + k["dur"]) for k in ks]
+        all_busy += iv
+        busy = union_us(iv)
+        span = (max(b for _, b in iv) - min(a for a, _ in iv)) if iv else 0.0
+        print(f"| {p} | {(e - s) / 1e3:.2f} | {sync / 1e3:.2f} | {n_ops} | {n_l} | {(e - s - sync) / max(n_ops, 1):.1f} | "
+              f"{busy / 1e3:.2f} | {span / 1e3:.2f} | {(span - busy) / 1e3:.2f} |")
+    gpu_iv = [(k["ts"], k["ts"] + k["dur"]) for ks in by_phase.values() for k in ks]
+    print(f"\nGPU busy (union of all activities) {union_us(gpu_iv) / 1e3:.1f} ms of the "
+          f"{(max(b for _, b in gpu_iv) - min(a for a, _ in gpu_iv)) / 1e3:.1f} ms from the first to the last")
+    # -- host costs ---------------------------------------------------------------------------------------------
+    by_name = defaultdict(list)
+    for o in ops:
+        by_name[o["name"]].append(o["dur"])
+    print("\n| host event | calls | median µs | total ms |")
+    print("|---|---:|---:|---:|")
+    print(f"| top-level ATen operator (all) | {len(ops)} | {statistics.median(o['dur'] for o in ops):.1f} | "
+          f"{sum(o['dur'] for o in ops) / 1e3:.1f} |")
+    for n, d in sorted(by_name.items(), key=lambda x: -sum(x[1]))[:12]:
+        print(f"| {n} | {len(d)} | {statistics.median(d):.1f} | {sum(d) / 1e3:.1f} |")
+    for name in ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync", "cudaMemsetAsync", "cudaStreamSynchronize",
+                 "cudaDeviceSynchronize"):
+        d = [e["dur"] for e in t.of("cuda_runtime", "cuda_driver") if e["name"] == name]
+        if d:
+            print(f"| {name} | {len(d)} | {statistics.median(d):.1f} | {sum(d) / 1e3:.1f} |")
+    n, tot, med, own = dispatch_mode(t)
+    if n:
+        print(f"| PythonDispatchMode (span, operator inside included) | {n} | {med:.1f} | {tot / 1e3:.1f} |")
+        print(f"| PythonDispatchMode beyond its operators (median) | {n} | {own:.1f} | - |")
+
+
+def achieved(t: Trace) -> None:
+    """Rates the kernels reached, from llama1b's shapes (every block: the forward's products run twice)."""
+    by_phase = gpu_by_phase(t)
+    mm = [k for ks in by_phase.values() for k in ks if kernel_class(k) == "matmul"]
+    f = gemm_flops_llama1b()
+    # every block: forward products once, each layer's again in the recomputation, backward two per product
+    flops = (f["layer_forward"] * LAYERS) * (1 + 1 + 2) + f["head_forward"] * 3
+    us = sum(k["dur"] for k in mm)
+    print(f"\nmatrix products ({t.name}): {len(mm)} kernels, {us / 1e3:.1f} ms, {flops / 1e12:.2f} TFLOP "
+          f"(16 layers x (forward + recomputation + 2 x backward) + the head x 3) -> {flops / us / 1e6:.0f} TFLOP/s "
+          f"achieved ({flops / us / 1e6 / 989.5:.0%} of 989.5 dense bf16)")
+    # elementwise: by kernel name, the shape each runs at (bf16 activations [TOKENS, HIDDEN] unless float32 in name)
+    groups = defaultdict(list)
+    for ks in by_phase.values():
+        for k in ks:
+            if kernel_class(k) in ("elementwise", "copy (kernel)", "reduction"):
+                groups[_short(k["name"])].append(k)
+    print("\n| elementwise / reduction kernel | kernels | median µs | elements (from the grid) | bytes / element "
+          "| achieved GB/s (median kernel) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for n, ks in sorted(groups.items(), key=lambda x: -sum(k["dur"] for k in x[1]))[:16]:
+        med = statistics.median(k["dur"] for k in ks)
+        elems, per = _elements(ks[0])
+        rate = f"{elems * per / (med * 1e-6) / 1e9:.0f}" if elems and per else "-"
+        print(f"| {n} | {len(ks)} | {med:.1f} | {elems or '-'} | {per or '-'} | {rate} |")
+
+
+def _short(name: str) -> str:
+    m = re.search(r"(vectorized_elementwise_kernel<\d+|unrolled_elementwise_kernel|elementwise_kernel<\d+, \d+|"
+                  r"reduce_kernel<\d+, \d+|CatArrayBatchedCopy|cunn_SoftMax\w+)", name)
+    kind = m.group(1) if m else name[:40]
+    fn = re.search(r"(BinaryFunctor<[^,]+|CUDAFunctor\w*<[^>]+|\w+_kernel_cuda|\w+_kernel_impl<\w+|silu\w*_kernel|"
+                   r"FillFunctor<[^>]+|MeanOps<\w+|sum_functor<[^,]+|MulFunctor|\w+Functor<\w+)", name[len(kind):])
+    return f"{kind} {fn.group(1) if fn else ''}".strip()
+
+
+def _elements(k: dict) -> tuple[int | None, int | None]:
+    """Elements a PyTorch elementwise kernel covers, from its launch (torch 2.11's loops: a block of 128 threads
+    does 4 x ``vec`` elements in ``vectorized_elementwise_kernel<vec>``, ``elementwise_kernel<128, N>`` does 128 x N
+    per block, ``unrolled_elementwise_kernel`` 128 x 4), rounded up to whole blocks; and bytes per element (the
+    element size times the tensors read and written, from the functor's name)."""
+    name, grid, block = k["name"], k["args"].get("grid", [0])[0], k["args"].get("block", [0])[0]
+    m = re.search(r"vectorized_elementwise_kernel<(\d+)", name)
+    if m:
+        per_block = block * 4 * (int(m.group(1)) // 4 if int(m.group(1)) >= 4 else 1)
+    elif (m := re.search(r"elementwise_kernel<128, (\d+)", name)):
+        per_block = 128 * int(m.group(1))
+    elif "unrolled_elementwise_kernel" in name:
+        per_block = 128 * 4
+    else:
+        return None, None
+    elems = grid * per_block
+    size = 4 if ("<float" in name or "float>" in name or ", float," in name) and "BFloat16" not in name else 2
+    arrays = re.search(r"std::array<char\*, (\d+)ul>", name)
+    tensors = int(arrays.group(1)) if arrays else (3 if "Binary" in name else 2)
+    if "copy_kernel" in name and "bfloat16_copy" in name:
+        return elems, 4 + 2  # float32 read, bf16 written
+    return elems, size * tensors
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if a != "--calibrate"]
+    where = args[0] if args else os.environ.get("GPU_DATA", DEFAULT_DIR)
+    if "--calibrate" in sys.argv:
+        calibrate(where)
+        return
+    for name in TRACES:
+        path = os.path.join(where, f"{name}.trace.json.gz")
+        if not os.path.exists(path):
+            print(f"{path}: not found")
+            continue
+        t = Trace.load(path)
+        rows(t)
+        if name == "llama1b__1":
+            achieved(t)
+
+
+
+
+# -- calibration: the model's work per class against the kernels' time (--calibrate) --------------------------
+#: kernel classes (kernel_class) that each operator class of the model (remat.costs.device_time.op_class) runs as
+MODEL_CLASSES = {"matmul": ("matmul",), "attention": ("attention fwd", "attention bwd"),
+                 "elementwise": ("elementwise", "reduction", "copy (kernel)", "copy (memcpy DtoD)", "copy (memset)",
+                                 "other"),
+                 "foreach": ("optimizer foreach",)}
+
+
+def calibrate(where: str) -> None:
+    """Each operator class's efficiency on the H200: the llama1b step recorded for the H200 here (fake tensors,
+    the plan of llama1b__1: every block, so each layer's forward operators run again in the backward), its work
+    per class (FLOPs for products and attention, bytes for the rest) at the H200's peaks, over the class's
+    kernel time in llama1b__1's trace. And the host's cost per recorded operator from the host events."""
+    sys.path.insert(0, os.path.join(where, "..", "oracle"))
+    os.environ.setdefault("REMAT_PROJECT", os.path.join(HERE, ".."))
+    import gpu_models as gm  # the shared step definitions
+
+    import remat
+    import remat.target.source as source
+    from remat.api.profiling import make_profile
+    from remat.costs.device_time import op_class
+    from remat.costs.unit_costs import is_selective
+    from remat.target.timing import OperatorTimes, rates_of
+
+    seen = {}
+    real = source.step_time
+
+    def spy(rec, rates, target):
+        seen["rec"], seen["rates"] = rec, rates
+        return real(rec, rates, target)
+
+    source.step_time = spy
+    c = gm.build("llama1b", "meta")
+    model = c["model"]
+    opt = c["opt"](model.parameters())
+    target = remat.Target(device="h200", **c["target"])
+    profile = make_profile(model, c["inputs"], target=target, loss_fn=c["loss_fn"], optimizer=opt,
+                           output_alive=c["output_alive"])
+    source.step_time = real
+    rec, rates = seen["rec"], seen["rates"]
+    layers = [u for u in profile.units if re.fullmatch(r"model\.layers\.\d+", u.name)]
+    recomputed = [rec.forward_ops[i] for u in layers
+                  for i in range(u.forward_start, (u.recompute_end or u.forward_end) + 1)]
+    work = defaultdict(lambda: [0.0, 0])  # class: seconds at peak, operators
+    for op in [*rec.forward_ops, *rec.backward_ops, *recomputed]:
+        cls = op_class(op.name)
+        key = cls if cls in ("matmul", "attention") else "elementwise"
+        if cls in ("matmul", "attention"):
+            work[key][0] += op.flops / rates.flops_per_s
+        elif op.bytes_accessed:
+            work[key][0] += op.bytes_accessed / rates.memory_bytes_per_s
+        work[key][1] += 1
+    # the optimizer's operators on the target (fake tensors), as the profile timed them, at the peak bandwidth
+    t1 = Trace.load(os.path.join(where, "llama1b__1.trace.json.gz"))
+    by_class = defaultdict(float)
+    for ks in gpu_by_phase(t1).values():
+        for k in ks:
+            by_class[kernel_class(k)] += k["dur"] * 1e-6
+    peak_of = {"matmul": rates.flops_per_s, "attention": rates.flops_per_s}
+    print("\n| model class | recorded operators | model s at peak | kernels s (llama1b__1) | efficiency |")
+    print("|---|---:|---:|---:|---:|")
+    for cls, (s, n) in work.items():
+        measured = sum(by_class[k] for k in MODEL_CLASSES[cls])
+        print(f"| {cls} | {n} | {s * 1e3:.2f} ms | {measured * 1e3:.2f} ms | {s / measured:.3f} "
+              f"({'of peak FLOP/s' if cls in peak_of else 'of peak bandwidth'}) |")
+    pointwise = rates.efficiency_of("foreach").memory
+    opt_at_peak = profile.optimizer_s * pointwise  # memory-bound: seconds at the efficiency x the efficiency
+    print(f"| foreach (optimizer) | - | {opt_at_peak * 1e3:.2f} ms | {by_class['optimizer foreach'] * 1e3:.2f} ms | "
+          f"{opt_at_peak / by_class['optimizer foreach']:.3f} (of peak bandwidth; the profile's optimizer "
+          f"{profile.optimizer_s * 1e3:.2f} ms at {pointwise:.2f}) |")
+    # -- the host --------------------------------------------------------------------------------------------
+    t4 = Trace.load(os.path.join(where, "llama1b__4.trace.json.gz"))
+    ph1, ph4 = phases(t1), phases(t4)
+    fwd_wall = ph1["forward"][1] - ph1["forward"][0]
+    n_fwd, n_bwd = len(rec.forward_ops), len(rec.backward_ops)
+    unit_ops = statistics.median(u.forward_end - u.forward_start + 1 for u in layers)
+    clusters = dispatch_clusters(t4)
+    fwd_unit = statistics.median(s for tid, s, _ in clusters if tid == t4.main_tid)
+    rec_unit = statistics.median(s for tid, s, _ in clusters if tid != t4.main_tid)
+    rec_total = sum(s for tid, s, _ in clusters if tid != t4.main_tid)
+    bwd_wall = ph4["backward"][1] - ph4["backward"][0]
+    host_fwd = fwd_wall / n_fwd
+    host_bwd = (bwd_wall - rec_total) / n_bwd
+    print(f"\nhost, per recorded operator: forward {fwd_wall / 1e3:.2f} ms / {n_fwd} = {host_fwd:.1f} µs (llama1b__1); "
+          f"backward ({bwd_wall / 1e3:.2f} - {rec_total / 1e3:.2f} ms of recomputations) / {n_bwd} = {host_bwd:.1f} µs "
+          f"(llama1b__4)")
+    print(f"selective unit ({unit_ops:.0f} recorded operators): forward {fwd_unit / 1e3:.2f} ms a unit -> "
+          f"{fwd_unit / unit_ops:.1f} µs an operator, {fwd_unit / unit_ops - host_fwd:.1f} beyond a plain one; "
+          f"recomputation {rec_unit / 1e3:.2f} ms -> {rec_unit / unit_ops:.1f} µs, "
+          f"{rec_unit / unit_ops - host_fwd:.1f} beyond a plain recomputation's")
+    sel = [u for u in profile.units if is_selective(u.name)]
+    print(f"(the profile's selective options: {len(sel)}; forward operators of model.layers.0: {unit_ops:.0f})")
+
+
+def dispatch_clusters(t: Trace, gap_us: float = 300.0) -> list[tuple[int, float, int]]:
+    """PythonDispatchMode calls grouped into runs (a selective unit's forward or recomputation: no gap over
+    ``gap_us``): (thread, µs from the first call's start to the last's end, calls)."""
+    modes = sorted((e for e in t.of("cpu_op", "user_annotation") if "PythonDispatchMode" in e["name"]),
+                   key=lambda e: e["ts"])
+    out = []
+    for tid in sorted({e["tid"] for e in modes}):
+        run: list[dict] = []
+        for e in (m for m in modes if m["tid"] == tid):
+            if run and e["ts"] - (run[-1]["ts"] + run[-1]["dur"]) > gap_us:
+                out.append((tid, run[-1]["ts"] + run[-1]["dur"] - run[0]["ts"], len(run)))
+                run = []
+            run.append(e)
+        if run:
+            out.append((tid, run[-1]["ts"] + run[-1]["dur"] - run[0]["ts"], len(run)))
+    return out
+
+
+if __name__ == "__main__":
+    main()
