@@ -10,9 +10,11 @@ import pytest
 import torch
 
 import remat.rewrite.offload as offload
+import remat.runtime.host_copies as host_copies
 from remat.errors import UnsupportedError
 from remat.examples import make_gpt
-from remat.rewrite.offload import CopyPath, copy_path, offload_modules, offloader_for
+from remat.rewrite.offload import offload_modules, offloader_for
+from remat.runtime.host_copies import CopyPath, copy_path
 
 BLOCKS = ["h.0", "h.1", "h.2", "h.3"]
 
@@ -93,8 +95,6 @@ def test_applied_on_meta_a_unit_first_run_on_cuda_copies_from_pinned_buffers_on_
     every host buffer the step takes is pinned and every copy, out and back, goes through the side stream; the
     gradients are still the plain model's. Today's code decided when the plan was applied, on meta: pageable
     buffers and synchronous copies (fails here: no pinned buffer, no side stream)."""
-    import remat.runtime.host_copies as host_copies
-
     model, reference, idx, targets, off = _materialized_after_applying_on_meta()
     pinned = []
 
@@ -104,7 +104,7 @@ def test_applied_on_meta_a_unit_first_run_on_cuda_copies_from_pinned_buffers_on_
 
     _SideStream.made = []
     monkeypatch.setattr(offload, "_device_of", lambda t: torch.device("cuda", 0), raising=False)
-    monkeypatch.setattr(offload, "_host_buffer", host_buffer, raising=False)
+    monkeypatch.setattr(host_copies, "_host_buffer", host_buffer, raising=False)
     monkeypatch.setattr(host_copies, "CudaCopies", _SideStream)
     got, expected = _grads(model, idx, targets), _grads(reference, idx, targets)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
@@ -123,10 +123,8 @@ def test_a_model_moved_between_steps_gets_a_new_path():
     _grads(model, idx, targets, steps=1)
     assert off.path.device == "cpu" and off.pool.held_bytes > 0
     with pytest.MonkeyPatch.context() as mp:
-        import remat.runtime.host_copies as host_copies
-
         mp.setattr(offload, "_device_of", lambda t: torch.device("cuda", 0))
-        mp.setattr(offload, "_host_buffer", lambda n, pin: torch.empty(n, dtype=torch.uint8))
+        mp.setattr(host_copies, "_host_buffer", lambda n, pin: torch.empty(n, dtype=torch.uint8))
         mp.setattr(host_copies, "CudaCopies", _SideStream)
         _grads(model, idx, targets, steps=1)
     assert off.path.pinned and off.pool.pin_memory and isinstance(off.copies, _SideStream)

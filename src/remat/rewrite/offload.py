@@ -18,11 +18,11 @@ costs more than they free), parameters and tensor subclasses, and the storages o
 parameters and buffers (alive anyway); a storage its outputs turn out to hold is read where it is in backward
 (:meth:`Offloader.keep_outputs`: it lives on after the unit, so bringing a copy back would hold it twice).
 
-Host buffers come from a :class:`HostPool` that keeps them across steps, by size class (a power of two of at
-least 64 KiB): after the first step no host memory is allocated (one fresh pinned allocation per tensor costs
-milliseconds on a GPU host, the complaint offloaders' users make). On a GPU the buffers are pinned and the copies
-run on a side stream (:class:`remat.runtime.host_copies.CudaCopies`: what is CUDA-specific is there); on this
-machine's CPU the copies are plain ``copy_`` calls: the device *is* host memory, so offloading frees nothing
+Host buffers come from a :class:`~remat.runtime.host_copies.HostPool` that keeps them across steps, by size class (a
+power of two of at least 64 KiB): after the first step no host memory is allocated (one fresh pinned allocation per
+tensor costs milliseconds on a GPU host, the complaint offloaders' users make). On a GPU the buffers are pinned and
+the copies run on a side stream (:class:`remat.runtime.host_copies.CudaCopies`: what is CUDA-specific is there); on
+this machine's CPU the copies are plain ``copy_`` calls: the device *is* host memory, so offloading frees nothing
 here, and the pool is what tests count (docs/offload.md says what is measured then and what is not).
 
 Note [Pinned at first run]
@@ -43,7 +43,6 @@ middle of a step (buffers still lent) it is refused.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,104 +52,12 @@ from remat._compat import storage_key, storage_ref
 from remat.costs.offload import MIN_OFFLOAD_BYTES
 from remat.errors import InternalError
 from remat.rewrite.forwards import _RematForward
-
-_SIZE_CLASS = 64 * 1024
-
-
-def _size_class(nbytes: int) -> int:
-    return max(_SIZE_CLASS, 1 << (nbytes - 1).bit_length())
-
-
-@dataclass(frozen=True)
-class CopyPath:
-    """How an offloaded unit's copies run on the device its saved tensors are on (Note [Pinned at first run]):
-    ``pinned``: host buffers in page-locked memory; ``side_stream``: copies asynchronous on a stream of their own,
-    ordered by events (:class:`remat.runtime.host_copies.CudaCopies`); neither: a synchronous ``copy_``."""
-
-    device: str
-    pinned: bool
-    side_stream: bool
-
-
-def copy_path(device: torch.device) -> CopyPath:
-    """The decision of Note [Pinned at first run], from the device of a tensor a unit saves: on a CUDA device
-    (ROCm's too) pinned buffers and a side stream; on the CPU plain copies (its memory *is* the host's). Another
-    accelerator is refused (:class:`~remat.errors.UnsupportedError`): remat offloads from CUDA devices only, and
-    would otherwise copy from pageable memory there."""
-    if device.type == "cuda":
-        return CopyPath(str(device), pinned=True, side_stream=True)
-    if device.type == "cpu":
-        return CopyPath(str(device), pinned=False, side_stream=False)
-    from remat.errors import UnsupportedError
-
-    raise UnsupportedError(f"an offloaded unit saved a tensor on {device}: remat offloads activations from CUDA "
-                           "GPUs (pinned host buffers, a side stream) and runs the mechanism on the CPU, not from "
-                           f"{device.type!r}. Checkpoint that unit instead (a plan made with offload=False)")
-
+from remat.runtime.host_copies import CopyPath, HostPool, copy_path, side_stream
 
 def _device_of(t: torch.Tensor) -> torch.device:
     """The device a saved tensor is on, as :func:`copy_path` decides from it (the seam tests replace to decide
     for a CUDA tensor on a CPU build)."""
     return t.device
-
-
-def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
-    """A host buffer of ``nbytes`` (``uint8``), page-locked where ``pinned`` (the seam tests replace: a CPU build
-    cannot pin)."""
-    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pinned)
-
-
-def _side_stream(device: torch.device) -> Any:
-    """The side-stream copies for ``device`` (:class:`remat.runtime.host_copies.CudaCopies`)."""
-    from remat.runtime import host_copies
-
-    return host_copies.CudaCopies(device)
-
-
-class HostPool:
-    """Host buffers (``uint8``) kept across steps by size class; pinned where the device is a GPU. ``held_bytes``:
-    what the pool holds now (host memory an offloading plan costs); ``peak_in_use_bytes``: the most it lent at
-    once."""
-
-    def __init__(self, pin_memory: bool = False) -> None:
-        self.pin_memory = pin_memory
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self.held_bytes = 0
-        self.in_use_bytes = 0
-        self.peak_in_use_bytes = 0
-        #: buffers allocated (a buffer lent again is not counted)
-        self.allocations = 0
-        self._all: list[torch.Tensor] = []
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        size = _size_class(nbytes)
-        free = self._free.get(size)
-        if free:
-            buf = free.pop()
-        else:
-            buf = _host_buffer(size, self.pin_memory)
-            self.held_bytes += size
-            self.allocations += 1
-            self._all.append(buf)
-        self.in_use_bytes += size
-        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
-        return buf
-
-    def give(self, buf: torch.Tensor) -> None:
-        self.in_use_bytes -= buf.numel()
-        self._free.setdefault(buf.numel(), []).append(buf)
-
-    def buffers(self) -> list[torch.Tensor]:
-        """Every buffer the pool holds, lent or free (a meter of device memory leaves them out)."""
-        return list(self._all)
-
-    def release(self) -> None:
-        """Let every free buffer go (the next step allocates afresh)."""
-        for bufs in self._free.values():
-            self.held_bytes -= sum(b.numel() for b in bufs)
-            freed = {id(b) for b in bufs}
-            self._all = [b for b in self._all if id(b) not in freed]
-        self._free.clear()
 
 
 class _Parked:
@@ -226,6 +133,9 @@ class Offloader:
         self._seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}
         #: per unit, in forward order, the tensors it parked this step (for prefetching)
         self.parked: dict[str, list[weakref.ref]] = {}
+        #: per offloaded unit, the offloaded unit right before it (its sibling), whose storages its backward
+        #: starts bringing back (Note [Exposed copies] in remat.costs.offload); set by :func:`offload_modules`
+        self.ahead: dict[str, str] = {}
         #: bytes copied out, in all, and tensors parked
         self.offloaded_bytes = 0
         self.offloaded_tensors = 0
@@ -288,7 +198,7 @@ class Offloader:
             if path.pinned != self.pool.pin_memory:
                 self.pool.release()  # the free buffers of the other kind go; the next ones are of this kind
                 self.pool.pin_memory = path.pinned
-            self.copies = _side_stream(device) if path.side_stream else None
+            self.copies = side_stream(device) if path.side_stream else None
             self.path, self._path_device = path, device
         if self.path is None:
             raise InternalError("the offloader's copy path is undecided after deciding it")
@@ -346,12 +256,14 @@ class Offloader:
                     self.pool.give(buf)
 
     def prefetch(self, unit: str) -> None:
-        """Bring ``unit``'s parked storages back to the device, and start bringing back those of the unit before
-        it in forward order, whose backward runs next (one unit ahead). ``unit``'s own first: its backward waits
-        for them, and the side stream runs copies in the order they are issued."""
-        order = list(self.parked)
-        i = order.index(unit) if unit in order else 0
-        for name in reversed(order[max(0, i - 1): i + 1]):
+        """Bring ``unit``'s parked storages back to the device, and start bringing back those of the offloaded
+        unit right before it (``ahead``: its sibling, whose backward runs next; one unit ahead). Only that one:
+        a unit kept or recomputed in between would have them back while its own backward runs, which the memory
+        model does not count (Note [Offload in the memory model]). ``unit``'s own first: its backward waits for
+        them, and the side stream runs copies in the order they are issued."""
+        for name in (unit, self.ahead.get(unit)):
+            if name is None or name not in self.parked:
+                continue
             for ref in self.parked[name]:
                 p = ref()
                 if p is not None and p.ready is None and p.live:
@@ -465,3 +377,17 @@ def offload_modules(model: nn.Module, names: Any, ops: dict[str, tuple[str, ...]
     offloader = offloader_for(model)
     for n in names:
         mods[n].forward = OffloadedForward(mods[n], n, offloader, parts[n])
+    offloaded = {n for n, m in mods.items() if isinstance(m.__dict__.get("forward"), OffloadedForward)}
+    for n in offloaded:
+        after = _next_sibling(model, n)
+        if after in offloaded:
+            offloader.ahead[after] = n
+
+
+def _next_sibling(model: nn.Module, name: str) -> str | None:
+    """The qualified name of the child registered after ``name`` in its parent (a ModuleList's next layer), or
+    None."""
+    parent, _, child = name.rpartition(".")
+    kids = [k for k, _ in (model.get_submodule(parent) if parent else model).named_children()]
+    i = kids.index(child)
+    return None if i + 1 == len(kids) else (f"{parent}.{kids[i + 1]}" if parent else kids[i + 1])

@@ -1,5 +1,7 @@
-"""Copies between a GPU and pinned host memory on a side stream: the CUDA-specific part of offloaded units (Note
-[Offloaded units] in remat.rewrite.offload). Nothing else in remat touches streams or events for offloading.
+"""Where offloaded activations go and how they are copied (Note [Offloaded units] in remat.rewrite.offload): the
+decision of the copy path from a saved tensor's device (:func:`copy_path`, Note [Pinned at first run] in
+remat.rewrite.offload), the pool of host buffers, and the copies between a GPU and pinned host memory on a side
+stream (:class:`CudaCopies`). Nothing else in remat touches streams or events for offloading.
 
 Note [Offload streams]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -19,6 +21,7 @@ here (no GPU was lent to this project when it was written).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -74,3 +77,94 @@ class CudaCopies:
         event = torch.cuda.Event()
         event.record(self.stream)
         self._pending.append((event, then))
+
+
+_SIZE_CLASS = 64 * 1024
+
+
+def _size_class(nbytes: int) -> int:
+    return max(_SIZE_CLASS, 1 << (nbytes - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class CopyPath:
+    """How an offloaded unit's copies run on the device its saved tensors are on (Note [Pinned at first run]):
+    ``pinned``: host buffers in page-locked memory; ``side_stream``: copies asynchronous on a stream of their own,
+    ordered by events (:class:`remat.runtime.host_copies.CudaCopies`); neither: a synchronous ``copy_``."""
+
+    device: str
+    pinned: bool
+    side_stream: bool
+
+
+def copy_path(device: torch.device) -> CopyPath:
+    """The decision of Note [Pinned at first run], from the device of a tensor a unit saves: on a CUDA device
+    (ROCm's too) pinned buffers and a side stream; on the CPU plain copies (its memory *is* the host's). Another
+    accelerator is refused (:class:`~remat.errors.UnsupportedError`): remat offloads from CUDA devices only, and
+    would otherwise copy from pageable memory there."""
+    if device.type == "cuda":
+        return CopyPath(str(device), pinned=True, side_stream=True)
+    if device.type == "cpu":
+        return CopyPath(str(device), pinned=False, side_stream=False)
+    from remat.errors import UnsupportedError
+
+    raise UnsupportedError(f"an offloaded unit saved a tensor on {device}: remat offloads activations from CUDA "
+                           "GPUs (pinned host buffers, a side stream) and runs the mechanism on the CPU, not from "
+                           f"{device.type!r}. Checkpoint that unit instead (a plan made with offload=False)")
+
+
+def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A host buffer of ``nbytes`` (``uint8``), page-locked where ``pinned`` (the seam tests replace: a CPU build
+    cannot pin)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pinned)
+
+
+def side_stream(device: torch.device) -> CudaCopies:
+    """The side-stream copies for ``device`` (:class:`CudaCopies`)."""
+    return CudaCopies(device)
+
+
+class HostPool:
+    """Host buffers (``uint8``) kept across steps by size class; pinned where the device is a GPU. ``held_bytes``:
+    what the pool holds now (host memory an offloading plan costs); ``peak_in_use_bytes``: the most it lent at
+    once."""
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        self.pin_memory = pin_memory
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self.held_bytes = 0
+        self.in_use_bytes = 0
+        self.peak_in_use_bytes = 0
+        #: buffers allocated (a buffer lent again is not counted)
+        self.allocations = 0
+        self._all: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        size = _size_class(nbytes)
+        free = self._free.get(size)
+        if free:
+            buf = free.pop()
+        else:
+            buf = _host_buffer(size, self.pin_memory)
+            self.held_bytes += size
+            self.allocations += 1
+            self._all.append(buf)
+        self.in_use_bytes += size
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        self.in_use_bytes -= buf.numel()
+        self._free.setdefault(buf.numel(), []).append(buf)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer the pool holds, lent or free (a meter of device memory leaves them out)."""
+        return list(self._all)
+
+    def release(self) -> None:
+        """Let every free buffer go (the next step allocates afresh)."""
+        for bufs in self._free.values():
+            self.held_bytes -= sum(b.numel() for b in bufs)
+            freed = {id(b) for b in bufs}
+            self._all = [b for b in self._all if id(b) not in freed]
+        self._free.clear()
