@@ -206,7 +206,8 @@ def test_a_plan_for_a_gpu_offloads_and_the_replayed_step_frees_what_it_offloads(
     # and from the front door: offload=True names what it offloads and the link
     plan = remat.optimize_checkpointing(model, 0.2, idx, loss_fn=_loss(targets), target=target, offload=True,
                                         granularity="block")
-    assert any("offloading offered over h100-80gb's host link, 63.0 GB/s" in n for n in plan.notes)
+    assert any("offloading offered over h100-80gb's host link, 54.5 GB/s to host (not measured: 86% of the nominal "
+               "rate, carried from h200)" in n for n in plan.notes)
     assert plan.predicted_reserved_bytes <= 0.2 * 2**30
 
 
@@ -221,7 +222,8 @@ def test_offloading_a_tensor_parallel_target_is_refused_and_auto_leaves_it_out()
     link, notes = host_link("auto", device=torch.device("cpu"), target=target)
     assert link is None and "tensor parallel" in notes[0]
     link, _ = host_link("auto", device=torch.device("cpu"), target=remat.Target(device="h100-80gb", world=2))
-    assert link is not None and link.to_host_bytes_per_s == pytest.approx(63.015e9, rel=1e-3)
+    # the H100's nominal 63.0 GB/s at the share of it the H200's measured copies reached (54.5 of 63.0)
+    assert link is not None and link.to_host_bytes_per_s == pytest.approx(54.5e9, rel=1e-3)
 
 
 def test_a_storage_the_units_output_holds_stays_on_the_device_and_is_read_there():

@@ -6,12 +6,13 @@ import dataclasses
 
 import pytest
 
-from remat.costs.offload import HostLink, exposed_copy_s, offload_key
+from remat.costs.offload import HostLink, OffloadSpan, exposed_copy_s, link_from_spec, offload_key
 from remat.costs.simulate import MemoryModel
 from remat.errors import InvalidInputError
 from remat.solve import Planner
 from remat.solve.plan import Plan
-from remat.solve.synthetic import random_chain_profile
+from remat.solve.synthetic import chain_profile, random_chain_profile
+from remat.target.devices import device_spec
 
 FAST = HostLink(1e12, 1e12)
 SLOW = HostLink(1e6, 1e6)
@@ -39,11 +40,64 @@ def test_an_offloaded_unit_frees_its_drops_from_the_next_units_forward_until_the
     assert span.freed_at(u1.forward_end) == 0  # still on the device while its copy runs
 
 
-def test_exposed_copy_time_is_what_the_link_cannot_move_within_each_pass():
-    link = HostLink(10e9, 20e9)
-    # 30 GB: 3 s out against a 1 s forward, 1.5 s back against a 2 s backward
-    assert exposed_copy_s(30 * 10**9, link, 1.0, 2.0) == pytest.approx(2.0)
-    assert exposed_copy_s(5 * 10**9, link, 1.0, 2.0) == 0.0
+def test_exposed_copies_queue_out_behind_the_forward_and_wait_back_unless_the_next_unit_brings_them():
+    """Note [Exposed copies], by hand. A's copies out start at 0 s and take 0.6, B's at 0.5 and take 0.6, in a 1 s
+    forward: queued, they end at 1.2 (0.2 exposed). Back: A's whole copy (0.5 s) is waited for unless B, the unit
+    after it, is offloaded too (then 0.1); B, last, waits 0.4 either way."""
+    a = OffloadSpan("A", (), 0, stall_s=0.5, paired_stall_s=0.1, next_unit="B", start_s=0.0, copy_out_s=0.6)
+    b = OffloadSpan("B", (), 0, stall_s=0.4, paired_stall_s=0.4, next_unit=None, start_s=0.5, copy_out_s=0.6)
+    assert exposed_copy_s({"A": a, "B": b}, 1.0) == pytest.approx(0.2 + 0.1 + 0.4)
+    assert exposed_copy_s({"A": a}, 1.0) == pytest.approx(0.5)  # out hidden; nothing brings it back early
+    assert exposed_copy_s({"B": b}, 1.0) == pytest.approx(0.1 + 0.4)  # 0.5 + 0.6 out
+    assert exposed_copy_s({}, 1.0) == 0.0
+
+
+def _titan_like():
+    """Three units: u0 saves 3.49 GB (torchtitan's offloaded layer) and recomputes in 20 ms; u1 and u2 run 40 ms
+    forward each (so u0's copy out, 64 ms at 54.5 GB/s, is done by the end of u2's) and save under 64 KiB (not
+    offloadable: nothing after u0 brings its storages back early)."""
+    small = 32 * 1024
+    return chain_profile([3_491_889_152, small, small], [8 * 2**20] * 3, [0.020, 0.040, 0.040])
+
+
+def test_offload_is_refused_where_recomputing_is_cheaper_over_the_measured_link_and_chosen_over_a_fast_one():
+    """u0 must leave the device (a budget that recomputing it and offloading it both meet). Over the H200's measured
+    link (54.5 GB/s host to device, the other direction carried) its copy back is 64 ms, all waited for (u1 is not
+    offloaded): more than its 20 ms recompute, so it is recomputed. Over a 450 GB/s link, 7.8 ms: offloaded. The old
+    model let u1's backward (80 ms) hide the copy back whatever u1 did, and offloaded u0 at 0 ms (as torchtitan's
+    layer was, predicted 361 ms and measured 447-451 where recomputing it measured 405)."""
+    p = _titan_like()
+    measured = link_from_spec(device_spec("h200"))
+    assert measured.to_device_bytes_per_s == 54.5e9
+    planner = Planner(p, offload=measured)
+    assert offload_key("u0") in planner.model.offloads  # offered: its copy out is done before the backward
+    # a budget both meet, below the plain step's peak
+    budget = max(planner.model.peak_bytes([offload_key("u0")]), planner.model.peak_bytes(["u0"]))
+    assert budget < planner.model.peak_bytes([])
+    assert planner.model.exposed_copy_s([offload_key("u0")]) == pytest.approx(3_491_889_152 / 54.5e9)
+    plan = planner.plan_for_budget(budget)
+    assert plan.offloaded == () and plan.checkpointed == ("u0",)
+    fast = Planner(p, offload=HostLink(450e9, 450e9)).plan_for_budget(budget)
+    assert fast.offloaded == ("u0",) and fast.checkpointed == ()
+    assert fast.predicted_exposed_copy_s == pytest.approx(3_491_889_152 / 450e9)
+    assert fast.predicted_step_time_s == pytest.approx(p.step_time_s + 3_491_889_152 / 450e9)
+    assert fast.predicted_step_time_s < plan.predicted_step_time_s
+
+
+def test_a_units_copy_back_hides_behind_the_next_units_backward_only_when_that_unit_is_offloaded_too():
+    """The ILP's pairing: with u1 offloadable, offloading u0 and u1 together hides u0's copy back behind u1's
+    backward; the plan's predicted time is the model's exposed copies, each wait counted once."""
+    p = chain_profile([3_491_889_152, 64 * 2**20, 64 * 2**20], [8 * 2**20] * 3, [0.020, 0.040, 0.040])
+    model = MemoryModel(p, offload=HostLink(54.5e9, 54.5e9))
+    u0, u1 = offload_key("u0"), offload_key("u1")
+    alone, both = model.exposed_copy_s([u0]), model.exposed_copy_s([u0, u1])
+    assert alone == pytest.approx(3_491_889_152 / 54.5e9)
+    assert both == pytest.approx(64 * 2**20 / 54.5e9)  # u0's hidden behind u1's 80 ms backward; u1's waited for
+    budget = max(model.peak_bytes([u0]), model.peak_bytes(["u0"]))
+    assert model.peak_bytes([u0, u1]) <= budget < model.peak_bytes([])
+    plan = Planner(p, offload=HostLink(54.5e9, 54.5e9)).plan_for_budget(budget)
+    assert plan.offloaded == ("u0", "u1")
+    assert plan.predicted_step_time_s == pytest.approx(p.step_time_s + both)
 
 
 def test_with_a_fast_link_offloading_replaces_recomputation_and_is_predicted_faster_at_every_budget():

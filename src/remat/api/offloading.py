@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from remat.costs.offload import HostLink
+from remat.costs.offload import HostLink, link_from_spec
 from remat.errors import InvalidInputError, UnsupportedError
 
 #: what ``offload=`` takes
@@ -53,16 +53,22 @@ def host_link(offload: Any, *, device: torch.device, target: Any = None, compile
         why = ("the step runs on a CPU, whose activations are in host memory already: offloading frees nothing "
                "there. Plan for a GPU target to plan offloading (target=Target(device=...) in Python, --device on the "
                "command line)")
-    if why is None and not spec.host_link_bytes_per_s:
+    if why is None and not (spec.host_link_bytes_per_s or spec.device_to_host_bytes_per_s
+                            or spec.host_to_device_bytes_per_s):
         why = (f"device {spec.name!r} does not give its host link: add host_link_bytes_per_s (bytes/s, one "
-               "direction) to its spec")
+               "direction) to its spec, or the measured pinned copy rates device_to_host_bytes_per_s and "
+               "host_to_device_bytes_per_s")
     if why is not None:
         if offload is True:
             raise UnsupportedError(f"cannot plan offloading: {why}")
         return None, (f"offloading not offered: {why}",)
-    bw = float(spec.host_link_bytes_per_s)
+    from remat.target.devices import KNOWN
+
     host = getattr(target, "host_memory_bytes", None)
-    link = HostLink(bw, bw, host_bytes=host, source=f"{spec.name}'s host link, {bw / 1e9:.1f} GB/s each way")
-    return link, (f"offloading offered over {link.source} (predicted: copies hidden behind compute up to what the "
-                  "link moves in the forward and the backward; host memory "
+    # each direction's measured pinned rate; where the device's were not measured, the H200's share of its nominal
+    # rate carried (docs/offload.md: measured on the H200 2026-12-04)
+    link = link_from_spec(spec, host_bytes=host, carried_from=KNOWN["h200"])
+    return link, (f"offloading offered over {link.source} (predicted: copies out hidden behind the forward after "
+                  "each unit's, a copy back behind the backward of the offloaded unit after it, else waited for: "
+                  "Note [Exposed copies] in remat.costs.offload; host memory "
                   f"{'unlimited' if host is None else f'{host / 2**30:.1f} GiB'})",)

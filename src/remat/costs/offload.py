@@ -10,10 +10,11 @@ timing, both predicted on the high side:
 * a drop leaves the device once its copy out has completed: at the end of the forward of the unit after it at
   its level by which the units after it have run forward as long as the copy takes (bytes over the link's
   bandwidth; Note [Offload streams]); a unit whose copy would still run when the backward starts is not offered;
-* the drops come back when the next unit's backward starts (the mechanism prefetches one unit ahead), not at the
-  unit's own backward: from that index they are alive again; what the copy back takes beyond the next unit's
-  backward, the unit's backward waits (``OffloadSpan.stall_s``, in the variable's cost). No recomputation row:
-  nothing runs again. Storages under :data:`MIN_OFFLOAD_BYTES` stay on the device, as the mechanism leaves them.
+* the drops come back when the next unit's backward starts (the mechanism prefetches one unit ahead where that
+  unit is offloaded too), not at the unit's own backward: from that index they are alive again (predicted high where
+  the next unit is not offloaded: then they come back at the unit's own backward); what the unit's backward waits
+  for them is Note [Exposed copies]. No recomputation row: nothing runs again. Storages under
+  :data:`MIN_OFFLOAD_BYTES` stay on the device, as the mechanism leaves them.
 
 So an offload variable ``offload:u`` is one more 0/1 choice whose coefficient at index ``i`` is minus the bytes
 of ``u``'s drops with ``free_at <= i < back_at``. Offered for a whole module called once per step (not a
@@ -31,20 +32,39 @@ less. Parts are options of the unit as selective policies are options of a check
 at most one of them, the whole unit's offload or a checkpoint. The mechanism moves the storages the named
 operators made and no other (``Offloader`` with ``ops``, in remat.rewrite.offload).
 
-Time (Note [Hidden copies]): every offloaded byte crosses the host link once each way, device-to-host during the
-forward, host-to-device during the backward, on a copy engine beside the compute. What the link moves within the
-forward's (backward's) compute time is hidden; the rest is paid as step time:
+Time: Note [Exposed copies]. Host memory: the offloaded bytes at once, within ``HostLink.host_bytes``.
 
-    exposed = max(0, offloaded / to_host_bytes_per_s - forward_s) + max(0, offloaded / to_device_bytes_per_s -
-    backward_s)
+Note [Exposed copies]
+~~~~~~~~~~~~~~~~~~~~~
+Every offloaded byte crosses the host link once each way, device to host in the forward, host to device in the
+backward, each at the rate measured for its direction (``HostLink``; the H200's 54.5 GB/s host to device against
+PCIe Gen5's nominal 63.0, docs/offload.md). The copies run on one side stream, in the order they are issued, and
+overlap only compute of the pass they are issued in; the step's other work does not use that stream or the link
+(FSDP's collectives go over NVLink), so nothing else competes with them. What is exposed, by what the mechanism
+does (Note [Offloaded units] in remat.rewrite.offload), not by one window per pass:
 
-(one window per pass for the whole step, not per unit: a unit late in the forward has less compute after it to
-hide under; predicted low there). Host memory: the offloaded bytes at once, within ``HostLink.host_bytes``.
+* out: a unit's copies start with its forward (``OffloadSpan.start_s``) and queue behind those of the units
+  before it; what the queue has not finished when the backward starts is paid:
+  ``max(0, max over chosen k of (start_k + sum of copy_out_s of the chosen units from k on) - forward_s)``;
+* back: a unit's storages are brought back when the backward of the *offloaded* unit after it starts (one unit
+  ahead), else at its own first use. So with its next unit (``OffloadSpan.next_unit``, the sibling after it)
+  offloaded too, its wait is what the next unit's backward does not hide (``paired_stall_s``); with the next
+  unit kept or recomputed nothing brings it back early and its backward waits for the whole copy
+  (``stall_s = copy_back_s``). Measured on the H200 (torchtitan's Llama, 4 layers, the first offloaded and the
+  other three recomputed, so nothing ahead of it: the case of ``stall_s``): 447-451 ms a step where every layer
+  recomputed took 405; the old model, which let the next layer's backward hide the copy back whatever that layer
+  did, predicted no wait at all (361 ms).
+
+Both are in the ILP (remat.solve.ilp): a row per offload option for the queue out, and per option a continuous
+``z`` (at most its own variable and the sum of its next unit's options) that takes ``stall_s - paired_stall_s``
+off the objective. So an offload is chosen only where its copies' exposed time is below the recompute it
+replaces, on the same device model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from remat.costs.unit_costs import Profile, UnitCost, is_selective
 
@@ -95,17 +115,57 @@ class HostLink:
     source: str = ""
 
 
+def link_from_spec(spec: Any, *, host_bytes: int | None = None, carried_from: Any = None) -> HostLink:
+    """The :class:`HostLink` of a device spec (remat.target.devices.DeviceSpec, read by its fields): each
+    direction's measured pinned copy rate (``device_to_host_bytes_per_s``, ``host_to_device_bytes_per_s``); a
+    direction not measured takes the other's where that was (the link is the same both ways); with neither, the
+    nominal ``host_link_bytes_per_s`` times the share of its nominal rate that ``carried_from`` (a measured
+    device) reached, each direction's share where measured; else the nominal rate. ``source`` says which."""
+    nominal = spec.host_link_bytes_per_s
+    out, back = spec.device_to_host_bytes_per_s, spec.host_to_device_bytes_per_s
+    name = getattr(spec, "name", "?")
+    if out or back:
+        how = {"to host": "measured" if out else "not measured: the other direction's",
+               "to device": "measured" if back else "not measured: the other direction's"}
+        out, back = out or back, back or out
+    elif carried_from is not None and carried_from.host_link_bytes_per_s and (
+            carried_from.device_to_host_bytes_per_s or carried_from.host_to_device_bytes_per_s):
+        ref = link_from_spec(carried_from)
+        share_out = ref.to_host_bytes_per_s / carried_from.host_link_bytes_per_s
+        share_back = ref.to_device_bytes_per_s / carried_from.host_link_bytes_per_s
+        out, back = nominal * share_out, nominal * share_back
+        how = {"to host": f"not measured: {share_out:.0%} of the nominal rate, carried from {carried_from.name}",
+               "to device": f"not measured: {share_back:.0%} of the nominal rate, carried from {carried_from.name}"}
+    else:
+        out = back = nominal
+        how = {"to host": "nominal, not measured", "to device": "nominal, not measured"}
+    source = (f"{name}'s host link, {out / 1e9:.1f} GB/s to host ({how['to host']}), {back / 1e9:.1f} GB/s to "
+              f"device ({how['to device']})")
+    return HostLink(float(out), float(back), host_bytes=host_bytes, source=source)
+
+
 @dataclass(frozen=True)
 class OffloadSpan:
-    """When an offloaded unit's drops are gone: ``(nbytes, free_at, storage)`` each, back at ``back_at``."""
+    """When an offloaded unit's drops are gone: ``(nbytes, free_at, storage)`` each, back at ``back_at``; and what
+    its copies take (Note [Exposed copies])."""
 
     unit: str
     drops: tuple[tuple[int, int, int | None], ...]
     back_at: int
-    #: seconds the unit's backward waits for its copy back (what the next unit's backward does not hide)
+    #: seconds the unit's backward waits for its copy back when the unit after it is not offloaded (nothing
+    #: brings it back early: the whole copy back)
     stall_s: float = 0.0
     #: the operators whose outputs a part moves (``aten.mm.default#1``); empty: every storage of the unit's
     ops: tuple[str, ...] = ()
+    #: seconds it waits when ``next_unit`` is offloaded too (what that unit's backward does not hide)
+    paired_stall_s: float = 0.0
+    #: the sibling after it, whose offloaded backward brings this one's storages back; None: no such unit
+    next_unit: str | None = None
+    #: when its forward starts, seconds into the step's forward (its copies out start then at the earliest)
+    start_s: float = 0.0
+    #: seconds its copies take each way, at the link's rate of each direction
+    copy_out_s: float = 0.0
+    copy_back_s: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -184,12 +244,24 @@ def _span(profile: Profile, name: str, u: UnitCost, drops: list, after: list[Uni
     spans = tuple((d.nbytes, max(d.free_from, min(gone, back)), d.storage) for d in drops)
     if not spans or not any(at < back for _, at, _ in spans):
         return None
-    # brought back while the next unit's backward runs (one unit ahead): what that does not hide, waited for
+    # Note [Exposed copies]: brought back while the next unit's backward runs where that unit is offloaded too
+    # (one unit ahead), what that does not hide waited for; else the whole copy back waited for
+    back_s = moved / link.to_device_bytes_per_s
     window = (nxt.backward_s if nxt.backward_s is not None else 2 * nxt.forward_s) if nxt else 0.0
-    return OffloadSpan(name, spans, back, max(0.0, moved / link.to_device_bytes_per_s - window), ops)
+    start_s = profile.forward_s * u.forward_start / max(profile.backward_start, 1)
+    return OffloadSpan(name, spans, back, back_s, ops, paired_stall_s=max(0.0, back_s - window),
+                       next_unit=nxt.name if nxt is not None else None, start_s=start_s, copy_out_s=copy_s,
+                       copy_back_s=back_s)
 
 
-def exposed_copy_s(offloaded_bytes: int, link: HostLink, forward_s: float, backward_s: float) -> float:
-    """Seconds of copying not hidden behind compute (Note [Offload in the memory model])."""
-    return max(0.0, offloaded_bytes / link.to_host_bytes_per_s - forward_s) + \
-        max(0.0, offloaded_bytes / link.to_device_bytes_per_s - backward_s)
+def exposed_copy_s(spans: dict[str, OffloadSpan], forward_s: float) -> float:
+    """Seconds of the chosen offloads' copies (``spans``, by variable) not hidden behind compute (Note [Exposed
+    copies]): the copies out the forward has not finished, and each unit's wait for its copy back, shorter where
+    the unit after it is offloaded too."""
+    if not spans:
+        return 0.0
+    chosen = sorted(spans.values(), key=lambda s: s.start_s)
+    queue_end = max(s.start_s + sum(v.copy_out_s for v in chosen if v.start_s >= s.start_s) for s in chosen)
+    offloaded = {s.unit for s in chosen}
+    waits = sum(s.paired_stall_s if s.next_unit in offloaded else s.stall_s for s in chosen)
+    return max(0.0, queue_end - forward_s) + waits

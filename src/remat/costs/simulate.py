@@ -139,8 +139,9 @@ class MemoryModel(MemoryRows, PeakExplainer):
         return frozenset(v if offloaded_unit(v) is not None else inner_unit(v) for v in variables)
 
     def cost_s(self, variable: str) -> float:
-        """Predicted extra time of one variable: its unit's recompute and bookkeeping (seconds); an offload's wait
-        for its copy back (its share of the link is paid by the step as a whole: :meth:`exposed_copy_s`)."""
+        """Predicted extra time of one variable on its own: its unit's recompute and bookkeeping (seconds); an
+        offload's wait for its whole copy back, which is less where the unit after it is offloaded too (the ILP's
+        pairing terms; :meth:`exposed_copy_s` for a whole plan: Note [Exposed copies] in remat.costs.offload)."""
         if offloaded_unit(variable) is not None:
             return self.offloads[variable].stall_s
         return self.units[inner_unit(variable)].cost_s
@@ -150,11 +151,9 @@ class MemoryModel(MemoryRows, PeakExplainer):
         return sum(self.offloads[v].nbytes for v in plan if v in self.offloads)
 
     def exposed_copy_s(self, plan: Iterable[str]) -> float:
-        """Seconds of ``plan``'s host copies not hidden behind compute (Note [Offload in the memory model])."""
-        moved = self.offloaded_bytes(plan)
-        if not moved or self.link is None:
-            return 0.0
-        return exposed_copy_s(moved, self.link, self.profile.forward_s, self.profile.backward_s)
+        """Seconds of ``plan``'s host copies not hidden behind compute, the waits for copies back included (Note
+        [Exposed copies] in remat.costs.offload)."""
+        return exposed_copy_s({v: self.offloads[v] for v in plan if v in self.offloads}, self.profile.forward_s)
 
     def inner_cliques(self, outer: str) -> list[list[str]]:
         """Sets of ``outer``'s inner units of which at most one may be checkpointed inside it."""
@@ -180,9 +179,14 @@ class MemoryModel(MemoryRows, PeakExplainer):
         return max(self.row_bytes(r, chosen) for r in self.rows)
 
     def recompute_s(self, plan: Iterable[str]) -> float:
-        """Predicted extra time of ``plan``: the measured recompute time of its units plus checkpoint's
-        measured bookkeeping per unit (seconds); an offloaded unit's: the wait for its copy back."""
-        return sum(self.cost_s(u) if offloaded_unit(u) is not None else self.units[u].cost_s for u in plan)
+        """Predicted recompute time of ``plan``: the measured recompute time of its checkpointed units plus
+        checkpoint's measured bookkeeping per unit (seconds); its offloads cost :meth:`exposed_copy_s`."""
+        return sum(self.units[u].cost_s for u in plan if offloaded_unit(u) is None)
+
+    def extra_s(self, plan: Iterable[str]) -> float:
+        """Predicted time ``plan`` adds to the plain step: recompute and exposed copies (seconds)."""
+        plan = list(plan)
+        return self.recompute_s(plan) + self.exposed_copy_s(plan)
 
     def conflicts(self, a: str, b: str) -> bool:
         """Whether units ``a`` and ``b`` (or ``offload:`` names) cannot be chosen together: one contains the other

@@ -224,7 +224,7 @@ class Planner:
             block, block_status, block_dt = solve_ilp(self._block_model, budget_bytes, time_limit_s=limit,
                                                       start=start)
             dt += block_dt
-            op_s, block_s = self.model.recompute_s(units), None if block is None else self.model.recompute_s(block)
+            op_s, block_s = self.model.extra_s(units), None if block is None else self.model.extra_s(block)
             if block_s is not None and op_s > (1 - SELECTIVE_MARGIN) * block_s:
                 notes = (f"the best op-level plan was predicted to save {1 - op_s / block_s:.1%} of the block-level "
                          f"plan's recompute, under the {SELECTIVE_MARGIN:.0%} margin (Note [Selective margin]): "

@@ -17,6 +17,9 @@ Constraints:
                      ``x[u/w] <= x[u]``
     ``nested_overlap_<u>_<k>`` units inside ``u`` whose spans cover one unit's first operator are
                      never both checkpointed inside it: ``sum(x[u/w]) <= 1``
+    ``copy_out_<k>``, ``paired_*_<k>``, ``host_memory``: with offloading offered, the copies out the
+                     forward does not finish, each offload's shorter wait where the unit after it is offloaded
+                     too, the host memory (Note [Exposed copies] in remat.costs.offload; ``_offload_terms``)
 
 Objective: minimise ``sum(cost_s[v] * x[v])`` (a nested variable costs its inner unit's): measured seconds of recompute plus checkpoint's
 measured bookkeeping per unit; exactly for small problems, within 1% for large ones (Note [Solver gap]).
@@ -191,20 +194,38 @@ def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | N
 
 def _offload_terms(prob: pulp.LpProblem, model: MemoryModel, x: dict, scale: int,
                    recompute: pulp.LpAffineExpression) -> pulp.LpAffineExpression:
-    """Note [Offload in the memory model]: the copies' exposed seconds (what each pass's compute does not hide,
-    two continuous variables) added to the objective, and the host memory the offloaded bytes fill."""
+    """Note [Exposed copies] in remat.costs.offload: the copies out the forward does not finish (one continuous
+    variable, a row per offload option) and each option's wait for its copy back, less where the unit after it
+    is offloaded too (a continuous ``z`` per option), in the objective beside recompute; and the host memory the
+    offloaded bytes fill. Each offload variable's own cost (``model.cost_s``) is its wait alone."""
     link, p = model.link, model.profile
-    moved = [(x[k], span.nbytes) for k, span in model.offloads.items()]
+    spans = model.offloads
+    moved = [(x[k], span.nbytes) for k, span in spans.items()]
     out_s = _variable(prob, "exposed_to_host_s", 0, None, pulp.LpContinuous)
-    in_s = _variable(prob, "exposed_to_device_s", 0, None, pulp.LpContinuous)
-    prob += (pulp.LpAffineExpression([(v, b / link.to_host_bytes_per_s) for v, b in moved] + [(out_s, -1)])
-             <= p.forward_s, "copy_out_window")
-    prob += (pulp.LpAffineExpression([(v, b / link.to_device_bytes_per_s) for v, b in moved] + [(in_s, -1)])
-             <= p.backward_s, "copy_back_window")
+    # copy_out_<k>: the side stream's queue from option k's start holds the chosen copies that start from then on;
+    # what it has not finished when the backward starts is exposed (exact for the queue: the largest of these
+    # rows over the chosen k, and an unchosen k's row is implied by the next chosen one's)
+    for i, (k, span) in enumerate(spans.items()):
+        terms = [(x[v], s.copy_out_s) for v, s in spans.items() if s.start_s >= span.start_s]
+        terms.append((x[k], span.start_s))
+        prob += (pulp.LpAffineExpression(terms + [(out_s, -1)]) <= p.forward_s, f"copy_out_{i}_{_name(k)}")
+    options: dict[str, list[str]] = {}
+    for k, span in spans.items():
+        options.setdefault(span.unit, []).append(k)
+    paired = []
+    for i, (k, span) in enumerate(spans.items()):
+        saved_s = span.stall_s - span.paired_stall_s
+        if saved_s <= 0 or span.next_unit not in options:
+            continue
+        # paired_<k>: z = 1 only when k and one option of the unit after it are chosen: its wait shortens
+        z = _variable(prob, f"paired_{i}_{_name(k)}", 0, 1, pulp.LpContinuous)
+        prob += (z <= x[k], f"paired_self_{i}_{_name(k)}")
+        prob += (z <= pulp.lpSum(x[j] for j in options[span.next_unit]), f"paired_next_{i}_{_name(k)}")
+        paired.append((z, -saved_s * _US))
     if link.host_bytes is not None:
         prob += (pulp.LpAffineExpression([(v, _up(b, scale)) for v, b in moved]) <= link.host_bytes // scale,
                  "host_memory")
-    return recompute + pulp.LpAffineExpression([(out_s, _US), (in_s, _US)])
+    return recompute + pulp.LpAffineExpression([(out_s, _US)] + paired)
 
 
 def solve_ilp(

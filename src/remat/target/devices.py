@@ -98,8 +98,9 @@ class DeviceSpec:
     #: the link to the host's memory, **one direction** (what offloading copies over: PCIe's rate from its
     #: generation and lanes where nothing measured is published)
     host_link_bytes_per_s: int | None = None
-    #: measured pinned copy rates, device to host and host to device (bytes/s; None: not measured on this device)
+    #: a copy from device memory to pinned host memory, as measured on this device (bytes/s; None: not measured)
     device_to_host_bytes_per_s: int | None = None
+    #: a copy from pinned host memory to device memory, as measured on this device (bytes/s; None: not measured)
     host_to_device_bytes_per_s: int | None = None
     sources: tuple[tuple[str, str, str], ...] = ()
 
