@@ -14,7 +14,7 @@ import torch
 import remat
 from remat.cli import main
 from remat.errors import InvalidInputError, UnsupportedError
-from remat.target.accuracy import check_prediction
+from remat.target.accuracy import check_prediction, measure_plans
 from remat.target.this_gpu import match_spec
 from remat.target.devices import KNOWN
 
@@ -69,6 +69,32 @@ def test_accuracy_table_json_and_the_plans_measured_are_the_rows_plans(capsys, t
     for words in ("allocated", "reserved", "step time", "error", "predicted on this machine for NVIDIA H100 SXM 80GB",
                   "not measured", "measured on cpu", "CPU meter", "steps 2-3 of 3"):
         assert words in out, words
+
+
+class _RunsOutOnStep2(torch.nn.Module):
+    """A model whose second step raises what an exhausted GPU raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.lin(x).sum()
+
+
+def test_a_row_that_runs_out_of_memory_is_a_row_with_its_error_and_the_random_state_is_given_back():
+    before = torch.random.get_rng_state()
+    rows = measure_plans(lambda device: (_RunsOutOnStep2().to(device), torch.ones(2, 4, device=device)), [None, None],
+                         "cpu", optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1), steps=3)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    for r in rows:  # each row its own fresh model: both ran one step, then ran out
+        assert r.error.startswith("out of memory on the device: CUDA out of memory")
+        assert r.measured_allocated_peak_bytes is None and r.measured_step_time_s is None
+        assert len(r.losses) == 1 and len(r.step_times_s) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

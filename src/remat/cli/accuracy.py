@@ -66,7 +66,8 @@ def cmd_accuracy(args, out, err) -> int:
                          "(benchmarks/offload_gpu.py measures offloading on a GPU)")
     if args.steps < 2:
         raise UsageError(f"--steps must be 2 or more (the first step is not read), got {args.steps}")
-    measure_on = torch.device(args.measure_on or "cuda")
+    here = args.device if (args.device or "").startswith("cuda") else "cuda"  # (--device cuda:N: that GPU)
+    measure_on = torch.device(args.measure_on or here)
     if measure_on.type == "cuda" and not torch.cuda.is_available():
         raise cuda_required()
     if measure_on.type == "cpu":
