@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._compat import FAKE_WORLD_FLOOR, FAKE_WORLD_FLOOR_WHY, checkpoint_policies_asked_for, fake_mode, \
-    fake_store, meshes_built_for_real, require_torch, tree_map
+from remat._compat import FAKE_WORLD_FLOOR, FAKE_WORLD_FLOOR_WHY, batch_layout, checkpoint_policies_asked_for, \
+    fake_mode, fake_store, masks_decided_for, meshes_built_for_real, require_torch, tree_map
 from remat.costs.allocator import AllocatorConfig
 from remat.errors import InternalError, InvalidInputError, RematError, UnsupportedError
 from remat.target.devices import DeviceSpec, device_spec
@@ -357,7 +357,8 @@ def built(target: Target, model: nn.Module, example_inputs: Any,
     from remat.target.attention import attention_as_on
 
     mode = fake_mode()
-    with fake_world(target) as mesh, \
+    # Note [Masks decided on values] in remat._compat.transformers: a Hugging Face model's mask as for the batch
+    with fake_world(target) as mesh, masks_decided_for(*batch_layout(example_inputs)), \
             checkpoint_policies_asked_for(CUDA_STAND_INS) if target.is_cuda else contextlib.nullcontext():
         fake = fake_copy(model, mode)
         inputs = fake_inputs(example_inputs, mode)
