@@ -182,10 +182,9 @@ def predict_plans(model: nn.Module, example_inputs: Any, spec: DeviceSpec | str,
                   ) -> tuple[list[PlanPrediction], list[str]]:
     """The prediction half: the hand rules and remat's plans at the least budget (``least_memory``), halfway
     between it and no checkpointing's peak, and at ``budgets_bytes``, each predicted for ``Target(device=spec,
-    world=1)``
-    (the profile and the plans from the step recorded on fake tensors; each plan's peaks by replaying the CUDA
-    caching allocator over two recorded steps: :func:`remat.target.source.predict_peaks`). ``model`` may be on
-    the meta device. Returns the rows (a plan asked for twice once) and notes on plans not in them."""
+    world=1)`` (the profile and the plans from the step recorded on fake tensors; each plan's peaks by replaying
+    the CUDA caching allocator over two recorded steps: :func:`remat.target.source.predict_peaks`). ``model`` may
+    be on the meta device. Returns the rows (a plan asked for twice once) and notes on plans not in them."""
     from remat.api.profiling import make_profile
     from remat.solve import Planner
     from remat.target.source import predict_peaks
@@ -368,8 +367,9 @@ def check_prediction(build: Build, *, device: DeviceSpec | str | None = None,
         optimizer=optimizer_factory(meta_model.parameters()) if optimizer_factory is not None else None,
         output_alive=output_alive, budgets_bytes=[int(b * GiB) for b in budgets_gb], time_limit_s=time_limit_s)
     del meta_model, meta_inputs
+    # (each row's own loss function, from its own build: one built for the meta device may hold meta tensors)
     measured = measure_plans(build, [p.plan for p in predictions], where, optimizer_factory=optimizer_factory,
-                             loss_fn=fn, output_alive=output_alive, steps=steps, progress=progress)
+                             loss_fn=loss_fn, output_alive=output_alive, steps=steps, progress=progress)
     rows = tuple(AccuracyRow(p.label, p.plan.checkpointed, p.budget_bytes, p.predicted_allocated_peak_bytes,
                              p.predicted_reserved_peak_bytes, p.predicted_step_time_s, p.predicted_oom,
                              m.measured_allocated_peak_bytes, m.measured_reserved_peak_bytes, m.measured_step_time_s,
