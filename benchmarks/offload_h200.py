@@ -1,0 +1,67 @@
+"""Offloaded plans against what the H200 measured (issue #56; Note [Exposed copies] in remat.costs.offload):
+torchtitan's Llama (titan4: 8B widths, 4 layers, FSDP2 over one rank, 2 x 8192) with offloading offered, as
+``../shared/gpu/oracle/gpu_oracle_predict.py`` planned it; each offload row of
+``../shared/gpu/h200-2026-12-04/oracle_offload_applied_on_gpu.json`` (pinned, side stream) predicted again here on
+the CPU with today's host link (the H200's measured rates) and exposed-copy model, beside every block's plan;
+and the plan the planner chooses now at each row's budget.
+
+    flock /tmp/remat-heavy.lock python benchmarks/offload_h200.py     # ~1-2 min
+
+Every "predicted" figure is predicted for the H200 on this CPU; "measured" is the H200's (median of steps 2-4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.environ.get("GPU_DATA", os.path.join(HERE, "..", "..", "shared", "gpu", "h200-2026-12-04"))
+GiB = 2**30
+
+
+def main() -> None:
+    sys.path.insert(0, os.path.join(DATA, "..", "oracle"))
+    os.environ.setdefault("REMAT_PROJECT", os.path.join(HERE, ".."))
+    import gpu_models as gm
+    import torch
+
+    import remat
+    from remat.api.offloading import host_link
+    from remat.api.profiling import make_profile
+    from remat.solve import Planner
+    from remat.solve.plan import Plan
+
+    c = gm.build("titan4", "meta")
+    model = c["model"]
+    opt = c["opt"](model.parameters())
+    target = remat.Target(device="h200", parallelize=c["parallelize"], clip_grad_norm=c["clip"], **c["target"])
+    t0 = time.perf_counter()
+    p = make_profile(model, c["inputs"], target=target, loss_fn=c["loss_fn"], optimizer=opt,
+                     output_alive=c["output_alive"])
+    link, _ = host_link(True, device=torch.device("cpu"), target=target)
+    print(f"titan4 profiled for the H200 in {time.perf_counter() - t0:.0f} s; host link: {link.source}\n")
+    planner = Planner(p, granularity="op", offload=link)
+    with open(os.path.join(DATA, "oracle.json")) as f:
+        every = next(r for r in json.load(f) if r["config"] == "titan4" and r["row"] == "every block")
+    rows = [("every block (hand rule)", planner.every_nth_block(1), every["step_s"])]
+    with open(os.path.join(DATA, "oracle_offload_applied_on_gpu.json")) as f:
+        measured = json.load(f)
+    for r in measured:
+        with open(os.path.join(DATA, "plans", r["plan"])) as f:
+            saved = Plan.from_dict(json.load(f))
+        rows.append((f"{r['plan']} (as run)", planner.make_plan(saved.choices, "as run"), r["step_s"]))
+        rows.append((f"  chosen now at {saved.budget_bytes / GiB:.2f} GiB", planner.plan_for_budget(saved.budget_bytes),
+                     None))
+    print("| plan | checkpointed | offloaded | exposed copies, ms (predicted) | step, ms: predicted | measured |")
+    print("|---|---|---|---|---|---|")
+    for name, plan, step_s in rows:
+        print(f"| {name} | {len(plan.checkpointed)} | {', '.join(plan.offloaded) or '-'} | "
+              f"{plan.predicted_exposed_copy_s * 1e3:.1f} | {plan.predicted_step_time_s * 1e3:.1f} | "
+              f"{'-' if step_s is None else f'{step_s * 1e3:.1f}'} |")
+
+
+if __name__ == "__main__":
+    main()
