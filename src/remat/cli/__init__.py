@@ -6,6 +6,7 @@
     remat verify TARGET (--budget GIB | --plan plan.json)   equivalence check; exit 1 on mismatch
     remat maxbatch TARGET --budget GIB [--dim batch|seq]     the largest and the fastest batch (or sequence)
     remat accuracy TARGET [--budget GIB,...] [--steps N]     on a CUDA GPU: the prediction for it beside real steps
+    remat calibrate [--out FILE] [--base NAME] [--quick]     on a CUDA GPU: measure it into a spec for --device FILE
 
 TARGET is a built-in example (gpt, unet), path/to/file.py:function or package.module:function.
 User mistakes print one line and exit with status 2; --debug shows the traceback.
@@ -58,6 +59,7 @@ from remat.cli.common import (
 )
 from remat.cli.render import _compiled_footer, _eager_footer, _print_profile, _tradeoff_table
 from remat.cli.accuracy import add_accuracy, cmd_accuracy
+from remat.cli.calibrate import add_calibrate, cmd_calibrate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--granularity", choices=["block", "op"], default="op",
                    help="with --budget: allow selective (op-level) units (op, the default) or whole units only")
     add_accuracy(sub, common)
+    add_calibrate(sub)
     return p
 
 
@@ -316,7 +319,7 @@ def cmd_verify(args, out, err) -> int:
 
 
 COMMANDS = {"tradeoff": cmd_tradeoff, "plan": cmd_plan, "profile": cmd_profile, "verify": cmd_verify,
-            "maxbatch": cmd_maxbatch, "accuracy": cmd_accuracy}
+            "maxbatch": cmd_maxbatch, "accuracy": cmd_accuracy, "calibrate": cmd_calibrate}
 
 
 def _join_ranks(device: str | None = None) -> int:

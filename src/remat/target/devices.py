@@ -33,8 +33,10 @@ The rules the figures follow:
   used then).
 
 A device not in the table: give its spec, as ``DeviceSpec(name="my-gpu", memory_bytes=...)`` or a JSON file of
-the same fields (only ``name`` and ``memory_bytes`` are required); ``device_spec("cpu")`` / :func:`cpu_spec`
-name this machine.
+the same fields (only ``name`` and ``memory_bytes`` are required; a file may derive from a built-in device,
+``"base": "h200"``, and give only what differs: remat.target.spec_file); ``device_spec("cpu")`` /
+:func:`cpu_spec` name this machine. ``remat calibrate`` measures the GPU here into such a file: the per-class
+``efficiency`` and the ``host_*_op_s`` fields, which the built-in specs leave to the time model's own figures.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ or, in Python,
 
     DeviceSpec(name="my-gpu", memory_bytes=85_045_477_376, bf16_flops_per_s=989.5e12, hbm_bytes_per_s=3.35e12)
 
-Only name and memory_bytes are required: memory_bytes as torch.cuda.get_device_properties(0).total_memory reports
+or derived from a built-in device, giving only what differs: {"base": "h200", "name": "my-h200", "hbm_bytes_per_s": 4.0e12}
+(remat calibrate writes such a file from measurements on the GPU here). Only name and memory_bytes are required: memory_bytes as torch.cuda.get_device_properties(0).total_memory reports
 it on that device (or the marketed GB x 10^9 if you cannot run it there); FLOP/s are dense (half a datasheet's
 "with sparsity" figure), bandwidths in bytes/s. Other fields: {fields}."""
 
@@ -102,6 +105,19 @@ class DeviceSpec:
     device_to_host_bytes_per_s: int | None = None
     #: a copy from pinned host memory to device memory, as measured on this device (bytes/s; None: not measured)
     host_to_device_bytes_per_s: int | None = None
+    #: the GPU's architecture ("ampere", "ada", "hopper", "blackwell"): the time model's efficiencies, torch's
+    #: kernel and workspace choices per generation; "": read from the name (:data:`GENERATION`)
+    generation: str = ""
+    #: per operator class, the fractions of this spec's peaks (FLOP/s, memory bandwidth) its kernels were measured
+    #: to reach here, ``(class, compute, memory)``, None for the time model's own figure (``remat calibrate``;
+    #: JSON: ``{"matmul": {"compute": 0.8}}``); empty: the time model's table (remat.costs.device_time)
+    efficiency: tuple[tuple[str, float | None, float | None], ...] = ()
+    #: host seconds per operator measured on this device's host (``remat calibrate``; the fields of
+    #: remat.costs.device_time.HostCosts); None: the time model's (the H200's host)
+    host_forward_op_s: float | None = None
+    host_backward_op_s: float | None = None
+    host_selective_forward_op_s: float | None = None
+    host_selective_recompute_op_s: float | None = None
     sources: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -118,6 +134,12 @@ class DeviceSpec:
                 f"torch.cuda.get_device_properties(0).total_memory reports it there (or GB x 10^9)")
         for field in NUMBERS:
             object.__setattr__(self, field, _whole(self.name, field, getattr(self, field)))
+        if not isinstance(self.generation, str):
+            raise InvalidInputError(f"device {self.name!r}: generation must be a string such as \"hopper\", got "
+                                    f"{self.generation!r}")
+        object.__setattr__(self, "efficiency", _efficiency(self.name, self.efficiency))
+        for field in HOST_SECONDS:
+            object.__setattr__(self, field, _seconds(self.name, field, getattr(self, field)))
         object.__setattr__(self, "sources", _sources(self.name, self.sources))
 
     def describe(self) -> str:
@@ -133,6 +155,8 @@ class DeviceSpec:
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON-ready values (``sources`` as lists); :meth:`from_dict` reads it back."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["efficiency"] = {cls: {k: v for k, v in (("compute", c), ("memory", m)) if v is not None}
+                             for cls, c, m in self.efficiency}
         out["sources"] = [list(s) for s in self.sources]
         return out
 
@@ -173,8 +197,59 @@ def _whole(name: str, field: str, value: Any) -> int | None:
     return int(round(value))
 
 
+#: the operator classes of the time model's efficiency table (remat.costs.device_time.op_class)
+EFFICIENCY_CLASSES = ("matmul", "conv", "attention", "pointwise", "transcendental", "reduction", "foreach")
+#: host seconds per operator (remat.costs.device_time.HostCosts): the selective ones may be 0
+HOST_SECONDS = ("host_forward_op_s", "host_backward_op_s", "host_selective_forward_op_s",
+                "host_selective_recompute_op_s")
+
+
+def _efficiency(name: str, value: Any) -> tuple[tuple[str, float | None, float | None], ...]:
+    """``value`` as ``(class, compute, memory)`` triples: given so, or as ``{class: {"compute": c, "memory": m}}``."""
+    if isinstance(value, Mapping):
+        rows = []
+        for cls, fractions in value.items():
+            if not isinstance(fractions, Mapping) or not fractions or set(fractions) - {"compute", "memory"}:
+                raise InvalidInputError(f"device {name!r}: efficiency.{cls} must be an object of \"compute\" and/or "
+                                        f"\"memory\" (fractions of the peak FLOP/s and bandwidth), got {fractions!r}")
+            rows.append((cls, fractions.get("compute"), fractions.get("memory")))
+        value = rows
+    if isinstance(value, str) or not hasattr(value, "__iter__"):
+        raise InvalidInputError(f"device {name!r}: efficiency must map operator classes to fractions, e.g. "
+                                f"{{\"matmul\": {{\"compute\": 0.8}}}}, got {value!r}")
+    out = []
+    for row in value:
+        if not isinstance(row, (tuple, list)) or len(row) != 3:
+            raise InvalidInputError(f"device {name!r}: an efficiency is (class, compute, memory), got {row!r}")
+        cls, *fractions = row
+        if cls not in EFFICIENCY_CLASSES:
+            raise InvalidInputError(f"device {name!r}: efficiency of {cls!r}: not an operator class; the classes are "
+                                    f"{', '.join(EFFICIENCY_CLASSES)}")
+        for what, f in zip(("compute", "memory"), fractions):
+            if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f)
+                                  or f <= 0):
+                raise InvalidInputError(f"device {name!r}: efficiency.{cls}.{what} must be a positive fraction of the "
+                                        f"peak (e.g. 0.8), got {f!r}")
+        out.append((cls, *(None if f is None else float(f) for f in fractions)))
+    if len({r[0] for r in out}) != len(out):
+        raise InvalidInputError(f"device {name!r}: efficiency names a class twice: {[r[0] for r in out]}")
+    return tuple(out)
+
+
+def _seconds(name: str, field: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    least = 0.0 if "selective" in field else None
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value < 0 or (least is None and value == 0)):
+        raise InvalidInputError(f"device {name!r}: {field} must be a {'non-negative' if least == 0 else 'positive'} "
+                                f"number of seconds per operator (e.g. 2.47e-05), got {value!r}, or None for the time "
+                                f"model's figure")
+    return float(value)
+
+
 def _sources(name: str, sources: Any) -> tuple[tuple[str, str, str], ...]:
-    known = {f.name for f in dataclasses.fields(DeviceSpec)}
+    known = {f.name for f in dataclasses.fields(DeviceSpec)} | {f"efficiency.{c}" for c in EFFICIENCY_CLASSES}
     if isinstance(sources, (str, Mapping)) or not hasattr(sources, "__iter__"):
         raise InvalidInputError(f"device {name!r}: sources must be a list of (field, document, note), got "
                                 f"{sources!r}")
@@ -218,6 +293,12 @@ def _load_builtin() -> tuple[dict[str, DeviceSpec], dict[str, str]]:
 
 _TABLE, _ALIASES = _load_builtin()
 
+
+def _load_builtin_documents() -> dict[str, str]:
+    """The built-in table's documents by key (what its sources' ``doc:KEY`` name)."""
+    return dict(json.loads(resources.files(__package__).joinpath("devices.json").read_text(encoding="utf-8"))
+                ["documents"])
+
 #: the built-in specs by name, in the table's order
 KNOWN: Mapping[str, DeviceSpec] = MappingProxyType(_TABLE)
 
@@ -253,6 +334,14 @@ def device_spec(name_or_spec: DeviceSpec | str | os.PathLike | Mapping[str, Any]
 
 
 def _load_file(path: Path) -> DeviceSpec:
+    # a file may derive from a built-in ("base"), carry documents and the calibration's record: remat.target.spec_file
+    from remat.target.spec_file import load_spec_file
+
+    return load_spec_file(path)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    """The JSON object in the spec file ``path``, or :class:`InvalidInputError` saying why not."""
     if not path.is_file():
         raise InvalidInputError(f"no device spec file at {path}: give a path to a JSON file of the spec's fields, "
                                 f"or a built-in name ({', '.join(KNOWN)}).\n" + _how_to())
@@ -261,10 +350,10 @@ def _load_file(path: Path) -> DeviceSpec:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidInputError(f"cannot read the device spec {path}: {e}. It must be one JSON object of the "
                                 f"spec's fields.\n" + _how_to()) from e
-    try:
-        return DeviceSpec.from_dict(data)
-    except InvalidInputError as e:
-        raise InvalidInputError(f"{path}: {e}") from e
+    if not isinstance(data, dict):
+        raise InvalidInputError(f"{path}: a device spec file holds one JSON object of the spec's fields, got "
+                                f"{type(data).__name__}.\n" + _how_to())
+    return data
 
 
 #: the architecture of the built-in devices by name prefix: it selects "attention@<generation>" in the time
@@ -274,7 +363,10 @@ GENERATION = {"a100": "ampere", "h100": "hopper", "h200": "hopper", "b200": "bla
 
 
 def generation_of(spec: DeviceSpec) -> str:
-    """The GPU generation of a built-in device ("hopper", ...), "" for any other."""
+    """The GPU generation of a device: its spec's ``generation``, else a built-in's by name ("hopper", ...), else
+    ""."""
+    if spec.generation:
+        return spec.generation
     return next((g for prefix, g in GENERATION.items() if spec.name.startswith(prefix)), "")
 
 

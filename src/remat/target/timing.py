@@ -35,6 +35,7 @@ import torch
 from remat.costs.device_time import GPU_HOST, GPU_LAUNCH_S, DeviceRates, Efficiency, collective_seconds, op_class, \
     op_seconds
 from remat.costs.recording import ForwardOp, Recording
+from remat.target.calibration import efficiency_table, host_costs_of
 from remat.target.devices import DeviceSpec, generation_of
 
 #: per operator class, small training steps (forward and backward) whose kernels are of that class, at sizes a
@@ -252,7 +253,8 @@ def rates_of(target: Any, model_dtype: torch.dtype | None = None) -> DeviceRates
                        link_bytes_per_s=spec.link_bytes_per_s / 2 if spec.link_bytes_per_s else None,
                        network_bytes_per_s=target.network_bytes_per_s, devices_per_node=target.devices_per_node,
                        generation=generation, class_flops_per_s={c: float(spec.tf32_flops_per_s) for c in tf32},
-                       host=GPU_HOST)
+                       # a calibrated spec's own (remat calibrate), else the table's and the H200 host's
+                       efficiency=efficiency_table(spec), host=host_costs_of(spec, GPU_HOST))
 
 
 def tf32_classes(spec: DeviceSpec, dtype: torch.dtype) -> tuple[str, ...]:

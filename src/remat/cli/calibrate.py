@@ -1,0 +1,160 @@
+"""``remat calibrate``: measure the CUDA GPU here into a device spec file (issue #56) that ``--device FILE`` and
+``Target(device=FILE)`` take.
+
+In: ``--out FILE``, ``--base NAME`` (a built-in device the file derives from; default: the table's entry torch's
+name for the GPU matches, none if it matches none; ``none``: every peak measured), ``--name``, ``--quick``. Out:
+the figures measured, the file written. The measurements are remat.target.measure_device's, the mapping to the
+spec's fields remat.target.calibration's (Note [Calibrated fields]); this module parses and prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from remat._compat.versions import REMAT_VERSION as __version__
+from remat.cli.common import UsageError
+from remat.errors import UnsupportedError
+
+
+def add_calibrate(sub) -> None:
+    """The ``calibrate`` subcommand's parser."""
+    c = sub.add_parser("calibrate", help="on a CUDA GPU: measure it into a device spec file for --device FILE",
+                       description="Measure the CUDA GPU here in a minute or less (products by dtype and size, "
+                                   "elementwise and reduction bandwidth, attention, the optimizer's foreach "
+                                   "kernels, the host's cost per operator and under selective checkpointing, "
+                                   "pinned and pageable copies each way, the memory torch sees) and write a device "
+                                   "spec file: plan for this GPU, or a cluster of it, with --device FILE.")
+    c.add_argument("--out", type=Path, default=None,
+                   help="the spec file to write (default: NAME.json here)")
+    c.add_argument("--base", default=None,
+                   help="a built-in device the GPU is (its datasheet peaks, links and notes carried; default: the "
+                        "table's entry torch's name for the GPU matches); 'none': every peak measured")
+    c.add_argument("--name", default=None, help="the device's name in the file (default: BASE-calibrated)")
+    c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about a third of the time)")
+    c.add_argument("--device", default="cuda", help="the GPU to measure (default: cuda, the current one)")
+    c.add_argument("--debug", action="store_true", help="show tracebacks")
+    # the tests run the whole pipeline on the CPU (tiny sizes, labelled: NOT a GPU calibration)
+    c.add_argument("--measure-on", default=None, help=argparse.SUPPRESS)
+
+
+def cuda_required() -> UnsupportedError:
+    return UnsupportedError(
+        f"remat calibrate measures a CUDA GPU, and torch here ({torch.__version__}) sees none "
+        f"(torch.cuda.is_available() is False). Run it on the machine with the GPU; here, plan for a built-in GPU "
+        f"(--device h100-80gb) or a spec file of your own (docs/targets.md)")
+
+
+def _base(args, gpu_name: str | None):
+    """The built-in spec the file derives from and how it was chosen, or (None, why)."""
+    from remat.target.devices import _ALIASES, KNOWN, _key
+
+    if args.base is not None:
+        if args.base.lower() == "none":
+            return None, "--base none: every peak measured"
+        if _key(args.base) not in _ALIASES:
+            raise UsageError(f"--base {args.base}: not a built-in device; the built-in ones: {', '.join(KNOWN)} "
+                             f"(or --base none)")
+        return KNOWN[_ALIASES[_key(args.base)]], "given with --base"
+    if gpu_name is None:
+        return None, "no base (the CPU test run)"
+    key = re.sub(r"[\s_]+", "-", gpu_name.strip().lower())
+    # torch's name is an alias, else holds one ("nvidia-h200" holds "h200"); never by compute capability alone
+    # (an RTX 4090 is no L4): a GPU the table does not name gets its peaks measured
+    inside = sorted((a for a in _ALIASES if a == key or re.search(rf"(^|-){re.escape(a)}($|-)", key)),
+                    key=len, reverse=True)
+    if inside:
+        return KNOWN[_ALIASES[inside[0]]], f"torch's name {gpu_name!r} is the table's {_ALIASES[inside[0]]}"
+    return None, f"{gpu_name!r} is not in the table: every peak measured"
+
+
+def cmd_calibrate(args, out, err) -> int:
+    from remat.target.calibration import calibrated_file
+    from remat.target.measure_device import measure
+    from remat.target.spec_file import spec_from_mapping
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("remat calibrate measures one GPU: run it without torchrun")
+    device = torch.device(args.measure_on or args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise cuda_required()
+    if device.type not in ("cuda", "cpu") or (device.type == "cpu" and args.measure_on is None):
+        raise UsageError(f"--device {args.device}: remat calibrate measures a CUDA GPU (cuda or cuda:N)")
+    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    base, how = _base(args, gpu_name)
+    out.print(f"[bold]remat[/bold] {__version__} · calibrating {gpu_name or 'the CPU (a test run, not a GPU)'} · "
+              f"base {base.name if base else 'none'} ({how}) · torch {torch.__version__}")
+    with err.status("measuring") as st:
+        measured = measure(device, quick=args.quick, progress=lambda s: st.update(f"measuring {s}"))
+    data = calibrated_file(measured, base, name=args.name)
+    path = args.out or Path(f"{data['name']}.json")
+    spec = spec_from_mapping(json.loads(json.dumps(data)), where=str(path))  # as the file will read back
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    out.print(measurements_table(measured))
+    out.print(fields_table(spec, base))
+    label = "" if measured.environment.is_gpu else " (a CPU test run: NOT a GPU calibration)"
+    out.print(f"spec {spec.name} written to {path}{label} in {measured.seconds:.0f} s: plan for it with "
+              f"remat plan TARGET --budget GIB --device {path} (--world N for a cluster of it) or "
+              f"Target(device={str(path)!r})", markup=False, highlight=False)
+    return 0
+
+
+def measurements_table(m):
+    """The raw figures as a rich table: what was measured, the rate reached."""
+    from rich.table import Table
+
+    table = Table(title="measured" + ("" if m.environment.is_gpu else " (on the CPU: a test run)"),
+                  title_justify="left")
+    for col, just in (("what", "left"), ("measured", "right"), ("rate", "right")):
+        table.add_column(col, justify=just, no_wrap=True)
+    for g in m.gemm:
+        table.add_row(f"product {g.dtype} {g.size}^3", f"{g.seconds * 1e3:.3f} ms", f"{g.flops_per_s / 1e12:.2f} TFLOP/s")
+    for s in m.samples:
+        rate = (f"{s.flops / s.seconds / 1e12:.2f} TFLOP/s" if s.op_class == "attention"
+                else f"{s.bytes_accessed / s.seconds / 1e9:.1f} GB/s")
+        table.add_row(f"{s.op_class}: {s.label}", f"{s.seconds * 1e3:.3f} ms", rate)
+    h = m.host
+    for what, v in (("host: a bare operator", h.op_s), ("host: a forward operator", h.forward_op_s),
+                    ("host: a backward operator", h.backward_op_s),
+                    ("host: selective checkpointing, forward, extra", h.selective_forward_op_s),
+                    ("host: selective checkpointing, recomputation, extra", h.selective_recompute_op_s)):
+        table.add_row(what, f"{v * 1e6:.2f} us", "")
+    for c in m.copies:
+        table.add_row(f"copy {c.direction.replace('_', ' ')}, {'pinned' if c.pinned else 'pageable'}",
+                      f"{c.seconds * 1e3:.3f} ms", f"{c.bytes_per_s / 1e9:.1f} GB/s")
+    return table
+
+
+def fields_table(spec, base):
+    """The spec's fields the time model reads, each measured here or carried from the base."""
+    from rich.table import Table
+
+    table = Table(title=f"the spec {spec.name}", title_justify="left")
+    for col, just in (("field", "left"), ("value", "right"), ("from", "left")):
+        table.add_column(col, justify=just, no_wrap=True)
+
+    def source(field: str) -> str:
+        notes = spec.sources_of(field)
+        if not notes:
+            return "the time model's own figure"
+        return "carried from the base" if notes[0][1].startswith("carried from the base") else "measured here"
+
+    for field in ("memory_bytes", "bf16_flops_per_s", "fp16_flops_per_s", "tf32_flops_per_s", "fp32_flops_per_s",
+                  "hbm_bytes_per_s", "device_to_host_bytes_per_s", "host_to_device_bytes_per_s",
+                  "host_forward_op_s", "host_backward_op_s", "host_selective_forward_op_s",
+                  "host_selective_recompute_op_s"):
+        value = getattr(spec, field)
+        if value is None:
+            continue
+        text = (f"{value * 1e6:.2f} us" if field.endswith("_op_s") else f"{value:,}" if field == "memory_bytes"
+                else f"{value / 1e12:.1f} TFLOP/s" if "flops" in field else f"{value / 1e9:.1f} GB/s")
+        table.add_row(field, text, source(field))
+    for cls, compute, memory in spec.efficiency:
+        table.add_row(f"efficiency.{cls}", ", ".join(f"{k} {v:.3f}" for k, v in (("compute", compute),
+                                                                                  ("memory", memory)) if v is not None),
+                      source(f"efficiency.{cls}"))
+    return table

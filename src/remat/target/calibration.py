@@ -1,0 +1,373 @@
+"""What ``remat calibrate`` measured on a GPU, and the device spec file it makes of it (issue #56). Stdlib only:
+the measurements are plain numbers (:class:`Measurements`), measured by remat.target.measure_device; this module
+maps them to the spec's fields and their notes, and is tested on hand-written measurements.
+
+Note [Calibrated fields]
+~~~~~~~~~~~~~~~~~~~~~~~~
+The time model (remat.costs.device_time) reads a device as peaks (FLOP/s per dtype, memory bandwidth) times a
+fraction of them per operator class, plus host seconds per operator. A calibration measures what the classes
+reach here and writes each as the fraction of the spec's peak that gives the measured rate:
+
+* **peaks**: the base device's (its datasheet's) where the GPU here is a built-in one (``--base``, or the table's
+  entry torch's name matches); for a GPU not in the table, each dtype's best measured rate and the best measured
+  bandwidth (noted so: a datasheet's peak is higher, and the fractions below are of these);
+* ``efficiency.matmul.compute``: square bf16 products at each size measured, less the smallest (launch-bound):
+  the mean of their rates over the bf16 peak. fp16, TF32 and plain fp32 are measured and noted; the model applies
+  one fraction to every dtype;
+* ``efficiency.attention.compute``: ``scaled_dot_product_attention`` forward and backward (causal, bf16, the
+  kernel torch picks, noted): the model's FLOPs for them (remat._compat.op_flops: causal halved) over the bf16
+  peak, over their measured time;
+* ``efficiency.{pointwise,transcendental,reduction,foreach}.memory``: each class's samples at a training step's
+  sizes, the bytes the model counts for them (remat._compat.op_bytes) over the bandwidth peak, over their time;
+* ``host_forward_op_s``, ``host_backward_op_s``: a tiny model's forward and backward (8 blocks shaped as a
+  decoder's: RMS norm written out as Hugging Face writes it, gated MLP, residual; tensors of a few KiB, so the host
+  and not the GPU sets the time), wall time over the operators dispatched (views included, as the recorder counts
+  them); ``host_selective_*_op_s``: the same blocks under ``torch.utils.checkpoint`` with a selective policy
+  (products kept), the forward's and the backward's extra wall time over the forward's operators (the
+  recomputation's less a plain forward operator's), 0 where it read below 0; a bare operator in a loop is noted;
+* ``device_to_host_bytes_per_s``, ``host_to_device_bytes_per_s``: copies between device memory and pinned host
+  memory; pageable copies are noted (the offloader never copies from pageable memory on a GPU);
+* ``memory_bytes``: ``total_memory``; ``generation`` from the compute capability.
+
+Nothing here is fitted to a step time: every figure is a rate of the kernels or the host measured directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Environment", "GemmRate", "ClassSample", "HostSample", "CopyRate", "Measurements",
+           "calibrated_file", "generation_for", "MEMORY_CLASSES"]
+
+#: the operator classes bound by memory bandwidth whose fraction a calibration measures
+MEMORY_CLASSES = ("pointwise", "transcendental", "reduction", "foreach")
+
+#: compute capability (major, minor) to the generation names of the device table and the time model
+_GENERATIONS = {(8, 0): "ampere", (8, 6): "ampere", (8, 7): "ampere", (8, 9): "ada", (9, 0): "hopper"}
+
+
+def generation_for(capability: tuple[int, int] | None) -> str:
+    """The generation of a GPU of this compute capability ("hopper" for 9.0; Blackwell's 10.x and 12.x), "" if
+    unknown."""
+    if capability is None:
+        return ""
+    if capability[0] in (10, 12):
+        return "blackwell"
+    return _GENERATIONS.get(tuple(capability), "")
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Where the measurements ran."""
+
+    #: torch's name of the GPU ("NVIDIA H200"), or "cpu" for the CPU test run
+    device_name: str
+    #: False for the CPU test run (not a GPU calibration)
+    is_gpu: bool
+    total_memory_bytes: int
+    torch_version: str
+    #: the CUDA torch was built with ("" on a CPU)
+    cuda_version: str = ""
+    #: the NVIDIA driver's version ("" where it could not be read)
+    driver_version: str = ""
+    capability: tuple[int, int] | None = None
+    #: ISO 8601, UTC
+    date: str = ""
+    #: the host (platform.platform())
+    machine: str = ""
+
+
+@dataclass(frozen=True)
+class GemmRate:
+    """One square matrix product timed: ``size`` x ``size`` by ``size`` x ``size`` in ``dtype``."""
+
+    #: "bfloat16", "float16", "tf32" (float32 inputs, TF32 tensor cores) or "float32" (TF32 off)
+    dtype: str
+    size: int
+    flops: int
+    seconds: float
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.flops / self.seconds
+
+
+@dataclass(frozen=True)
+class ClassSample:
+    """Operators of one class timed together: the FLOPs and bytes the time model counts for them, the seconds
+    measured. ``op_class`` "bandwidth": a plain large copy, read for the peak bandwidth only."""
+
+    op_class: str
+    label: str
+    flops: int
+    bytes_accessed: int
+    seconds: float
+    #: the operators that ran (e.g. the attention kernel torch picked)
+    operators: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HostSample:
+    """Host wall seconds per operator (Note [Calibrated fields]); the selective figures as measured (may be < 0)."""
+
+    #: a bare operator (``x.add_(1)`` on a tiny tensor) in a loop
+    op_s: float
+    forward_op_s: float
+    backward_op_s: float
+    selective_forward_op_s: float
+    selective_recompute_op_s: float
+    #: operators one forward and one backward of the tiny model dispatch
+    forward_ops: int
+    backward_ops: int
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class CopyRate:
+    """One copy between device and host memory timed."""
+
+    #: "device_to_host" or "host_to_device"
+    direction: str
+    pinned: bool
+    nbytes: int
+    seconds: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.nbytes / self.seconds
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """Everything one calibration measured."""
+
+    environment: Environment
+    gemm: tuple[GemmRate, ...]
+    samples: tuple[ClassSample, ...]
+    host: HostSample
+    copies: tuple[CopyRate, ...]
+    #: wall seconds the calibration took
+    seconds: float = 0.0
+    quick: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Measurements:
+        env = dict(d["environment"])
+        env["capability"] = tuple(env["capability"]) if env.get("capability") else None
+        return cls(environment=Environment(**env), gemm=tuple(GemmRate(**g) for g in d["gemm"]),
+                   samples=tuple(ClassSample(**{**s, "operators": tuple(s.get("operators", ()))})
+                                 for s in d["samples"]),
+                   host=HostSample(**d["host"]), copies=tuple(CopyRate(**c) for c in d["copies"]),
+                   seconds=d.get("seconds", 0.0), quick=d.get("quick", False))
+
+
+_PEAK_FIELD = {"bfloat16": "bf16_flops_per_s", "float16": "fp16_flops_per_s", "tf32": "tf32_flops_per_s",
+               "float32": "fp32_flops_per_s"}
+
+
+def _tflops(x: float) -> str:
+    return f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.2f} GFLOP/s"
+
+
+def _gbs(x: float) -> str:
+    return f"{x / 1e9:.1f} GB/s" if x >= 1e9 else f"{x / 1e6:.1f} MB/s"
+
+
+def _us(x: float) -> str:
+    return f"{x * 1e6:.2f} us"
+
+
+def calibrated_file(m: Measurements, base: Any = None, *, name: str | None = None) -> dict[str, Any]:
+    """The spec file's object for the measurements ``m`` (Note [Calibrated fields]): derived from ``base`` (a
+    :class:`~remat.target.devices.DeviceSpec` of the built-in table, or None: every peak measured), each figure
+    with its note, the raw measurements under ``"calibration"``. remat.target.spec_file reads it back."""
+    env = m.environment
+    fields: dict[str, Any] = {}
+    notes: list[list[str]] = []
+
+    def put(field: str, value: Any, note: str) -> None:
+        fields[field] = value
+        notes.append([field, "doc:calibration", note])
+
+    test = "" if env.is_gpu else "CPU test run, not a GPU calibration: "
+    gpu_key = re.sub(r"[^a-z0-9]+", "-", env.device_name.lower()).strip("-").removeprefix("nvidia-")
+    name = name or (f"{base.name}-calibrated" if base is not None and env.is_gpu
+                    else f"{gpu_key}-calibrated" if env.is_gpu else "cpu-test-calibration")
+    fields["name"] = name
+    fields["title"] = (f"{env.device_name} (calibrated {env.date[:10]})" if env.is_gpu
+                       else "CPU test run of remat calibrate (not a GPU calibration)")
+    if env.device_name.upper().startswith("NVIDIA"):
+        fields["vendor"] = "NVIDIA"
+    generation = generation_for(env.capability)
+    if generation:
+        put("generation", generation, f"{test}compute capability {env.capability[0]}.{env.capability[1]}")
+    put("memory_bytes", int(env.total_memory_bytes),
+        f"{test}torch.cuda.get_device_properties().total_memory: {env.total_memory_bytes:,} bytes"
+        if env.is_gpu else f"{test}this machine's physical memory (os.sysconf)")
+
+    # the products: rates by dtype and size; the peaks the fractions are of
+    by_dtype: dict[str, list[GemmRate]] = {}
+    for g in sorted(m.gemm, key=lambda g: g.size):
+        by_dtype.setdefault(g.dtype, []).append(g)
+    listing = "; ".join(f"{d} " + ", ".join(f"{g.size}: {_tflops(g.flops_per_s)}" for g in gs)
+                        for d, gs in by_dtype.items())
+    peaks: dict[str, float] = {}
+    for dtype, gs in by_dtype.items():
+        field = _PEAK_FIELD[dtype]
+        if base is not None and getattr(base, field):
+            peaks[dtype] = getattr(base, field)
+        else:
+            best = max(gs, key=lambda g: g.flops_per_s)
+            peaks[dtype] = best.flops_per_s
+            put(field, best.flops_per_s, f"{test}measured: the best rate of square {dtype} products here "
+                                         f"({best.size}), not a datasheet peak (none is known for this GPU); "
+                                         f"every size: {listing}")
+    ref = "bfloat16" if "bfloat16" in by_dtype else next(iter(by_dtype), None)
+    efficiency: dict[str, dict[str, float]] = {}
+    if ref is not None:
+        gs = by_dtype[ref]
+        used = gs[1:] if len(gs) > 1 else gs
+        fraction = statistics.fmean(g.flops_per_s / peaks[ref] for g in used)
+        others = "; ".join(f"{d} at {statistics.fmean(g.flops_per_s for g in (x[1:] if len(x) > 1 else x)) / peaks[d]:.2f}"
+                           f" of its {_tflops(peaks[d])}" for d, x in by_dtype.items() if d != ref)
+        efficiency["matmul"] = {"compute": fraction}
+        notes.append(["efficiency.matmul", "doc:calibration",
+                      f"{test}square {ref} products at {', '.join(str(g.size) for g in used)}: the mean of their "
+                      f"rates over the {ref} peak {_tflops(peaks[ref])} ({fraction:.3f}); every size measured: "
+                      f"{listing}" + (f"; the other dtypes reach {others} (the model applies {fraction:.2f} to "
+                                      f"every dtype)" if others else "")
+                      + ("; ABOVE the base's peak: is the base this GPU?" if fraction > 1 else "")])
+    # attention: FLOPs at the products' dtype peak
+    attention = [s for s in m.samples if s.op_class == "attention"]
+    if attention and ref is not None:
+        fraction = sum(s.flops for s in attention) / peaks[ref] / sum(s.seconds for s in attention)
+        efficiency["attention"] = {"compute": fraction}
+        kernels = sorted({o for s in attention for o in s.operators if "attention" in o})
+        notes.append(["efficiency.attention", "doc:calibration",
+                      f"{test}scaled_dot_product_attention forward and backward ("
+                      + "; ".join(f"{s.label}: {_tflops(s.flops / s.seconds)}" for s in attention)
+                      + f"; kernels {', '.join(kernels) or 'not recorded'}): the model's FLOPs (causal halved) "
+                        f"over the {ref} peak {_tflops(peaks[ref])}, over the time measured ({fraction:.3f})"])
+    # bandwidth: the base's peak, else the best measured
+    memory_samples = [s for s in m.samples if s.op_class in MEMORY_CLASSES + ("bandwidth",)]
+    if base is not None and base.hbm_bytes_per_s:
+        bandwidth = float(base.hbm_bytes_per_s)
+    elif memory_samples:
+        best = max(memory_samples, key=lambda s: s.bytes_accessed / s.seconds)
+        bandwidth = best.bytes_accessed / best.seconds
+        put("hbm_bytes_per_s", bandwidth, f"{test}measured: the best bandwidth reached here ({best.label}: bytes "
+                                          f"read and written over its time), not a datasheet peak (none is known "
+                                          f"for this GPU)")
+    for cls in MEMORY_CLASSES:
+        samples = [s for s in m.samples if s.op_class == cls]
+        if not samples or not memory_samples:
+            continue
+        fraction = sum(s.bytes_accessed for s in samples) / bandwidth / sum(s.seconds for s in samples)
+        efficiency[cls] = {"memory": fraction}
+        notes.append([f"efficiency.{cls}", "doc:calibration",
+                      f"{test}" + "; ".join(f"{s.label}: {_gbs(s.bytes_accessed / s.seconds)}" for s in samples)
+                      + f": the bytes the model counts over the bandwidth peak {_gbs(bandwidth)}, over the time "
+                        f"measured ({fraction:.3f})"])
+    if efficiency:
+        fields["efficiency"] = efficiency
+
+    # the host
+    h = m.host
+    block = (f"a tiny decoder-shaped model ({h.label}): {h.forward_ops} operators a forward, {h.backward_ops} a "
+             f"backward")
+    put("host_forward_op_s", h.forward_op_s, f"{test}{block}: forward wall time over its operators; a bare "
+                                             f"operator in a loop takes {_us(h.op_s)}")
+    put("host_backward_op_s", h.backward_op_s, f"{test}{block}: backward wall time over its operators")
+    for field, value, what in (("host_selective_forward_op_s", h.selective_forward_op_s, "forward"),
+                               ("host_selective_recompute_op_s", h.selective_recompute_op_s, "recomputation")):
+        read = "" if value >= 0 else f" (read {_us(value)}: below the noise, taken as 0)"
+        put(field, max(0.0, value), f"{test}{block}, each block under torch.utils.checkpoint with a selective "
+                                    f"policy (products kept): the {what}'s extra wall time per forward operator"
+                                    + (", less a plain forward operator's" if what == "recomputation" else "")
+                                    + read)
+
+    # copies
+    def rate(direction: str, pinned: bool) -> CopyRate | None:
+        found = [c for c in m.copies if c.direction == direction and c.pinned == pinned]
+        return max(found, key=lambda c: c.bytes_per_s) if found else None
+
+    for direction in ("device_to_host", "host_to_device"):
+        pinned, pageable = rate(direction, True), rate(direction, False)
+        use = pinned or pageable
+        if use is None:
+            continue
+        text = direction.replace("_", " ")
+        put(f"{direction}_bytes_per_s", use.bytes_per_s,
+            f"{test}a copy {text}, {use.nbytes / 2**20:.0f} MiB "
+            + (f"with pinned host memory: {_gbs(use.bytes_per_s)}" if pinned else
+               f"with pageable host memory (none pinned here): {_gbs(use.bytes_per_s)}")
+            + (f"; from pageable memory: {_gbs(pageable.bytes_per_s)}" if pinned and pageable else ""))
+
+    env_text = (f"remat calibrate on {env.device_name}"
+                + (f" (compute capability {env.capability[0]}.{env.capability[1]})" if env.capability else "")
+                + f", {env.date}: torch {env.torch_version}"
+                + (f", CUDA {env.cuda_version}" if env.cuda_version else "")
+                + (f", driver {env.driver_version}" if env.driver_version else (", driver not read" if env.is_gpu
+                                                                                  else ""))
+                + (f", {env.machine}" if env.machine else "")
+                + ("" if env.is_gpu else "; a test run of the pipeline on the CPU, NOT a GPU calibration")
+                + f"; {m.seconds:.0f} s" + (", --quick" if m.quick else ""))
+    out: dict[str, Any] = {
+        "about": "A device spec measured by remat calibrate (docs/targets.md, 'Calibrating on your GPU'): plan "
+                 "with --device THIS_FILE or Target(device=THIS_FILE). Fields not given are the base's.",
+    }
+    if base is not None:
+        out["base"] = base.name
+    out.update(fields)
+    out["documents"] = {"calibration": env_text}
+    out["sources"] = notes
+    out["calibration"] = m.to_dict()
+    return out
+
+
+def efficiency_table(spec: Any, table: Any = None) -> Any:
+    """The time model's efficiency table for ``spec``: each operator class the spec gives (``spec.efficiency``,
+    measured by ``remat calibrate``) in place of the table's entries for that class (every generation's), a
+    fraction it leaves None the table's; every other class the table's (default
+    remat.costs.device_time.EFFICIENCY). ``measured_on`` is the spec's name."""
+    from types import MappingProxyType
+
+    from remat.costs.device_time import EFFICIENCY, Efficiency
+    from remat.target.devices import generation_of
+
+    table = EFFICIENCY if table is None else table
+    if not spec.efficiency:
+        return table
+    generation = generation_of(spec)
+    measured = {}
+    for cls, compute, memory in spec.efficiency:
+        known = table.get(f"{cls}@{generation}") or table.get(cls) or Efficiency(1.0, 1.0, "no figure: peak")
+        notes = spec.sources_of(f"efficiency.{cls}")
+        measured[cls] = Efficiency(known.compute if compute is None else compute,
+                                   known.memory if memory is None else memory,
+                                   f"{notes[0][0]}: {notes[0][1]}" if notes else f"given in the spec {spec.name}",
+                                   spec.name)
+    return MappingProxyType({**{k: v for k, v in table.items() if k.split("@")[0] not in measured}, **measured})
+
+
+def host_costs_of(spec: Any, default: Any = None) -> Any:
+    """The host's seconds per operator for ``spec``: its ``host_*_op_s`` fields (measured by ``remat calibrate``)
+    where given, ``default``'s (remat.costs.device_time.GPU_HOST, the H200's host) for any it leaves None."""
+    from remat.costs.device_time import GPU_HOST, HostCosts
+
+    default = GPU_HOST if default is None else default
+    given = {f: getattr(spec, f"host_{f}") for f in ("forward_op_s", "backward_op_s", "selective_forward_op_s",
+                                                     "selective_recompute_op_s")}
+    if all(v is None for v in given.values()):
+        return default
+    notes = spec.sources_of("host_forward_op_s")
+    return HostCosts(**{f: getattr(default, f) if v is None else v for f, v in given.items()},
+                     source=(f"measured for {spec.name}: {notes[0][0]}" if notes else f"given in the spec {spec.name}")
+                     + ("" if all(v is not None for v in given.values()) else f"; the rest: {default.source}"))

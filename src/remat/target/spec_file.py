@@ -1,0 +1,99 @@
+"""Device spec files: what ``Target(device="my-gpu.json")`` and every ``--device FILE`` read. Stdlib only.
+
+A spec file is one JSON object of :class:`~remat.target.devices.DeviceSpec`'s fields, as one entry of the built-in
+table (``devices.json``) is, with each figure's sources ``[field, document, note]``. Beside the fields it may hold:
+
+* ``"base"``: a built-in device (name or alias) it derives from: the file gives only what differs, every other
+  field is the base's, and each carried figure's note says so ("carried from the base h200: ...");
+* ``"documents"``: ``{key: text}`` that sources cite as ``"doc:KEY"`` (the built-in table's documents too);
+* ``"aliases"``, ``"about"``: as in the table (a file's aliases name nothing: it is given by its path);
+* ``"calibration"``: the raw measurements ``remat calibrate`` wrote it from, kept for the record (not read).
+
+In a file derived from a base, a figure the file gives without a source gets one saying so ("given in this file
+without a note"). Every mistake is an
+:class:`~remat.errors.InvalidInputError` that names the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+from remat.errors import InvalidInputError
+
+__all__ = ["load_spec_file", "spec_from_mapping", "EXTRA_KEYS"]
+
+#: keys a spec file may hold beside the spec's fields
+EXTRA_KEYS = ("base", "documents", "aliases", "about", "calibration")
+
+
+def load_spec_file(path: Path | str) -> Any:
+    """The :class:`~remat.target.devices.DeviceSpec` in the JSON file ``path`` (module docstring)."""
+    from remat.target.devices import _read_file
+
+    path = Path(path)
+    data = _read_file(path)
+    try:
+        return spec_from_mapping(data, where=str(path), default_name=path.stem)
+    except InvalidInputError as e:
+        raise InvalidInputError(f"{path}: {e}") from e
+
+
+def spec_from_mapping(data: dict[str, Any], *, where: str = "the spec", default_name: str | None = None) -> Any:
+    """A spec from a spec file's object (module docstring): its base's fields where it gives none, sources of
+    ``doc:KEY`` expanded, a note for every field given without one. ``where`` names the file in notes."""
+    from remat.target.devices import _ALIASES, _TABLE, HOST_SECONDS, KNOWN, NUMBERS, DeviceSpec, _key, \
+        _load_builtin_documents, generation_of
+
+    data = dict(data)
+    base_name = data.pop("base", None)
+    documents = data.pop("documents", {}) or {}
+    data.pop("aliases", None), data.pop("about", None), data.pop("calibration", None)
+    if not isinstance(documents, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in documents.items()):
+        raise InvalidInputError(f"\"documents\" must be an object of text by key (sources cite them as "
+                                f"\"doc:KEY\"), got {documents!r}")
+    docs = {**_load_builtin_documents(), **documents}
+    sources = data.get("sources", [])
+    if not isinstance(sources, list):
+        raise InvalidInputError(f"\"sources\" must be a list of [field, document, note], got {sources!r}")
+
+    def expand(text: Any) -> Any:
+        return re.sub(r"doc:([A-Za-z0-9_.-]+)", lambda m: docs.get(m.group(1), m.group(0)), text) \
+            if isinstance(text, str) else text
+
+    sources = [[expand(x) for x in s] if isinstance(s, (list, tuple)) else s for s in sources]
+    fields = {f.name for f in dataclasses.fields(DeviceSpec)}
+    given = [k for k in data if k in fields and k not in ("name", "sources")]
+    out: dict[str, Any] = {}
+    if base_name is not None:
+        if not isinstance(base_name, str) or _key(base_name) not in _ALIASES:
+            raise InvalidInputError(f"base {base_name!r} is not a built-in device; the built-in ones: "
+                                    f"{', '.join(KNOWN)} (a spec file derives from one of them, or gives every "
+                                    f"field itself)")
+        base = _TABLE[_ALIASES[_key(base_name)]]
+        out = {k: v for k, v in base.to_dict().items() if k not in ("sources", "efficiency")}
+        out["efficiency"] = base.efficiency
+        out["generation"] = generation_of(base)  # a built-in's is read from its name, which a file's is not
+        out["name"] = default_name or f"{base.name}-derived"
+        overridden = set(given) | {s[0].split(".")[0] for s in sources if isinstance(s, (list, tuple)) and s}
+        carried = [[f, doc, f"carried from the base {base.name}: {note}"] for f, doc, note in base.sources
+                   if f.split(".")[0] not in overridden]
+        sources = carried + sources
+    elif default_name is not None:
+        out["name"] = default_name
+    out.update(data)
+    # derived from a base: every figure says whether it is the base's or the file's
+    noted = {s[0] for s in sources if isinstance(s, (list, tuple)) and s}
+    for k in given if base_name is not None else ():
+        if data[k] in (None, "", (), [], {}) or k not in NUMBERS + HOST_SECONDS + ("efficiency",):
+            continue
+        if k == "efficiency" and isinstance(data[k], dict):
+            sources += [[f"efficiency.{c}", where, "given in this file without a note"] for c in data[k]
+                        if f"efficiency.{c}" not in noted and "efficiency" not in noted]
+        elif k not in noted:
+            sources.append([k, where, "given in this file without a note"])
+    out["sources"] = sources
+    return DeviceSpec.from_dict(out)
