@@ -209,10 +209,10 @@ def predict_plans(model: nn.Module, example_inputs: Any, spec: DeviceSpec | str,
         try:
             plan = make()
         except InfeasibleBudgetError as e:
-            notes.append(f"{label}: infeasible ({' '.join(str(e).split())[:200]})")
+            notes.append(f"{label}: infeasible ({_first_sentence(e)})")
             continue
         except RematError as e:  # (a model without repeated blocks has no "every block")
-            notes.append(f"{label}: {' '.join(str(e).split())[:200]}")
+            notes.append(f"{label}: {_first_sentence(e)}")
             continue
         if plan.choices in seen:
             notes.append(f"{label}: the same plan as {seen[plan.choices]}")
@@ -223,6 +223,11 @@ def predict_plans(model: nn.Module, example_inputs: Any, spec: DeviceSpec | str,
                                    peaks.reserved_peak_bytes if target.is_cuda else None,
                                    plan.predicted_step_time_s, peaks.oom is not None))
     return rows, notes
+
+
+def _first_sentence(error: Exception) -> str:
+    text = " ".join(str(error).split())
+    return text.split(". ")[0].rstrip(".")
 
 
 # -- the measurement ----------------------------------------------------------------------------------------------
