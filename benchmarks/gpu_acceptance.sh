@@ -8,12 +8,14 @@
 #     echo /.whl/ >> .git/info/exclude
 #     python3 -m pip download --no-deps --only-binary=:all: -d .whl pulp==3.3.2     # py3-none-any, CBC bundled
 # and run it with carry [".whl"]:
-#     bash benchmarks/gpu_acceptance.sh .whl/pulp-3.3.2-py3-none-any.whl accuracy-gpt accuracy-llama1b budget
+#     bash benchmarks/gpu_acceptance.sh .whl/pulp-3.3.2-py3-none-any.whl calibrate accuracy-gpt accuracy-llama1b budget
 #     bash benchmarks/gpu_acceptance.sh .whl/pulp-3.3.2-py3-none-any.whl cuda-tests suite
 # (two calls of under 10 minutes each; one call with no PART runs them all, if its limit allows).
 #
 # PARTS, in this order by default:
 #   env               torch, the GPU, the driver, PuLP and its CBC (always run first)
+#   calibrate         remat calibrate: this GPU measured into a device spec file, h200-calibrated.json (issue #56;
+#                     under a minute), for --device FILE
 #   accuracy-gpt      remat accuracy on the built-in GPT at the size the shared tradeoff ran (12 layers, width 1024,
 #                     batch 8 x 1024 tokens): predicted for this GPU (matched in the table) beside the real steps
 #   accuracy-llama1b  remat accuracy on the Llama 3.2 1B-shaped Hugging Face model (benchmarks/gpu_targets.py:
@@ -25,17 +27,18 @@
 #
 # Everything goes under $OUT (default ./gpu-acceptance; at most 8 files come back from a device call):
 #   acceptance.log    all output;  summary.txt   one line per part: exit status and seconds
-#   accuracy_gpt.json, accuracy_llama1b.json, budget_llama1b_24gib.json, cuda_tests.log, suite.log
+#   h200-calibrated.json, accuracy_gpt.json, accuracy_llama1b.json, budget_llama1b_24gib.json, cuda_tests.log,
+#   suite.log
 # Each part runs under `timeout` (PART_TIMEOUT_S, default per part below) and the script goes on after a failure;
 # its own exit status is the number of parts that failed. PYTHON (default python3) is the interpreter.
 
 set -u -o pipefail
-usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 case "$1" in -h|--help) usage ;; esac
 WHEEL=$1; shift
 [ -f "$WHEEL" ] || { echo "gpu_acceptance.sh: no PuLP wheel at $WHEEL (see the header for how to carry one)" >&2; exit 2; }
-ALL=(accuracy-gpt accuracy-llama1b budget cuda-tests suite)
+ALL=(calibrate accuracy-gpt accuracy-llama1b budget cuda-tests suite)
 PARTS=("$@")
 [ ${#PARTS[@]} -gt 0 ] || PARTS=("${ALL[@]}")
 for p in "${PARTS[@]}"; do
@@ -91,6 +94,8 @@ EOF
 for p in "${PARTS[@]}"; do
   case $p in
     env) ;;
+    calibrate)
+      part calibrate 180 "$PY" -m remat calibrate --out "$OUT/h200-calibrated.json" ;;
     accuracy-gpt)
       part accuracy-gpt 240 "$PY" -m remat accuracy gpt --layers 12 --d-model 1024 --seq-len 1024 --batch-size 8 \
         --json "$OUT/accuracy_gpt.json" ;;
