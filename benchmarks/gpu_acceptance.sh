@@ -116,4 +116,5 @@ done
 
 echo "=== summary ($FAILED failed)"
 cat "$SUMMARY"
+sleep 1  # (tee's last lines into acceptance.log before $OUT is read back)
 exit "$FAILED"
