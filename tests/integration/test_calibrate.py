@@ -45,7 +45,7 @@ MEASURED = Measurements(
                     selective_recompute_op_s=-1e-6, forward_ops=128, backward_ops=353, label="8 blocks"),
     copies=(CopyRate("device_to_host", True, 2**28, 2**28 / 53e9), CopyRate("host_to_device", True, 2**28, 2**28 / 55e9),
             CopyRate("device_to_host", False, 2**28, 2**28 / 14e9), CopyRate("host_to_device", False, 2**28, 2**28 / 7e9)),
-    seconds=41.0)
+    seconds=41.0, shortest_kernel_s=1.6e-6)
 
 
 def _file(tmp_path, data, name="gpu.json"):
@@ -71,6 +71,7 @@ def test_a_calibration_becomes_a_spec_file_that_target_reads_with_each_figure_me
     assert spec.device_to_host_bytes_per_s == 53_000_000_000 and spec.host_to_device_bytes_per_s == 55_000_000_000
     assert (spec.host_forward_op_s, spec.host_backward_op_s) == (15e-6, 11e-6)
     assert spec.host_selective_forward_op_s == 40e-6 and spec.host_selective_recompute_op_s == 0.0  # read < 0
+    assert spec.shortest_kernel_s == 1.6e-6
     eff = {cls: (c, m) for cls, c, m in spec.efficiency}
     # products: the sizes but the smallest (2048: 600, 4096: 700 TFLOP/s) over the H200's dense 989.5
     assert eff["matmul"] == (pytest.approx((600 / 989.5 + 700 / 989.5) / 2, rel=1e-9), None)
@@ -124,6 +125,8 @@ def test_the_time_model_reads_the_calibrated_fields_and_a_changed_field_moves_th
     assert rates.efficiency_of("matmul").measured_on == "h200-calibrated"
     assert (rates.host.forward_op_s, rates.host.backward_op_s, rates.host.selective_forward_op_s,
             rates.host.selective_recompute_op_s) == (15e-6, 11e-6, 40e-6, 0.0)
+    assert rates.launch_s == 1.6e-6  # the floor of any operator: the shortest kernel measured
+    assert op_seconds("aten.add.Tensor", 4, 48, rates) == 1.6e-6
     # a product's time is its FLOPs at the calibrated fraction of the peak
     flops = 2 * 8192 * 4096 * 4096
     assert op_seconds("aten.mm.default", flops, 1, rates) == pytest.approx(
@@ -164,6 +167,7 @@ def test_the_time_model_reads_the_calibrated_fields_and_a_changed_field_moves_th
     ({"base": "h200", "efficiency": {"matmul": 0.8}}, "efficiency.matmul must be an object"),
     ({"base": "h200", "host_forward_op_s": 0}, "host_forward_op_s must be a positive number of seconds"),
     ({"base": "h200", "host_selective_forward_op_s": -1e-6}, "must be a non-negative number of seconds"),
+    ({"base": "h200", "shortest_kernel_s": "2us"}, "shortest_kernel_s must be a positive number of seconds"),
     ({"base": "h200", "sources": [["hbm", "doc", "note"]]}, "each source must be (field, document, note)"),
     ([1, 2], "holds one JSON object"),
 ])

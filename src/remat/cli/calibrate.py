@@ -123,6 +123,8 @@ def measurements_table(m):
                     ("host: selective checkpointing, forward, extra", h.selective_forward_op_s),
                     ("host: selective checkpointing, recomputation, extra", h.selective_recompute_op_s)):
         table.add_row(what, f"{v * 1e6:.2f} us", "")
+    if m.shortest_kernel_s is not None:
+        table.add_row("the shortest kernel (CUDA graph replay)", f"{m.shortest_kernel_s * 1e6:.2f} us", "")
     for c in m.copies:
         table.add_row(f"copy {c.direction.replace('_', ' ')}, {'pinned' if c.pinned else 'pageable'}",
                       f"{c.seconds * 1e3:.3f} ms", f"{c.bytes_per_s / 1e9:.1f} GB/s")
@@ -146,7 +148,7 @@ def fields_table(spec, base):
     for field in ("memory_bytes", "bf16_flops_per_s", "fp16_flops_per_s", "tf32_flops_per_s", "fp32_flops_per_s",
                   "hbm_bytes_per_s", "device_to_host_bytes_per_s", "host_to_device_bytes_per_s",
                   "host_forward_op_s", "host_backward_op_s", "host_selective_forward_op_s",
-                  "host_selective_recompute_op_s"):
+                  "host_selective_recompute_op_s", "shortest_kernel_s"):
         value = getattr(spec, field)
         if value is None:
             continue

@@ -27,6 +27,8 @@ reach here and writes each as the fraction of the spec's peak that gives the mea
   recomputation's less a plain forward operator's), 0 where it read below 0; a bare operator in a loop is noted;
 * ``device_to_host_bytes_per_s``, ``host_to_device_bytes_per_s``: copies between device memory and pinned host
   memory; pageable copies are noted (the offloader never copies from pageable memory on a GPU);
+* ``shortest_kernel_s``: one-element additions captured in a CUDA graph and replayed (no host between them),
+  GPU time per kernel: the model's floor for any operator (a GPU only);
 * ``memory_bytes``: ``total_memory``; ``generation`` from the compute capability.
 
 Nothing here is fitted to a step time: every figure is a rate of the kernels or the host measured directly.
@@ -153,6 +155,8 @@ class Measurements:
     #: wall seconds the calibration took
     seconds: float = 0.0
     quick: bool = False
+    #: GPU seconds of a one-element kernel replayed from a CUDA graph (None: not measured, as on a CPU)
+    shortest_kernel_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -165,7 +169,8 @@ class Measurements:
                    samples=tuple(ClassSample(**{**s, "operators": tuple(s.get("operators", ()))})
                                  for s in d["samples"]),
                    host=HostSample(**d["host"]), copies=tuple(CopyRate(**c) for c in d["copies"]),
-                   seconds=d.get("seconds", 0.0), quick=d.get("quick", False))
+                   seconds=d.get("seconds", 0.0), quick=d.get("quick", False),
+                   shortest_kernel_s=d.get("shortest_kernel_s"))
 
 
 _PEAK_FIELD = {"bfloat16": "bf16_flops_per_s", "float16": "fp16_flops_per_s", "tf32": "tf32_flops_per_s",
@@ -292,6 +297,11 @@ def calibrated_file(m: Measurements, base: Any = None, *, name: str | None = Non
                                     f"policy (products kept): the {what}'s extra wall time per forward operator"
                                     + (", less a plain forward operator's" if what == "recomputation" else "")
                                     + read)
+
+    if m.shortest_kernel_s is not None:
+        put("shortest_kernel_s", m.shortest_kernel_s,
+            f"{test}one-element additions captured in a CUDA graph and replayed: GPU time per kernel, no host "
+            f"between them ({_us(m.shortest_kernel_s)}; the time model's floor for any operator)")
 
     # copies
     def rate(direction: str, pinned: bool) -> CopyRate | None:

@@ -118,6 +118,9 @@ class DeviceSpec:
     host_backward_op_s: float | None = None
     host_selective_forward_op_s: float | None = None
     host_selective_recompute_op_s: float | None = None
+    #: seconds of the shortest kernel, the time model's floor for any operator (``remat calibrate``: one-element
+    #: kernels replayed from a CUDA graph); None: the time model's (torchao's 2 us on an H100)
+    shortest_kernel_s: float | None = None
     sources: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -138,7 +141,7 @@ class DeviceSpec:
             raise InvalidInputError(f"device {self.name!r}: generation must be a string such as \"hopper\", got "
                                     f"{self.generation!r}")
         object.__setattr__(self, "efficiency", _efficiency(self.name, self.efficiency))
-        for field in HOST_SECONDS:
+        for field in SECONDS:
             object.__setattr__(self, field, _seconds(self.name, field, getattr(self, field)))
         object.__setattr__(self, "sources", _sources(self.name, self.sources))
 
@@ -202,6 +205,8 @@ EFFICIENCY_CLASSES = ("matmul", "conv", "attention", "pointwise", "transcendenta
 #: host seconds per operator (remat.costs.device_time.HostCosts): the selective ones may be 0
 HOST_SECONDS = ("host_forward_op_s", "host_backward_op_s", "host_selective_forward_op_s",
                 "host_selective_recompute_op_s")
+#: every field in seconds
+SECONDS = HOST_SECONDS + ("shortest_kernel_s",)
 
 
 def _efficiency(name: str, value: Any) -> tuple[tuple[str, float | None, float | None], ...]:
@@ -243,8 +248,8 @@ def _seconds(name: str, field: str, value: Any) -> float | None:
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
             or value < 0 or (least is None and value == 0)):
         raise InvalidInputError(f"device {name!r}: {field} must be a {'non-negative' if least == 0 else 'positive'} "
-                                f"number of seconds per operator (e.g. 2.47e-05), got {value!r}, or None for the time "
-                                f"model's figure")
+                                f"number of seconds{' per operator' if 'op_s' in field else ''} (e.g. 2.47e-05), got "
+                                f"{value!r}, or None for the time model's figure")
     return float(value)
 
 

@@ -27,7 +27,7 @@ from remat._compat import TorchDispatchMode, op_bytes, op_flops
 from remat.target.calibration import ClassSample, CopyRate, Environment, GemmRate, HostSample, Measurements
 
 __all__ = ["Sizes", "FULL", "QUICK", "CPU_TEST", "measure", "environment", "gemm_rates", "attention_samples",
-           "memory_samples", "foreach_samples", "host_costs", "copy_rates"]
+           "memory_samples", "foreach_samples", "host_costs", "copy_rates", "shortest_kernel"]
 
 
 @dataclass(frozen=True)
@@ -322,6 +322,25 @@ def copy_rates(device: torch.device, nbytes: int, repeats: int) -> tuple[CopyRat
     return tuple(out)
 
 
+def shortest_kernel(device: torch.device, repeats: int, kernels: int = 200) -> float | None:
+    """GPU seconds of a one-element kernel: ``kernels`` additions captured in a CUDA graph, the graph's replay
+    timed with CUDA events (no host launch between them) over ``kernels``; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    z = torch.zeros(1, device=device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # torch's recipe: warm up on a side stream before capturing
+        for _ in range(3):
+            z.add_(1)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            z.add_(1)
+    return _kernel_seconds(graph.replay, device, repeats) / kernels
+
+
 def _warm_up(device: torch.device, seconds: float) -> None:
     if seconds <= 0:
         return
@@ -372,9 +391,12 @@ def _measure(device: torch.device, sizes: Sizes, quick: bool,
     samples += foreach_samples(device, *sizes.foreach, sizes.repeats)
     say("the host's cost per operator")
     host = host_costs(device, sizes.repeats)
+    say("the shortest kernel")
+    shortest = shortest_kernel(device, sizes.repeats)
     say("copies to and from host memory")
     with torch.no_grad():
         copies = copy_rates(device, sizes.copy_bytes, sizes.repeats)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return Measurements(env, gemm, samples, host, copies, seconds=time.perf_counter() - started, quick=quick)
+    return Measurements(env, gemm, samples, host, copies, seconds=time.perf_counter() - started, quick=quick,
+                        shortest_kernel_s=shortest)

@@ -44,7 +44,7 @@ def load_spec_file(path: Path | str) -> Any:
 def spec_from_mapping(data: dict[str, Any], *, where: str = "the spec", default_name: str | None = None) -> Any:
     """A spec from a spec file's object (module docstring): its base's fields where it gives none, sources of
     ``doc:KEY`` expanded, a note for every field given without one. ``where`` names the file in notes."""
-    from remat.target.devices import _ALIASES, _TABLE, HOST_SECONDS, KNOWN, NUMBERS, DeviceSpec, _key, \
+    from remat.target.devices import _ALIASES, _TABLE, KNOWN, NUMBERS, SECONDS, DeviceSpec, _key, \
         _load_builtin_documents, generation_of
 
     data = dict(data)
@@ -88,7 +88,7 @@ def spec_from_mapping(data: dict[str, Any], *, where: str = "the spec", default_
     # derived from a base: every figure says whether it is the base's or the file's
     noted = {s[0] for s in sources if isinstance(s, (list, tuple)) and s}
     for k in given if base_name is not None else ():
-        if data[k] in (None, "", (), [], {}) or k not in NUMBERS + HOST_SECONDS + ("efficiency",):
+        if data[k] in (None, "", (), [], {}) or k not in NUMBERS + SECONDS + ("efficiency",):
             continue
         if k == "efficiency" and isinstance(data[k], dict):
             sources += [[f"efficiency.{c}", where, "given in this file without a note"] for c in data[k]

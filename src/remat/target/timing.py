@@ -249,7 +249,7 @@ def rates_of(target: Any, model_dtype: torch.dtype | None = None) -> DeviceRates
     tf32 = tf32_classes(spec, dtype)
     return DeviceRates(name=f"{spec.title or spec.name}, {str(dtype).removeprefix('torch.')}"
                             + (f" ({' and '.join(tf32)} at TF32)" if tf32 else ""),
-                       flops_per_s=float(flops), memory_bytes_per_s=float(spec.hbm_bytes_per_s), launch_s=GPU_LAUNCH_S,
+                       flops_per_s=float(flops), memory_bytes_per_s=float(spec.hbm_bytes_per_s), launch_s=spec.shortest_kernel_s or GPU_LAUNCH_S,
                        link_bytes_per_s=spec.link_bytes_per_s / 2 if spec.link_bytes_per_s else None,
                        network_bytes_per_s=target.network_bytes_per_s, devices_per_node=target.devices_per_node,
                        generation=generation, class_flops_per_s={c: float(spec.tf32_flops_per_s) for c in tf32},
