@@ -76,8 +76,8 @@ _TORCHAO = ("torchao testing/training/roofline_utils.py (pytorch/ao): pct_achiev
 
 _H200 = ("measured on the H200 (torch 2.11, 2026-12-04) from its kernels in llama1b__1.trace.json.gz (a 1B Llama's "
          "step, every block checkpointed; benchmarks/gpu_traces.py --calibrate): ")
-_ELEMENTWISE = ("elementwise, copy and reduction kernels 76.89 ms for what the model moves in 47.17 ms at the peak "
-                "4.8 TB/s (2.9 TB/s achieved: many kernels strided, broadcast or in float32, in torch's "
+_ELEMENTWISE = ("elementwise, copy and reduction kernels 76.89 ms for what the model moves in 45.58 ms at the peak "
+                "4.8 TB/s (2.8 TB/s achieved: many kernels strided, broadcast or in float32, in torch's "
                 "unvectorized loops)")
 
 #: per operator class, the fractions of peak reached (Note [Device time model]). "attention@hopper": torch's
@@ -88,17 +88,18 @@ EFFICIENCY: Mapping[str, Efficiency] = MappingProxyType({
     "attention": Efficiency(0.70, 0.92, "FlashAttention-2 (Dao, 2023, arXiv:2307.08691): forward up to 73% of "
                                         "A100's peak, training 225 TFLOP/s of 312 (72%)", "A100"),
     # torch picks cuDNN's attention on Hopper for bf16 (the H200's traces: cudnn sdpa flash fprop/bprop kernels)
-    "attention@hopper": Efficiency(0.66, 0.92, _H200 + "cuDNN's attention forward and backward: 10.00 ms of "
-                                               "FLOPs (causal, halved) at the dense peak in 15.26 ms", "H200"),
+    "attention@hopper": Efficiency(0.33, 0.92, _H200 + "cuDNN's attention forward and backward (causal, head "
+                                               "dimension 64): 5.00 ms of FLOPs (causal: halved) at the dense peak "
+                                               "in 15.26 ms", "H200"),
     "pointwise": Efficiency(1.0, 0.92, _TORCHAO, "H100"),
     # the optimizer's foreach kernels (multi_tensor_apply): as pointwise where not measured
     "foreach": Efficiency(1.0, 0.92, "as pointwise: " + _TORCHAO, "H100"),
     # Hopper: measured on the H200 (Note [Device time model]; benchmarks/gpu_traces.py --calibrate prints them)
     "matmul@hopper": Efficiency(0.80, 0.92, _H200 + "matrix products: 72.3 TFLOP (73.05 ms at the dense peak) in "
                                             "91.12 ms of cuBLAS's nvjet kernels", "H200"),
-    "pointwise@hopper": Efficiency(1.0, 0.61, _H200 + _ELEMENTWISE, "H200"),
-    "transcendental@hopper": Efficiency(1.0, 0.61, _H200 + _ELEMENTWISE, "H200"),
-    "reduction@hopper": Efficiency(1.0, 0.61, _H200 + _ELEMENTWISE, "H200"),
+    "pointwise@hopper": Efficiency(1.0, 0.59, _H200 + _ELEMENTWISE, "H200"),
+    "transcendental@hopper": Efficiency(1.0, 0.59, _H200 + _ELEMENTWISE, "H200"),
+    "reduction@hopper": Efficiency(1.0, 0.59, _H200 + _ELEMENTWISE, "H200"),
     "foreach@hopper": Efficiency(1.0, 0.46, _H200 + "AdamW's foreach kernels: 15.56 ms of multi_tensor_apply for "
                                            "what the model moves in 7.21 ms at the peak bandwidth", "H200"),
     "transcendental": Efficiency(1.0, 0.92, "as pointwise on a GPU (bandwidth-bound): " + _TORCHAO, "H100"),
@@ -149,11 +150,12 @@ class HostCosts:
 #: the H200's host (torch 2.11, 2026-12-04), from the host events of the traces ``benchmarks/gpu_traces.py``
 #: reads (--calibrate prints the derivation); carried to every CUDA target unmeasured
 GPU_HOST = HostCosts(
-    forward_op_s=24.7e-6, backward_op_s=18.0e-6, selective_forward_op_s=42.1e-6, selective_recompute_op_s=12.0e-6,
+    forward_op_s=29.0e-6, backward_op_s=18.7e-6, selective_forward_op_s=47.8e-6, selective_recompute_op_s=13.2e-6,
     source="measured on the H200's host (torch 2.11, 2026-12-04): llama1b__1's forward, 35.35 ms of host wall for "
-           "1,433 recorded operators; llama1b__4's backward, 102.70 ms less its 16 recomputations' dispatch-mode "
-           "spans (50.27 ms) for 2,910; its selective units' dispatch-mode spans per unit (median: forward 5.68 ms, "
-           "recomputation 3.12 ms) over the unit's 85 recorded operators, less a plain forward operator's")
+           "1,220 recorded operators; llama1b__4's backward, 102.70 ms less its 16 recomputations' dispatch-mode "
+           "spans (50.27 ms) for 2,798; its selective units' dispatch-mode spans per unit (median: forward 5.68 ms, "
+           "recomputation 3.12 ms) over the unit's 74 recorded operators (the trace: 73 dispatch-mode calls in a "
+           "unit's forward), less a plain forward operator's")
 
 
 def op_class(name: str) -> str:
