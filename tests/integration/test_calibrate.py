@@ -262,3 +262,12 @@ def test_without_cuda_the_command_refuses_in_one_line(capsys):
     code = main(["calibrate", "--out", "never.json"])
     out, err = capsys.readouterr()
     assert code == 2 and "CUDA" in err and "--device h100-80gb" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_command_lines_device_takes_the_file(capsys, tmp_path):
+    path = _file(tmp_path, calibrated_file(MEASURED, KNOWN["h200"]))
+    code = main(["plan", "gpt", "--layers", "2", "--batch-size", "2", "--seq-len", "32", "--d-model", "32",
+                 "--device", str(path), "--budget", "1"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "NVIDIA H200 (calibrated 2026-12-04)" in out and "modelled here, not run" in out
