@@ -198,3 +198,20 @@ def test_a_unit_is_offloaded_once_whole_or_as_one_part_and_the_plan_names_the_pa
     assert plan.offloaded_ops == {plan.offloaded[0]: planner.model.offloads[part].ops}
     assert plan.predicted_offload_bytes == planner.model.offloads[part].nbytes
     assert Plan.from_dict(plan.to_dict()) == plan and "the rest stays on the device" in str(plan)
+
+
+def test_only_the_next_layer_pairs_a_units_copy_back():
+    """The mechanism brings a unit back early only at the next layer's backward (``u1`` after ``u0``, by name: Note
+    [Exposed copies]); the same chain with its units named ``attn``, ``mlp``, ``out`` pairs nothing, and both copies
+    back are waited for in full."""
+    p = chain_profile([3_491_889_152, 64 * 2**20, 64 * 2**20], [8 * 2**20] * 3, [0.020, 0.040, 0.040])
+    names = {"u0": "attn", "u1": "mlp", "u2": "out"}
+    renamed = dataclasses.replace(p, units=tuple(dataclasses.replace(u, name=names[u.name]) for u in p.units))
+    link = HostLink(54.5e9, 54.5e9)
+    paired, unpaired = MemoryModel(p, offload=link), MemoryModel(renamed, offload=link)
+    assert paired.offloads[offload_key("u0")].next_unit == "u1"
+    assert unpaired.offloads[offload_key("attn")].next_unit is None
+    both = [offload_key("attn"), offload_key("mlp")]
+    assert unpaired.exposed_copy_s(both) == pytest.approx((3_491_889_152 + 64 * 2**20) / 54.5e9)
+    # and the memory model keeps attn's storages gone until its own backward, not mlp's
+    assert unpaired.offloads[offload_key("attn")].back_at == renamed.unit("attn").recompute_at

@@ -46,9 +46,12 @@ does (Note [Offloaded units] in remat.rewrite.offload), not by one window per pa
 * out: a unit's copies start with its forward (``OffloadSpan.start_s``) and queue behind those of the units
   before it; what the queue has not finished when the backward starts is paid:
   ``max(0, max over chosen k of (start_k + sum of copy_out_s of the chosen units from k on) - forward_s)``;
-* back: a unit's storages are brought back when the backward of the *offloaded* unit after it starts (one unit
-  ahead), else at its own first use. So with its next unit (``OffloadSpan.next_unit``, the sibling after it)
-  offloaded too, its wait is what the next unit's backward does not hide (``paired_stall_s``); with the next
+* back: a unit's storages are brought back when the backward of the next layer starts where that layer is
+  offloaded too (one unit ahead; :func:`next_layer`: ``layers.4`` for ``layers.3``, which must also be the next
+  unit at its level to run forward), else at its own first use. Siblings that are not numbered layers
+  (a block's attention and MLP, registered in another order than they run) are not paired: the mechanism cannot
+  tell from the module tree whether another module runs between them. So with its next layer
+  (``OffloadSpan.next_unit``) offloaded too, its wait is what the next unit's backward does not hide (``paired_stall_s``); with the next
   unit kept or recomputed nothing brings it back early and its backward waits for the whole copy
   (``stall_s = copy_back_s``). Measured on the H200 (torchtitan's Llama, 4 layers, the first offloaded and the
   other three recomputed, so nothing ahead of it: the case of ``stall_s``): 447-451 ms a step where every layer
@@ -63,6 +66,7 @@ replaces, on the same device model.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +106,14 @@ def offloaded_unit(variable: str) -> str | None:
     ``"offload:h.3~1"``; None for any other plan variable."""
     choice = offloaded_choice(variable)
     return None if choice is None else offloaded_module(choice)
+
+
+def next_layer(name: str) -> str | None:
+    """The unit the mechanism pairs ``name`` with (Note [Exposed copies]): the same name with its trailing number
+    one higher (``model.layers.4`` for ``model.layers.3``), the next entry of a list of layers; None for a name
+    without one. Whose backward may bring ``name``'s storages back early, where both are offloaded."""
+    m = re.fullmatch(r"(.*?)(\d+)", name)
+    return None if m is None else f"{m.group(1)}{int(m.group(2)) + 1}"
 
 
 @dataclass(frozen=True)
@@ -159,7 +171,8 @@ class OffloadSpan:
     ops: tuple[str, ...] = ()
     #: seconds it waits when ``next_unit`` is offloaded too (what that unit's backward does not hide)
     paired_stall_s: float = 0.0
-    #: the sibling after it, whose offloaded backward brings this one's storages back; None: no such unit
+    #: the next layer, running right after it, whose offloaded backward brings this one's storages back
+    #: (:func:`next_layer`); None: no such unit
     next_unit: str | None = None
     #: when its forward starts, seconds into the step's forward (its copies out start then at the earliest)
     start_s: float = 0.0
@@ -239,7 +252,9 @@ def _span(profile: Profile, name: str, u: UnitCost, drops: list, after: list[Uni
         if ran_s + rest_s < copy_s:
             return None  # its copy would still run when the backward starts: not offered
         gone = profile.backward_start
-    nxt = after[0] if after else None
+    # Note [Exposed copies]: what brings it back early is the next layer (``layers.4`` after ``layers.3``) where that
+    # runs right after it, as the mechanism pairs them (remat.rewrite.offload.offload_modules)
+    nxt = after[0] if after and after[0].name == next_layer(name) else None
     back = min(nxt.recompute_at, u.recompute_at) if nxt is not None else u.recompute_at
     spans = tuple((d.nbytes, max(d.free_from, min(gone, back)), d.storage) for d in drops)
     if not spans or not any(at < back for _, at, _ in spans):

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from remat._compat import storage_key, storage_ref
-from remat.costs.offload import MIN_OFFLOAD_BYTES
+from remat.costs.offload import MIN_OFFLOAD_BYTES, next_layer
 from remat.errors import InternalError
 from remat.rewrite.forwards import _RematForward
 from remat.runtime.host_copies import CopyPath, HostPool, copy_path, side_stream
@@ -133,8 +133,9 @@ class Offloader:
         self._seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}
         #: per unit, in forward order, the tensors it parked this step (for prefetching)
         self.parked: dict[str, list[weakref.ref]] = {}
-        #: per offloaded unit, the offloaded unit right before it (its sibling), whose storages its backward
-        #: starts bringing back (Note [Exposed copies] in remat.costs.offload); set by :func:`offload_modules`
+        #: per offloaded unit, the offloaded layer right before it (``layers.3`` for ``layers.4``), whose storages
+        #: its backward starts bringing back (Note [Exposed copies] in remat.costs.offload); set by
+        #: :func:`offload_modules`
         self.ahead: dict[str, str] = {}
         #: bytes copied out, in all, and tensors parked
         self.offloaded_bytes = 0
@@ -257,9 +258,9 @@ class Offloader:
 
     def prefetch(self, unit: str) -> None:
         """Bring ``unit``'s parked storages back to the device, and start bringing back those of the offloaded
-        unit right before it (``ahead``: its sibling, whose backward runs next; one unit ahead). Only that one:
-        a unit kept or recomputed in between would have them back while its own backward runs, which the memory
-        model does not count (Note [Offload in the memory model]). ``unit``'s own first: its backward waits for
+        layer right before it (``ahead``, whose backward runs next; one unit ahead). Only that one: a unit kept or
+        recomputed in between would have them back while its own backward runs, which the memory model does not
+        count (Note [Offload in the memory model]). ``unit``'s own first: its backward waits for
         them, and the side stream runs copies in the order they are issued."""
         for name in (unit, self.ahead.get(unit)):
             if name is None or name not in self.parked:
@@ -377,17 +378,10 @@ def offload_modules(model: nn.Module, names: Any, ops: dict[str, tuple[str, ...]
     offloader = offloader_for(model)
     for n in names:
         mods[n].forward = OffloadedForward(mods[n], n, offloader, parts[n])
+    # Note [Exposed copies] in remat.costs.offload: a layer's storages start coming back at the next layer's backward
+    # where that layer is offloaded too (the pairing the memory model counts), never at another unit's
     offloaded = {n for n, m in mods.items() if isinstance(m.__dict__.get("forward"), OffloadedForward)}
     for n in offloaded:
-        after = _next_sibling(model, n)
+        after = next_layer(n)
         if after in offloaded:
             offloader.ahead[after] = n
-
-
-def _next_sibling(model: nn.Module, name: str) -> str | None:
-    """The qualified name of the child registered after ``name`` in its parent (a ModuleList's next layer), or
-    None."""
-    parent, _, child = name.rpartition(".")
-    kids = [k for k, _ in (model.get_submodule(parent) if parent else model).named_children()]
-    i = kids.index(child)
-    return None if i + 1 == len(kids) else (f"{parent}.{kids[i + 1]}" if parent else kids[i + 1])
