@@ -103,6 +103,10 @@ def cmd_calibrate(args, out, err) -> int:
     return 0
 
 
+def _flops(x: float) -> str:
+    return f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.2f} GFLOP/s"
+
+
 def measurements_table(m):
     """The raw figures as a rich table: what was measured, the rate reached."""
     from rich.table import Table
@@ -112,9 +116,9 @@ def measurements_table(m):
     for col, just in (("what", "left"), ("measured", "right"), ("rate", "right")):
         table.add_column(col, justify=just, no_wrap=True)
     for g in m.gemm:
-        table.add_row(f"product {g.dtype} {g.size}^3", f"{g.seconds * 1e3:.3f} ms", f"{g.flops_per_s / 1e12:.2f} TFLOP/s")
+        table.add_row(f"product {g.dtype} {g.size}^3", f"{g.seconds * 1e3:.3f} ms", _flops(g.flops_per_s))
     for s in m.samples:
-        rate = (f"{s.flops / s.seconds / 1e12:.2f} TFLOP/s" if s.op_class == "attention"
+        rate = (_flops(s.flops / s.seconds) if s.op_class == "attention"
                 else f"{s.bytes_accessed / s.seconds / 1e9:.1f} GB/s")
         table.add_row(f"{s.op_class}: {s.label}", f"{s.seconds * 1e3:.3f} ms", rate)
     h = m.host
@@ -153,7 +157,7 @@ def fields_table(spec, base):
         if value is None:
             continue
         text = (f"{value * 1e6:.2f} us" if field.endswith("_op_s") else f"{value:,}" if field == "memory_bytes"
-                else f"{value / 1e12:.1f} TFLOP/s" if "flops" in field else f"{value / 1e9:.1f} GB/s")
+                else _flops(value) if "flops" in field else f"{value / 1e9:.1f} GB/s")
         table.add_row(field, text, source(field))
     for cls, compute, memory in spec.efficiency:
         table.add_row(f"efficiency.{cls}", ", ".join(f"{k} {v:.3f}" for k, v in (("compute", compute),
