@@ -23,6 +23,7 @@
 #   budget            optimize_checkpointing at 24 GiB on that model, then 4 real steps: max_memory_allocated against
 #                     the budget (benchmarks/gpu_budget.py; exit 1 when over)
 #   cuda-tests        pytest tests/integration/test_cuda.py tests/integration/test_accuracy_command.py
+#                     tests/integration/test_calibrate.py
 #   suite             the whole suite, pytest -n 14
 #
 # Everything goes under $OUT (default ./gpu-acceptance; at most 8 files come back from a device call):
@@ -33,7 +34,7 @@
 # its own exit status is the number of parts that failed. PYTHON (default python3) is the interpreter.
 
 set -u -o pipefail
-usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 case "$1" in -h|--help) usage ;; esac
 WHEEL=$1; shift
@@ -107,7 +108,8 @@ for p in "${PARTS[@]}"; do
         --json "$OUT/budget_llama1b_24gib.json" ;;
     cuda-tests)
       part cuda-tests 300 bash -c "set -o pipefail; '$PY' -m pytest -q -p no:cacheprovider -rfEs \
-        tests/integration/test_cuda.py tests/integration/test_accuracy_command.py 2>&1 | tee '$OUT/cuda_tests.log'" ;;
+        tests/integration/test_cuda.py tests/integration/test_accuracy_command.py tests/integration/test_calibrate.py \
+        2>&1 | tee '$OUT/cuda_tests.log'" ;;
     suite)
       part suite 420 bash -c "set -o pipefail; '$PY' -m pytest -q -p no:cacheprovider -rfE -n 14 2>&1 \
         | tee '$OUT/suite.log'" ;;

@@ -271,3 +271,25 @@ def test_the_command_lines_device_takes_the_file(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "NVIDIA H200 (calibrated 2026-12-04)" in out and "modelled here, not run" in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures a CUDA GPU")
+def test_on_a_gpu_every_measurement_runs_and_the_file_plans(tmp_path):
+    """On the GPU: what the CPU run cannot reach (TF32, pinned copies, the CUDA graph's shortest kernel, the GPU's
+    own names) runs and lands in the file. No figure is asserted (the tests assert no time)."""
+    from remat.target.measure_device import measure
+
+    m = measure("cuda", quick=True)
+    props = torch.cuda.get_device_properties(0)
+    assert m.environment.is_gpu and m.environment.total_memory_bytes == props.total_memory
+    assert m.environment.capability == (props.major, props.minor)
+    assert {g.dtype for g in m.gemm} == {"bfloat16", "float16", "tf32", "float32"}
+    assert {(c.direction, c.pinned) for c in m.copies} == {(d, p) for d in ("device_to_host", "host_to_device")
+                                                           for p in (True, False)}
+    assert m.shortest_kernel_s is not None and m.host.backward_ops > 0
+    path = _file(tmp_path, calibrated_file(m, None, name="here"))
+    spec = Target(device=str(path)).spec
+    assert spec.generation == generation_for((props.major, props.minor)) and spec.shortest_kernel_s is not None
+    assert spec.sources_of("memory_bytes")[0][0].startswith(f"remat calibrate on {props.name}")
+    model, batch = _gpt()
+    assert remat.optimize_checkpointing(model, 1.0, batch, target=Target(device=str(path))).predicted_step_time_s > 0
