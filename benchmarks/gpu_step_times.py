@@ -1,7 +1,7 @@
 """remat's predicted step time for the H200 against the step times measured there (issue #56): every llama1b and
 titan4 row of ``../shared/gpu/h200-2026-12-04/oracle.json``, each plan as saved in ``plans/`` (the plan the GPU
 ran), predicted here on the CPU with today's time model (Note [Device time model], Note [Host time model] in
-remat.costs.device_time; Note [Host time in the plan] in remat.costs.unit_costs).
+remat.costs.device_time; Note [Host time in the plan] in remat.costs.step_time).
 
     flock /tmp/remat-heavy.lock python benchmarks/gpu_step_times.py [llama1b] [titan4]   # ~1-2 min a config
 
@@ -27,7 +27,7 @@ def predict(name: str, rows: list[dict]) -> None:
 
     import remat
     from remat.api.profiling import make_profile
-    from remat.costs.unit_costs import plan_step_time_s
+    from remat.costs.step_time import plan_step_time_s
 
     c = gm.build(name, "meta")
     model = c["model"]

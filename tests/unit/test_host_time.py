@@ -1,12 +1,12 @@
 """The host in the target's time model (issue #56; Note [Host time model] in remat.costs.device_time, Note [Host
-time in the plan] in remat.costs.unit_costs) on hand-made profiles whose times the formulas fix."""
+time in the plan] in remat.costs.step_time) on hand-made profiles whose times the formulas fix."""
 
 import dataclasses
 
 import pytest
 
 from remat.costs.device_time import GPU_HOST, HostCosts
-from remat.costs.unit_costs import plan_step_time_s, with_host_times
+from remat.costs.step_time import plan_step_time_s, with_host_times
 from remat.solve import Planner
 from remat.solve.synthetic import chain_profile
 

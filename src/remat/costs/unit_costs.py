@@ -26,11 +26,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from collections.abc import Iterable
 from typing import Any
 
-from remat.costs.device_time import HostCosts
 from remat.costs.recording import recompute_growth  # noqa: F401 - re-exported: importable from here as before
+from remat.costs.step_time import plan_step_time_s
+from remat.costs.tensor_info import TensorInfo  # noqa: F401 - re-exported: importable from here as before
 from remat.costs.unit_names import (  # noqa: F401 - re-exported: what the other stages take from here
     SELECTIVE, inner_unit, is_selective, nest_key, op_key, parse_region, parse_segment,
     region_name, segment_name)
@@ -53,28 +53,6 @@ class Drop:
     #: None when not named (a random operator's product) or the unit runs more than once. What an offload of
     #: some of a unit's operators moves (Note [Offload in the memory model] in remat.costs.offload)
     op: str | None = field(default=None, compare=False)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One of the step's largest storages, as the recording saw it (Note [What holds the peak] in
-    remat.costs.peak_breakdown)."""
-
-    #: its index in the recording (``Drop.storage``)
-    storage: int
-    nbytes: int
-    #: timeline index of the operator that made it, and of the first after it died (None: alive at the end)
-    alloc_index: int
-    free_index: int | None
-    #: shape and dtype of the first tensor seen on it, e.g. (4, 256, 50304) and "float32"
-    shape: tuple[int, ...]
-    dtype: str
-    #: the operator that made it ("aten.mm.default"; "" when unknown) and the innermost module it ran in
-    #: ("" outside every module: the loss, the optimizer)
-    op: str
-    module: str
-    #: a parameter's gradient
-    is_grad: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,10 +173,9 @@ class UnitCost:
     #: its forward runs an operator that draws random numbers (dropout): under torch.compile such a unit's plan
     #: has two programs (Note [Random operators under compile] in remat.rewrite)
     draws_random: bool = False
-    #: host seconds of its recomputation (a modelled GPU target's; Note [Host time model] in
-    #: remat.costs.device_time); 0 where the host is not modelled
+    #: host seconds of its recomputation where the host is modelled (Note [Host time in the plan]), else 0
     recompute_host_s: float = 0.0
-    #: host seconds checkpointing it adds to the forward (a selective policy's dispatch mode); 0 where not modelled
+    #: host seconds its selective dispatch mode adds to the forward where the host is modelled, else 0
     forward_host_s: float = 0.0
 
     @property
@@ -225,9 +202,7 @@ class UnitCost:
 
     @property
     def cost_s(self) -> float:
-        """Predicted extra step time of checkpointing this unit: recompute plus bookkeeping (seconds), or, where the
-        host is modelled and its recomputation dispatches longer than the GPU runs it, the host's; plus what its
-        dispatch mode adds to the forward's host (Note [Host time in the plan])."""
+        """Predicted extra step time of checkpointing it, seconds (Note [Host time in the plan])."""
         return max(self.recompute_s + self.overhead_s, self.recompute_host_s) + self.forward_host_s
 
     @property
@@ -323,9 +298,9 @@ class Profile:
     model_flops: int = 0
     #: the device's dense peak FLOP/s in the step's compute dtype, for MFU (a modelled target's; None: unknown)
     peak_flops_per_s: float | None = None
-    #: the host's seconds dispatching the plain forward's and backward's operators (a modelled GPU target's: Note
-    #: [Host time model] in remat.costs.device_time; 0: not modelled, the phase takes ``forward_s``/``backward_s``)
+    #: host seconds of the plain forward's operators (0: not modelled; Note [Host time in the plan])
     forward_host_s: float = 0.0
+    #: host seconds of the plain backward's operators (0: not modelled)
     backward_host_s: float = 0.0
     #: BLAS workspaces held all step, measured on CUDA (Note [The budget on CUDA is absolute]); 0 elsewhere
     workspace_bytes: int = 0
@@ -338,8 +313,7 @@ class Profile:
 
     @property
     def step_time_s(self) -> float:
-        """Measured time of one plain step: forward + backward + optimizer (seconds); where the host is modelled,
-        each phase the longer of the GPU's and the host's (Note [Host time in the plan])."""
+        """Time of one plain step: forward + backward + optimizer, seconds (Note [Host time in the plan])."""
         return plan_step_time_s(self, ())
 
     def unit(self, name: str) -> UnitCost:
@@ -412,45 +386,3 @@ class Profile:
         if d.get("before_bytes") is not None:
             d["before_bytes"] = tuple(d["before_bytes"])
         return cls(**d)
-
-
-# Note [Host time in the plan]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Where the host is modelled (a GPU target: Note [Host time model] in remat.costs.device_time), a phase takes the
-# longer of the GPU's work and the host's: a plan's forward is max(GPU forward, host forward + what its selective
-# units' dispatch mode adds), its backward max(GPU backward + recomputations, host backward + the recomputations'
-# host time). Measured on the H200 (issue #56): a 1B Llama's 16 selective units made the forward's host 106 ms
-# against 52 ms of GPU work. The solver's objective is a sum over units; there each unit costs the longer of its
-# recomputation's GPU and host time plus its forward's dispatch-mode time (:attr:`UnitCost.cost_s`): a unit whose
-# host time a GPU-bound phase would hide is charged as if none were hidden (an upper bound), and the plan's
-# predicted step time is the phases' (:func:`plan_step_time_s`).
-
-
-def plan_step_time_s(profile: Profile, units: Iterable[UnitCost]) -> float:
-    """Predicted seconds of one step with ``units`` checkpointed (recomputed whole or selectively; Note [Host time
-    in the plan]): each phase the longer of its GPU's and its host's time, plus the optimizer's. Without a
-    modelled host: the plain step plus each unit's recompute and bookkeeping."""
-    units = tuple(units)
-    forward = max(profile.forward_s, (profile.forward_host_s + sum(u.forward_host_s for u in units))
-                  if profile.forward_host_s else 0.0)
-    backward = max(profile.backward_s + sum(u.recompute_s + u.overhead_s for u in units),
-                   (profile.backward_host_s + sum(u.recompute_host_s for u in units)) if profile.backward_host_s
-                   else 0.0)
-    return forward + backward + profile.optimizer_s
-
-
-def with_host_times(units: Iterable[UnitCost], host: HostCosts) -> tuple[UnitCost, ...]:
-    """``units`` with their host seconds (Note [Host time model] in remat.costs.device_time), from how many
-    recorded operators each runs: a recomputation its forward's (up to where it stops early), each at
-    ``host.forward_op_s``; a selective unit's dispatch mode adds ``selective_forward_op_s`` to every operator of
-    its forward and ``selective_recompute_op_s`` to every one of its recomputation."""
-    out = []
-    for u in units:
-        first = (u.recompute_end if u.recompute_end is not None else u.forward_end) - u.forward_start + 1
-        recomputed = first + sum(c.forward_end - c.forward_start + 1 for c in u.later_calls)
-        forward = sum(e - s + 1 for s, e in u.spans)
-        selective = is_selective(u.name)
-        out.append(dataclasses.replace(
-            u, recompute_host_s=recomputed * (host.forward_op_s + (host.selective_recompute_op_s if selective else 0.0)),
-            forward_host_s=forward * host.selective_forward_op_s if selective else 0.0))
-    return tuple(out)

@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from remat.capture import ModelGraph, quiet_loggers, unit_parent
-from remat.costs.unit_costs import Profile, UnitCost, with_host_times
+from remat.costs.step_time import with_host_times
+from remat.costs.unit_costs import Profile, UnitCost
 from remat.costs.effects import UnitSpec, largest_tensors, unit_costs
 from remat.errors import InvalidInputError
 from remat.runtime.measure import LossFn, input_tensors, tensor_bytes, trainable_parameters

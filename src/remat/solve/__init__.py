@@ -13,7 +13,8 @@ import time
 from typing import Iterable, Sequence
 
 from remat.costs.offload import HostLink, offloaded_choice, offloaded_unit
-from remat.costs.unit_costs import Profile, is_selective, plan_step_time_s
+from remat.costs.step_time import plan_step_time_s
+from remat.costs.unit_costs import Profile, is_selective
 from remat.errors import InfeasibleBudgetError, InvalidInputError, UnsupportedError
 from remat.solve.calibrated import UNDER_COMPILE
 from remat.solve.plan import Plan, fmt_bytes
