@@ -34,7 +34,7 @@ _KEPT = frozenset({"output", "logsumexp", "log_sumexp", "rng_state", "unused", "
 def sdp_switches() -> tuple[frozenset[str], tuple[str, ...] | None]:
     """The SDP backends this process has enabled (``torch.backends.cuda.*_sdp_enabled``, public) and the priority
     order a user set (``torch._C._get_sdp_priority_order``, from ``sdpa_kernel(..., set_priority=True)``; checked
-    on 2.13); None when it is torch's default (or its cuDNN-first one, which a user may also have set: taken as
+    on 2.8, whose list repeats math in a fifth slot, and 2.13); None when it is torch's default (or its cuDNN-first one, which a user may also have set: taken as
     torch's) or this torch lacks it."""
     import torch.backends.cuda as bc
 
@@ -45,7 +45,8 @@ def sdp_switches() -> tuple[frozenset[str], tuple[str, ...] | None]:
     get = getattr(torch._C, "_get_sdp_priority_order", None)
     order = None
     if get is not None:
-        names = tuple(_BACKEND_NAMES[i] for i in get() if i in _BACKEND_NAMES)
+        # each backend once, at its first place: torch 2.8's list has five slots and fills the last with 0 (math)
+        names = tuple(dict.fromkeys(_BACKEND_NAMES[i] for i in get() if i in _BACKEND_NAMES))
         # torch's default, or the cuDNN-first order torch itself sets once SDPA has run on a Hopper or Blackwell
         # GPU in this process (``priority_order``): neither is the user's
         order = None if names in (("flash", "efficient", "math", "cudnn"), ("cudnn", "flash", "efficient", "math")) \
