@@ -189,35 +189,64 @@ def _us(x: float) -> str:
     return f"{x * 1e6:.2f} us"
 
 
+class _Written:
+    """The spec file's fields as :func:`calibrated_file` writes them, each figure with its note."""
+
+    def __init__(self, test: str) -> None:
+        self.test = test  # "" on a GPU; the CPU test run's label otherwise
+        self.fields: dict[str, Any] = {}
+        self.notes: list[list[str]] = []
+
+    def put(self, field: str, value: Any, note: str) -> None:
+        self.fields[field] = value
+        self.notes.append([field, "doc:calibration", note])
+
+    def note(self, field: str, note: str) -> None:
+        self.notes.append([field, "doc:calibration", note])
+
+
 def calibrated_file(m: Measurements, base: Any = None, *, name: str | None = None) -> dict[str, Any]:
     """The spec file's object for the measurements ``m`` (Note [Calibrated fields]): derived from ``base`` (a
     :class:`~remat.target.devices.DeviceSpec` of the built-in table, or None: every peak measured), each figure
     with its note, the raw measurements under ``"calibration"``. remat.target.spec_file reads it back."""
     env = m.environment
-    fields: dict[str, Any] = {}
-    notes: list[list[str]] = []
-
-    def put(field: str, value: Any, note: str) -> None:
-        fields[field] = value
-        notes.append([field, "doc:calibration", note])
-
-    test = "" if env.is_gpu else "CPU test run, not a GPU calibration: "
+    w = _Written("" if env.is_gpu else "CPU test run, not a GPU calibration: ")
+    test = w.test
     gpu_key = re.sub(r"[^a-z0-9]+", "-", env.device_name.lower()).strip("-").removeprefix("nvidia-")
     name = name or (f"{base.name}-calibrated" if base is not None and env.is_gpu
                     else f"{gpu_key}-calibrated" if env.is_gpu else "cpu-test-calibration")
-    fields["name"] = name
-    fields["title"] = (f"{env.device_name} (calibrated {env.date[:10]})" if env.is_gpu
-                       else "CPU test run of remat calibrate (not a GPU calibration)")
+    w.fields["name"] = name
+    w.fields["title"] = (f"{env.device_name} (calibrated {env.date[:10]})" if env.is_gpu
+                         else "CPU test run of remat calibrate (not a GPU calibration)")
     if env.device_name.upper().startswith("NVIDIA"):
-        fields["vendor"] = "NVIDIA"
+        w.fields["vendor"] = "NVIDIA"
     generation = generation_for(env.capability)
     if generation:
-        put("generation", generation, f"{test}compute capability {env.capability[0]}.{env.capability[1]}")
-    put("memory_bytes", int(env.total_memory_bytes),
-        f"{test}torch.cuda.get_device_properties().total_memory: {env.total_memory_bytes:,} bytes"
-        if env.is_gpu else f"{test}this machine's physical memory (os.sysconf)")
+        w.put("generation", generation, f"{test}compute capability {env.capability[0]}.{env.capability[1]}")
+    w.put("memory_bytes", int(env.total_memory_bytes),
+          f"{test}torch.cuda.get_device_properties().total_memory: {env.total_memory_bytes:,} bytes"
+          if env.is_gpu else f"{test}this machine's physical memory (os.sysconf)")
+    efficiency = {**_products_and_attention(m, base, w), **_memory_classes(m, base, w)}
+    if efficiency:
+        w.fields["efficiency"] = efficiency
+    _host_and_copies(m, w)
+    out: dict[str, Any] = {
+        "about": "A device spec measured by remat calibrate (docs/targets.md, 'Calibrating on your GPU'): plan "
+                 "with --device THIS_FILE or Target(device=THIS_FILE). Fields not given are the base's.",
+    }
+    if base is not None:
+        out["base"] = base.name
+    out.update(w.fields)
+    out["documents"] = {"calibration": _environment_text(m)}
+    out["sources"] = w.notes
+    out["calibration"] = m.to_dict()
+    return out
 
-    # the products: rates by dtype and size; the peaks the fractions are of
+
+def _products_and_attention(m: Measurements, base: Any, w: _Written) -> dict[str, dict[str, float]]:
+    """The products' rates by dtype and size (a peak per dtype: the base's, else the best measured) and the
+    efficiencies of products and attention, as fractions of the reference dtype's peak."""
+    test = w.test
     by_dtype: dict[str, list[GemmRate]] = {}
     for g in sorted(m.gemm, key=lambda g: g.size):
         by_dtype.setdefault(g.dtype, []).append(g)
@@ -231,79 +260,87 @@ def calibrated_file(m: Measurements, base: Any = None, *, name: str | None = Non
         else:
             best = max(gs, key=lambda g: g.flops_per_s)
             peaks[dtype] = best.flops_per_s
-            put(field, best.flops_per_s, f"{test}measured: the best rate of square {dtype} products here "
-                                         f"({best.size}), not a datasheet peak (none is known for this GPU); "
-                                         f"every size: {listing}")
+            w.put(field, best.flops_per_s, f"{test}measured: the best rate of square {dtype} products here "
+                                           f"({best.size}), not a datasheet peak (none is known for this GPU); "
+                                           f"every size: {listing}")
     ref = "bfloat16" if "bfloat16" in by_dtype else next(iter(by_dtype), None)
     efficiency: dict[str, dict[str, float]] = {}
-    if ref is not None:
-        gs = by_dtype[ref]
-        used = gs[1:] if len(gs) > 1 else gs
-        fraction = statistics.fmean(g.flops_per_s / peaks[ref] for g in used)
-        others = "; ".join(f"{d} at {statistics.fmean(g.flops_per_s for g in (x[1:] if len(x) > 1 else x)) / peaks[d]:.2f}"
-                           f" of its {_tflops(peaks[d])}" for d, x in by_dtype.items() if d != ref)
-        efficiency["matmul"] = {"compute": fraction}
-        notes.append(["efficiency.matmul", "doc:calibration",
-                      f"{test}square {ref} products at {', '.join(str(g.size) for g in used)}: the mean of their "
-                      f"rates over the {ref} peak {_tflops(peaks[ref])} ({fraction:.3f}); every size measured: "
-                      f"{listing}" + (f"; the other dtypes reach {others} (the model applies {fraction:.2f} to "
-                                      f"every dtype)" if others else "")
-                      + ("; ABOVE the base's peak: is the base this GPU?" if fraction > 1 else "")])
+    if ref is None:
+        return efficiency
+    gs = by_dtype[ref]
+    used = gs[1:] if len(gs) > 1 else gs
+    fraction = statistics.fmean(g.flops_per_s / peaks[ref] for g in used)
+    others = "; ".join(f"{d} at {statistics.fmean(g.flops_per_s for g in (x[1:] if len(x) > 1 else x)) / peaks[d]:.2f}"
+                       f" of its {_tflops(peaks[d])}" for d, x in by_dtype.items() if d != ref)
+    efficiency["matmul"] = {"compute": fraction}
+    w.note("efficiency.matmul",
+           f"{test}square {ref} products at {', '.join(str(g.size) for g in used)}: the mean of their "
+           f"rates over the {ref} peak {_tflops(peaks[ref])} ({fraction:.3f}); every size measured: "
+           f"{listing}" + (f"; the other dtypes reach {others} (the model applies {fraction:.2f} to "
+                           f"every dtype)" if others else "")
+           + ("; ABOVE the base's peak: is the base this GPU?" if fraction > 1 else ""))
     # attention: FLOPs at the products' dtype peak
     attention = [s for s in m.samples if s.op_class == "attention"]
-    if attention and ref is not None:
+    if attention:
         fraction = sum(s.flops for s in attention) / peaks[ref] / sum(s.seconds for s in attention)
         efficiency["attention"] = {"compute": fraction}
         kernels = sorted({o for s in attention for o in s.operators if "attention" in o})
-        notes.append(["efficiency.attention", "doc:calibration",
-                      f"{test}scaled_dot_product_attention forward and backward ("
-                      + "; ".join(f"{s.label}: {_tflops(s.flops / s.seconds)}" for s in attention)
-                      + f"; kernels {', '.join(kernels) or 'not recorded'}): the model's FLOPs (causal halved) "
-                        f"over the {ref} peak {_tflops(peaks[ref])}, over the time measured ({fraction:.3f})"])
-    # bandwidth: the base's peak, else the best measured
+        w.note("efficiency.attention",
+               f"{test}scaled_dot_product_attention forward and backward ("
+               + "; ".join(f"{s.label}: {_tflops(s.flops / s.seconds)}" for s in attention)
+               + f"; kernels {', '.join(kernels) or 'not recorded'}): the model's FLOPs (causal halved) "
+                 f"over the {ref} peak {_tflops(peaks[ref])}, over the time measured ({fraction:.3f})")
+    return efficiency
+
+
+def _memory_classes(m: Measurements, base: Any, w: _Written) -> dict[str, dict[str, float]]:
+    """The memory-bound classes' efficiencies, as fractions of the bandwidth peak (the base's, else the best
+    measured)."""
+    test = w.test
+    efficiency: dict[str, dict[str, float]] = {}
     memory_samples = [s for s in m.samples if s.op_class in MEMORY_CLASSES + ("bandwidth",)]
     if base is not None and base.hbm_bytes_per_s:
         bandwidth = float(base.hbm_bytes_per_s)
     elif memory_samples:
         best = max(memory_samples, key=lambda s: s.bytes_accessed / s.seconds)
         bandwidth = best.bytes_accessed / best.seconds
-        put("hbm_bytes_per_s", bandwidth, f"{test}measured: the best bandwidth reached here ({best.label}: bytes "
-                                          f"read and written over its time), not a datasheet peak (none is known "
-                                          f"for this GPU)")
+        w.put("hbm_bytes_per_s", bandwidth, f"{test}measured: the best bandwidth reached here ({best.label}: "
+                                            f"bytes read and written over its time), not a datasheet peak (none "
+                                            f"is known for this GPU)")
     for cls in MEMORY_CLASSES:
         samples = [s for s in m.samples if s.op_class == cls]
         if not samples or not memory_samples:
             continue
         fraction = sum(s.bytes_accessed for s in samples) / bandwidth / sum(s.seconds for s in samples)
         efficiency[cls] = {"memory": fraction}
-        notes.append([f"efficiency.{cls}", "doc:calibration",
-                      f"{test}" + "; ".join(f"{s.label}: {_gbs(s.bytes_accessed / s.seconds)}" for s in samples)
-                      + f": the bytes the model counts over the bandwidth peak {_gbs(bandwidth)}, over the time "
-                        f"measured ({fraction:.3f})"])
-    if efficiency:
-        fields["efficiency"] = efficiency
+        w.note(f"efficiency.{cls}",
+               f"{test}" + "; ".join(f"{s.label}: {_gbs(s.bytes_accessed / s.seconds)}" for s in samples)
+               + f": the bytes the model counts over the bandwidth peak {_gbs(bandwidth)}, over the time "
+                 f"measured ({fraction:.3f})")
+    return efficiency
 
-    # the host
-    h = m.host
+
+def _host_and_copies(m: Measurements, w: _Written) -> None:
+    """The host's seconds per operator (plain and under selective checkpointing), the shortest kernel and the
+    copy rates each way."""
+    test, h = w.test, m.host
     block = (f"a tiny decoder-shaped model ({h.label}): {h.forward_ops} operators a forward, {h.backward_ops} a "
              f"backward")
-    put("host_forward_op_s", h.forward_op_s, f"{test}{block}: forward wall time over its operators; a bare "
-                                             f"operator in a loop takes {_us(h.op_s)}")
-    put("host_backward_op_s", h.backward_op_s, f"{test}{block}: backward wall time over its operators")
+    w.put("host_forward_op_s", h.forward_op_s, f"{test}{block}: forward wall time over its operators; a bare "
+                                               f"operator in a loop takes {_us(h.op_s)}")
+    w.put("host_backward_op_s", h.backward_op_s, f"{test}{block}: backward wall time over its operators")
     for field, value, what in (("host_selective_forward_op_s", h.selective_forward_op_s, "forward"),
                                ("host_selective_recompute_op_s", h.selective_recompute_op_s, "recomputation")):
         read = "" if value >= 0 else f" (read {_us(value)}: below the noise, taken as 0)"
-        put(field, max(0.0, value), f"{test}{block}, each block under torch.utils.checkpoint with a selective "
-                                    f"policy (products kept): the {what}'s extra wall time per forward operator"
-                                    + (", less a plain forward operator's" if what == "recomputation" else "")
-                                    + read)
-
+        w.put(field, max(0.0, value), f"{test}{block}, each block under torch.utils.checkpoint with a selective "
+                                      f"policy (products kept): the {what}'s extra wall time per forward operator"
+                                      + (", less a plain forward operator's" if what == "recomputation" else "")
+                                      + read)
     if m.shortest_kernel_s is not None:
-        put("shortest_kernel_s", m.shortest_kernel_s,
-            f"{test}one-element additions captured in a CUDA graph and replayed: GPU time per kernel, no host "
-            f"between them ({_us(m.shortest_kernel_s)}; the time model's floor for any operator)")
+        w.put("shortest_kernel_s", m.shortest_kernel_s,
+              f"{test}one-element additions captured in a CUDA graph and replayed: GPU time per kernel, no host "
+              f"between them ({_us(m.shortest_kernel_s)}; the time model's floor for any operator)")
 
-    # copies
     def rate(direction: str, pinned: bool) -> CopyRate | None:
         found = [c for c in m.copies if c.direction == direction and c.pinned == pinned]
         return max(found, key=lambda c: c.bytes_per_s) if found else None
@@ -314,70 +351,22 @@ def calibrated_file(m: Measurements, base: Any = None, *, name: str | None = Non
         if use is None:
             continue
         text = direction.replace("_", " ")
-        put(f"{direction}_bytes_per_s", use.bytes_per_s,
-            f"{test}a copy {text}, {use.nbytes / 2**20:.0f} MiB "
-            + (f"with pinned host memory: {_gbs(use.bytes_per_s)}" if pinned else
-               f"with pageable host memory (none pinned here): {_gbs(use.bytes_per_s)}")
-            + (f"; from pageable memory: {_gbs(pageable.bytes_per_s)}" if pinned and pageable else ""))
-
-    env_text = (f"remat calibrate on {env.device_name}"
-                + (f" (compute capability {env.capability[0]}.{env.capability[1]})" if env.capability else "")
-                + f", {env.date}: torch {env.torch_version}"
-                + (f", CUDA {env.cuda_version}" if env.cuda_version else "")
-                + (f", driver {env.driver_version}" if env.driver_version else (", driver not read" if env.is_gpu
-                                                                                  else ""))
-                + (f", {env.machine}" if env.machine else "")
-                + ("" if env.is_gpu else "; a test run of the pipeline on the CPU, NOT a GPU calibration")
-                + f"; {m.seconds:.0f} s" + (", --quick" if m.quick else ""))
-    out: dict[str, Any] = {
-        "about": "A device spec measured by remat calibrate (docs/targets.md, 'Calibrating on your GPU'): plan "
-                 "with --device THIS_FILE or Target(device=THIS_FILE). Fields not given are the base's.",
-    }
-    if base is not None:
-        out["base"] = base.name
-    out.update(fields)
-    out["documents"] = {"calibration": env_text}
-    out["sources"] = notes
-    out["calibration"] = m.to_dict()
-    return out
+        w.put(f"{direction}_bytes_per_s", use.bytes_per_s,
+              f"{test}a copy {text}, {use.nbytes / 2**20:.0f} MiB "
+              + (f"with pinned host memory: {_gbs(use.bytes_per_s)}" if pinned else
+                 f"with pageable host memory (none pinned here): {_gbs(use.bytes_per_s)}")
+              + (f"; from pageable memory: {_gbs(pageable.bytes_per_s)}" if pinned and pageable else ""))
 
 
-def efficiency_table(spec: Any, table: Any = None) -> Any:
-    """The time model's efficiency table for ``spec``: each operator class the spec gives (``spec.efficiency``,
-    measured by ``remat calibrate``) in place of the table's entries for that class (every generation's), a
-    fraction it leaves None the table's; every other class the table's (default
-    remat.costs.device_time.EFFICIENCY). ``measured_on`` is the spec's name."""
-    from types import MappingProxyType
-
-    from remat.costs.device_time import EFFICIENCY, Efficiency
-    from remat.target.devices import generation_of
-
-    table = EFFICIENCY if table is None else table
-    if not spec.efficiency:
-        return table
-    generation = generation_of(spec)
-    measured = {}
-    for cls, compute, memory in spec.efficiency:
-        known = table.get(f"{cls}@{generation}") or table.get(cls) or Efficiency(1.0, 1.0, "no figure: peak")
-        notes = spec.sources_of(f"efficiency.{cls}")
-        measured[cls] = Efficiency(known.compute if compute is None else compute,
-                                   known.memory if memory is None else memory,
-                                   f"{notes[0][0]}: {notes[0][1]}" if notes else f"given in the spec {spec.name}",
-                                   spec.name)
-    return MappingProxyType({**{k: v for k, v in table.items() if k.split("@")[0] not in measured}, **measured})
-
-
-def host_costs_of(spec: Any, default: Any = None) -> Any:
-    """The host's seconds per operator for ``spec``: its ``host_*_op_s`` fields (measured by ``remat calibrate``)
-    where given, ``default``'s (remat.costs.device_time.GPU_HOST, the H200's host) for any it leaves None."""
-    from remat.costs.device_time import GPU_HOST, HostCosts
-
-    default = GPU_HOST if default is None else default
-    given = {f: getattr(spec, f"host_{f}") for f in ("forward_op_s", "backward_op_s", "selective_forward_op_s",
-                                                     "selective_recompute_op_s")}
-    if all(v is None for v in given.values()):
-        return default
-    notes = spec.sources_of("host_forward_op_s")
-    return HostCosts(**{f: getattr(default, f) if v is None else v for f, v in given.items()},
-                     source=(f"measured for {spec.name}: {notes[0][0]}" if notes else f"given in the spec {spec.name}")
-                     + ("" if all(v is not None for v in given.values()) else f"; the rest: {default.source}"))
+def _environment_text(m: Measurements) -> str:
+    """The calibration's document: where, when and with what it was measured."""
+    env = m.environment
+    return (f"remat calibrate on {env.device_name}"
+            + (f" (compute capability {env.capability[0]}.{env.capability[1]})" if env.capability else "")
+            + f", {env.date}: torch {env.torch_version}"
+            + (f", CUDA {env.cuda_version}" if env.cuda_version else "")
+            + (f", driver {env.driver_version}" if env.driver_version else (", driver not read" if env.is_gpu
+                                                                              else ""))
+            + (f", {env.machine}" if env.machine else "")
+            + ("" if env.is_gpu else "; a test run of the pipeline on the CPU, NOT a GPU calibration")
+            + f"; {m.seconds:.0f} s" + (", --quick" if m.quick else ""))

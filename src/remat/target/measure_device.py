@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import functools
 import platform
-import shutil
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from torch import nn
 
 from remat._compat import TorchDispatchMode, op_bytes, op_flops
 from remat.target.calibration import ClassSample, CopyRate, Environment, GemmRate, HostSample, Measurements
+from remat.target.this_gpu import driver_version
 
 __all__ = ["Sizes", "FULL", "QUICK", "CPU_TEST", "measure", "environment", "gemm_rates", "attention_samples",
            "memory_samples", "foreach_samples", "host_costs", "copy_rates", "shortest_kernel"]
@@ -135,20 +134,7 @@ def environment(device: torch.device) -> Environment:
                            machine=platform.platform())
     props = torch.cuda.get_device_properties(device)
     return Environment(props.name, True, int(props.total_memory), torch.__version__, torch.version.cuda or "",
-                       _driver_version(), (props.major, props.minor), date, platform.platform())
-
-
-def _driver_version() -> str:
-    """The NVIDIA driver's version as nvidia-smi reports it, "" where it cannot be read."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return ""
-    try:
-        done = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return done.stdout.strip().splitlines()[0].strip() if done.returncode == 0 and done.stdout.strip() else ""
+                       driver_version(), (props.major, props.minor), date, platform.platform())
 
 
 def gemm_rates(device: torch.device, sizes: tuple[int, ...], repeats: int) -> tuple[GemmRate, ...]:

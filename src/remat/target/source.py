@@ -46,11 +46,11 @@ from remat.costs.recording import CheckpointOverhead, Recording
 from remat.costs.unit_costs import Profile
 from remat.errors import UnsupportedError
 from remat.profile.modelled import Modelled
-from remat.profile.optimizer import NO_OPTIMIZER, OptimizerCost, hyperparameters, independent_copy, optimizer_costs
 from remat.runtime.measure import StorageTracker, allocated_bytes, input_tensors, run_step, tensor_bytes
 from remat.solve import Planner
 from remat.solve.plan import Plan, fmt_bytes
-from remat.target.timing import OperatorTimes, efficiencies_elsewhere, operator_seconds, rates_of, step_time
+from remat.target.optimizer import fake_optimizer, optimizer_cost, optimizer_seconds
+from remat.target.timing import efficiencies_elsewhere, operator_seconds, rates_of, step_time
 from remat.target.attention import AttentionCall, describe_calls
 from remat.target.limits import fake_tensor_limits
 from remat.target.world import Target, as_target, built, wrapping_assumed
@@ -108,7 +108,7 @@ class ModelledTarget:
         with fake_tensor_limits(self.target), \
                 built(self.target, req.model, (req.args, req.kwargs), before=capture_unwrapped,
                       attention_calls=self.attention) as (fake, (args, kwargs), mode):
-            opt = _optimizer_cost(req.optimizer, req.model, fake, mode, self.target)
+            opt = optimizer_cost(req.optimizer, req.model, fake, mode, self.target)
             modelled = Modelled(optimizer=opt, op_seconds=lambda op: operator_seconds(op, rates, self.target),
                                 overhead=self._overhead(), counted=self._counted, note=self._note(rates),
                                 step_time=lambda rec: self._step_time(rec, rates), host=rates.host)
@@ -117,7 +117,7 @@ class ModelledTarget:
                 profile = _make_profile(fake, args, kwargs, loss_fn=req.loss_fn, optimizer=None,
                                         device=torch.device("cpu"), output_alive=req.output_alive,
                                         wrapping=wrapping, graph=graph, modelled=modelled)
-                optimizer_s = _optimizer_seconds(req.optimizer, req.model, fake, self.target, rates)
+                optimizer_s = optimizer_seconds(req.optimizer, req.model, fake, self.target, rates)
             # the step's fixed memory as the target's allocator counts it (profiling counted it as the CPU's)
             fixed = dict(params_bytes=tensor_bytes(fake.parameters(), counted_as=CUDA),
                          grads_bytes=tensor_bytes((p for p in fake.parameters() if p.requires_grad), counted_as=CUDA),
@@ -244,7 +244,7 @@ class ModelledTarget:
             held = {id(t): t for t in [*fake.parameters(), *fake.buffers(), *input_tensors(args, kwargs)]}
             before = [Alloc(i, _local_bytes(t)) for i, t in enumerate(held.values())]
             before += [Alloc(len(before) + i, n) for i, n in enumerate(self.target.blas_workspaces())]
-            opt = _fake_optimizer(req.optimizer, req.model, fake, self.target)
+            opt = fake_optimizer(req.optimizer, req.model, fake, self.target)
             with StorageTracker(torch.device("cpu"), ignore=list(held.values()), count_fake=True,
                                 follow_streams=True) as tracker:  # (streams: Note [Target kernels])
                 for _ in range(2):
@@ -299,29 +299,6 @@ def _tokens(args: tuple, kwargs: dict, target: Target) -> int | None:
     return None
 
 
-def _optimizer_seconds(optimizer: torch.optim.Optimizer | None, user_model: nn.Module, fake: nn.Module,
-                       target: Target, rates: DeviceRates) -> float:
-    """The optimizer step's predicted seconds on the target (gradient clipping included when the target clips):
-    a steady-state step (the second) of an independent optimizer of the same class and settings over the fake
-    (sharded) parameters, each operator timed by the device model."""
-    opt = _fake_optimizer(optimizer, user_model, fake, target)
-    if opt is None:
-        return 0.0
-    params = [p for g in opt.param_groups for p in g["params"]]
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        type(opt).step(opt)  # the first step creates the state
-        with OperatorTimes(rates, target) as timed:
-            if target.clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, target.clip_grad_norm, foreach=True)
-            type(opt).step(opt)
-        return timed.seconds
-    finally:
-        for p in params:
-            p.grad = None
-
-
 #: the device whose allocator a CUDA target's bytes are counted as (Note [CUDA block size] in remat.runtime.tracker)
 CUDA = torch.device("cuda")
 
@@ -342,48 +319,6 @@ def _refuse_autocast(target: Target) -> None:
             f"autocast is on, but a step for {target.spec} is recorded on CPU tensors, where CUDA's autocast op "
             "lists do not apply (Note [Target kernels]): plan with autocast off and mixed precision given by "
             "FSDP2 (Target(param_dtype=torch.bfloat16)) or a model in bf16")
-
-
-def _fake_optimizer(optimizer: torch.optim.Optimizer | None, user_model: nn.Module, fake: nn.Module,
-                    target: Target) -> torch.optim.Optimizer | None:
-    """An independent optimizer of ``optimizer``'s class and settings over the fake model's parameters (Note
-    [Never call the user's optimizer]), ``foreach`` on a CUDA target unless the user's says otherwise."""
-    if optimizer is None:
-        return None
-    names = {id(p): n for n, p in user_model.named_parameters()}
-    fakes = dict(fake.named_parameters())
-    groups = []
-    for group in optimizer.param_groups:
-        hp = hyperparameters(group)
-        if target.is_cuda and hp.get("foreach") is None and not hp.get("fused"):
-            hp["foreach"] = True  # torch's default for CUDA tensors (Note [Target kernels])
-        params = [fakes[names[id(p)]] for p in group["params"] if id(p) in names and p.requires_grad]
-        if params:
-            groups.append({**hp, "params": params})
-    if not groups:
-        return None
-    first = {k: v for k, v in groups[0].items() if k != "params"}
-    opt = independent_copy(optimizer, first, groups[0]["params"])
-    for g in groups[1:]:
-        opt.add_param_group(g)
-    return opt
-
-
-def _optimizer_cost(optimizer: torch.optim.Optimizer | None, user_model: nn.Module, fake: nn.Module, mode: Any,
-                    target: Target) -> OptimizerCost:
-    """The optimizer's state and one step's temporaries on the target, as remat accounts them where it runs
-    (``optimizer_costs``: shadows of each parameter stepped twice), on shadows like the fake (sharded) parameters,
-    ``foreach`` on a CUDA target (Note [Target kernels]); blocks rounded as the target's allocator rounds them."""
-    if optimizer is None:
-        return NO_OPTIMIZER
-    fakes = dict(fake.named_parameters())
-    like = {id(p): fakes[n] for n, p in user_model.named_parameters() if n in fakes}
-    with mode:
-        cost = optimizer_costs(optimizer, torch.device("cpu"), like=like, foreach=True if target.is_cuda else None)
-    if not target.is_cuda:
-        return dataclasses.replace(cost, step_s=0.0)
-    # (rounded as wholes: AdamW's step counters, a few bytes each, live in host memory on CUDA)
-    return OptimizerCost(_round(cost.state_bytes), _round(cost.step_bytes), 0.0, cost.label)
 
 
 def _fits(peaks: AllocatorPeaks, budget: int) -> bool:

@@ -97,3 +97,44 @@ def spec_from_mapping(data: dict[str, Any], *, where: str = "the spec", default_
             sources.append([k, where, "given in this file without a note"])
     out["sources"] = sources
     return DeviceSpec.from_dict(out)
+
+
+def efficiency_table(spec: Any, table: Any = None) -> Any:
+    """The time model's efficiency table for ``spec``: each operator class the spec gives (``spec.efficiency``,
+    measured by ``remat calibrate``) in place of the table's entries for that class (every generation's), a
+    fraction it leaves None the table's; every other class the table's (default
+    remat.costs.device_time.EFFICIENCY). ``measured_on`` is the spec's name."""
+    from types import MappingProxyType
+
+    from remat.costs.device_time import EFFICIENCY, Efficiency
+    from remat.target.devices import generation_of
+
+    table = EFFICIENCY if table is None else table
+    if not spec.efficiency:
+        return table
+    generation = generation_of(spec)
+    measured = {}
+    for cls, compute, memory in spec.efficiency:
+        known = table.get(f"{cls}@{generation}") or table.get(cls) or Efficiency(1.0, 1.0, "no figure: peak")
+        notes = spec.sources_of(f"efficiency.{cls}")
+        measured[cls] = Efficiency(known.compute if compute is None else compute,
+                                   known.memory if memory is None else memory,
+                                   f"{notes[0][0]}: {notes[0][1]}" if notes else f"given in the spec {spec.name}",
+                                   spec.name)
+    return MappingProxyType({**{k: v for k, v in table.items() if k.split("@")[0] not in measured}, **measured})
+
+
+def host_costs_of(spec: Any, default: Any = None) -> Any:
+    """The host's seconds per operator for ``spec``: its ``host_*_op_s`` fields (measured by ``remat calibrate``)
+    where given, ``default``'s (remat.costs.device_time.GPU_HOST, the H200's host) for any it leaves None."""
+    from remat.costs.device_time import GPU_HOST, HostCosts
+
+    default = GPU_HOST if default is None else default
+    given = {f: getattr(spec, f"host_{f}") for f in ("forward_op_s", "backward_op_s", "selective_forward_op_s",
+                                                     "selective_recompute_op_s")}
+    if all(v is None for v in given.values()):
+        return default
+    notes = spec.sources_of("host_forward_op_s")
+    return HostCosts(**{f: getattr(default, f) if v is None else v for f, v in given.items()},
+                     source=(f"measured for {spec.name}: {notes[0][0]}" if notes else f"given in the spec {spec.name}")
+                     + ("" if all(v is not None for v in given.values()) else f"; the rest: {default.source}"))

@@ -75,14 +75,14 @@ def match_spec(gpu_name: str, capability: tuple[int, int], total_memory_bytes: i
     return spec, how
 
 
-def _driver() -> str:
-    """The NVIDIA driver's version as ``nvidia-smi`` reports it, or "unknown"."""
+def driver_version() -> str:
+    """The NVIDIA driver's version as ``nvidia-smi`` reports it, "" where it cannot be read."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "unknown"
+        return out.stdout.strip().splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def describe_device(device: torch.device) -> str:
@@ -91,4 +91,4 @@ def describe_device(device: torch.device) -> str:
         return f"{device}, torch {torch.__version__}"
     index = device.index if device.index is not None else torch.cuda.current_device()
     return (f"{torch.cuda.get_device_name(index)} (cuda:{index}), torch {torch.__version__}, "
-            f"CUDA {torch.version.cuda}, driver {_driver()}")
+            f"CUDA {torch.version.cuda}, driver {driver_version() or 'unknown'}")

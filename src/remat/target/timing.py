@@ -35,7 +35,7 @@ import torch
 from remat.costs.device_time import GPU_HOST, GPU_LAUNCH_S, DeviceRates, Efficiency, collective_seconds, op_class, \
     op_seconds
 from remat.costs.recording import ForwardOp, Recording
-from remat.target.calibration import efficiency_table, host_costs_of
+from remat.target.spec_file import efficiency_table, host_costs_of
 from remat.target.devices import DeviceSpec, generation_of
 
 #: per operator class, small training steps (forward and backward) whose kernels are of that class, at sizes a
