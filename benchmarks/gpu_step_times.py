@@ -14,29 +14,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DATA = os.environ.get("GPU_DATA", os.path.join(HERE, "..", "..", "shared", "gpu", "h200-2026-12-04"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from h200_data import DATA, profiled_for_h200  # noqa: E402
 
 
 def predict(name: str, rows: list[dict]) -> None:
-    sys.path.insert(0, os.path.join(DATA, "..", "oracle"))
-    os.environ.setdefault("REMAT_PROJECT", os.path.join(HERE, ".."))
-    import gpu_models as gm
-
     import remat
-    from remat.api.profiling import make_profile
     from remat.costs.step_time import plan_step_time_s
 
-    c = gm.build(name, "meta")
-    model = c["model"]
-    opt = c["opt"](model.parameters())
-    target = remat.Target(device="h200", parallelize=c["parallelize"], clip_grad_norm=c["clip"], **c["target"])
-    t0 = time.perf_counter()
-    p = make_profile(model, c["inputs"], target=target, loss_fn=c["loss_fn"], optimizer=opt,
-                     output_alive=c["output_alive"])
-    print(f"\n## {name} (profiled for the H200 in {time.perf_counter() - t0:.0f} s)\n")
+    _, _, p, seconds = profiled_for_h200(name)
+    print(f"\n## {name} (profiled for the H200 in {seconds:.0f} s)\n")
     print(f"plain step, predicted: forward GPU {p.forward_s * 1e3:.1f} ms, host {p.forward_host_s * 1e3:.1f}; backward "
           f"GPU {p.backward_s * 1e3:.1f}, host {p.backward_host_s * 1e3:.1f}; optimizer {p.optimizer_s * 1e3:.1f}\n")
     print("| row | measured ms | predicted then ms (error) | predicted now ms (error) | forward GPU / host ms "

@@ -15,34 +15,22 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DATA = os.environ.get("GPU_DATA", os.path.join(HERE, "..", "..", "shared", "gpu", "h200-2026-12-04"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from h200_data import DATA, profiled_for_h200  # noqa: E402
 GiB = 2**30
 
 
 def main() -> None:
-    sys.path.insert(0, os.path.join(DATA, "..", "oracle"))
-    os.environ.setdefault("REMAT_PROJECT", os.path.join(HERE, ".."))
-    import gpu_models as gm
     import torch
 
-    import remat
     from remat.api.offloading import host_link
-    from remat.api.profiling import make_profile
     from remat.solve import Planner
     from remat.solve.plan import Plan
 
-    c = gm.build("titan4", "meta")
-    model = c["model"]
-    opt = c["opt"](model.parameters())
-    target = remat.Target(device="h200", parallelize=c["parallelize"], clip_grad_norm=c["clip"], **c["target"])
-    t0 = time.perf_counter()
-    p = make_profile(model, c["inputs"], target=target, loss_fn=c["loss_fn"], optimizer=opt,
-                     output_alive=c["output_alive"])
+    _, target, p, seconds = profiled_for_h200("titan4")
     link, _ = host_link(True, device=torch.device("cpu"), target=target)
-    print(f"titan4 profiled for the H200 in {time.perf_counter() - t0:.0f} s; host link: {link.source}\n")
+    print(f"titan4 profiled for the H200 in {seconds:.0f} s; host link: {link.source}\n")
     planner = Planner(p, granularity="op", offload=link)
     with open(os.path.join(DATA, "oracle.json")) as f:
         every = next(r for r in json.load(f) if r["config"] == "titan4" and r["row"] == "every block")

@@ -168,3 +168,12 @@ needs_compiled_floor = _floor_mark(_floors()[0], "planning or running a checkpoi
 #: for tests of modelled targets of several ranks (remat.target): skipped below remat._compat.FAKE_WORLD_FLOOR
 needs_fake_world_floor = _floor_mark(_floors()[1], "planning a world of several ranks on torch's fake process group",
                                      "tests/integration/test_target.py")
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """``remat ARGV`` in this process: its exit code, standard output and standard error."""
+    from remat.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err

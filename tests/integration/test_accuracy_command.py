@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import remat
-from remat.cli import main
+from helpers import run_cli
 from remat.errors import InvalidInputError, UnsupportedError
 from remat.target.accuracy import check_prediction, measure_plans
 from remat.target.this_gpu import match_spec
@@ -21,10 +21,7 @@ from remat.target.devices import KNOWN
 TINY = ["gpt", "--layers", "2", "--batch-size", "2", "--seq-len", "32", "--d-model", "32"]
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 def test_accuracy_table_json_and_the_plans_measured_are_the_rows_plans(capsys, tmp_path):

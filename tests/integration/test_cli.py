@@ -12,17 +12,14 @@ import torch
 
 from remat import Plan
 from remat.cli import main
-from helpers import needs_compiled_floor
+from helpers import needs_compiled_floor, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_GPT = ["gpt", "--layers", "2", "--batch-size", "4", "--seq-len", "64", "--d-model", "32", "--device", "cpu"]
 TINY_UNET = ["unet", "--batch-size", "4", "--image-size", "32", "--depth", "2", "--device", "cpu"]
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 def test_tradeoff_table_json_and_plot(capsys, tmp_path):
