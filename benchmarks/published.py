@@ -64,8 +64,9 @@ ASSUMPTIONS = [
     "allocator setting per row (HELD_TO): 8 GPUs with expandable_segments, which torchtitan's single-node launcher "
     "(run_llama_train.sh) sets; 128 GPUs native, the default, since its multi-node launcher sets nothing (what the "
     "cluster's environment set is not published): both columns shown, the row's own marked *",
-    "attention: H100 flash attention; on fake CPU tensors the CPU flash kernel stands in, added to torchtitan's "
-    "save list (it saves the same output and float32 log-sum-exp rows; Note [Target kernels])",
+    "attention: H100 flash attention, as the torch the table ran picks it (Target(torch_version=TORCH)); its CUDA "
+    "operator's meta kernel runs on the fake CPU tensors, so the recording keeps what flash keeps and torchtitan's "
+    "save list, which names it, is asked about it (Note [Attention on the target])",
     "FSDP root not resharded after forward (the Dec-2024 torch ignored torchtitan's True for the root)",
     "the loss on a float32 copy of the bf16 logits, the logits dropped before backward (torchtitan's del pred)",
     "gradient clipping with foreach=True every step, AdamW foreach (fused=False), as torchtitan's defaults",
