@@ -29,16 +29,25 @@ from remat.rewrite import checkpoint_modules, keep_ops
 from remat.runtime.state import fresh_grads
 
 
-# Note [Long steps are timed once]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Note [Long steps are timed twice]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Timing repeats steps because a short step's times are noisy (a 50 ms CPU step moves by milliseconds) and
-# the first steps of a process run slow (allocator, thread pools: tens of milliseconds in all). Neither
-# matters for a step of a second or more, where each repeat costs a whole training step of the user's time
-# (issue #23: 12-22 steps' time to plan a GPT-2 small, 8.9 of them profiling). So when the first timed step
-# (forward and backward, hooked, with the top-level units checkpointed) takes at least LONG_STEP_S, its
-# times are the profile's: no further hooked steps, no unhooked step (hooks cost microseconds per unit
-# call), and each operator's second timing is that of the plain forward profiling runs anyway to check the
-# fake recording's sizes (Note [Fake sizes] in remat.profile.calibrate).
+# the first steps of a process run slow (allocator, thread pools). For a step of a second or more each repeat
+# costs a whole training step of the user's time (issue #23: 12-22 steps' time to plan a GPT-2 small, 8.9 of
+# them profiling). So when the first hooked step (forward and backward, hooked, with the top-level units
+# checkpointed) takes at least LONG_STEP_S, two more hooked steps are timed and each time is the lesser of
+# their two: no further hooked steps, no unhooked step (hooks cost microseconds per unit call), and each
+# operator's second timing is that of the plain forward profiling runs anyway to check the fake recording's
+# sizes (Note [Fake sizes] in remat.profile.calibrate).
+#
+# The first hooked step is never timed, however long: it logs every operator (a dispatch mode around each),
+# and on a CPU it is the first to reach the step's peak, every new page of the heap faulted in as it grows;
+# the recomputations in its backward grow it most. Nor is one more step enough on a CPU. On an 8-block
+# ViT-style model (benchmarks/ranking.py's "vit": width 256, 16 x 256 tokens; 2-core CPU; a plain step measured
+# 1.45 s, every block 1.76 s, the median of 10 interleaved steps each), a block's recomputation read 149 ms in
+# the first step (at 4206b42), 54-72 ms in the second (three runs) and 56-58 ms as the lesser of
+# the second and third (two runs); every block's step was predicted 2.81 s from the first, 2.06-2.28 s from the
+# second, 1.87-1.93 s from the lesser of two.
 LONG_STEP_S = 1.0
 
 
@@ -57,7 +66,7 @@ def time_units(
     with their sizes and the least of two timings of each (selective checkpointing's recompute cost).
     ``distributed``: the model is wrapped by FSDP2 or DDP, whose hooks expect a backward after every
     forward: no forward-only pass. ``warm_ops``: the operators of a plain forward already logged, whose times
-    are each operator's second timing when the step is long (Note [Long steps are timed once])."""
+    are each operator's second timing when the step is long (Note [Long steps are timed twice])."""
     clock = Clock(device)
     targets = grad_targets(trainable_parameters(model), (args, kwargs))
     checkpoint_modules(model, checkpointed, mutated_buffers=mutated)
@@ -98,18 +107,16 @@ def _recompute_timer(clock: Clock, recompute: dict[str, float], name: str):
 
 def _hooked_steps(timer: _Timer, steps: int) -> tuple[dict[str, Any] | None, tuple[LoggedOp, ...], bool]:
     """The hooked steps: the least of each time over them, the operators step 0 logged, and whether the step
-    was long (Note [Long steps are timed once])."""
+    was long (Note [Long steps are timed twice])."""
     best: dict[str, Any] | None = None
     forward_ops: tuple[LoggedOp, ...] = ()
-    long = False  # Note [Long steps are timed once]
+    long = False  # Note [Long steps are timed twice]
     for step in range(max(2, steps)):  # step 0 logs the operators and warms up; the others are timed
-        if long:
-            break
         timing, ops = timer.hooked_step(log_ops=step == 0)
         if ops is not None:
             forward_ops = ops
-        if step == 0 and timing["step_forward"] + timing["step_backward"] >= LONG_STEP_S:
-            best, long = timing, True
+        if step == 0:
+            long = timing["step_forward"] + timing["step_backward"] >= LONG_STEP_S
         elif step == 1:
             best = timing
         elif step > 1:
@@ -118,6 +125,8 @@ def _hooked_steps(timer: _Timer, steps: int) -> tuple[dict[str, Any] | None, tup
                         backward=_least(best["backward"], timing["backward"]),
                         step_forward=min(best["step_forward"], timing["step_forward"]),
                         step_backward=min(best["step_backward"], timing["step_backward"]))
+            if long:
+                break
     return best, forward_ops, long
 
 
