@@ -113,3 +113,36 @@ def test_plans_list_units_in_forward_order(gpt):
         assert remat.checkpointed_modules(model) == list(plan.checkpointed)
     finally:
         remove_checkpointing(model)
+
+
+class _SelfAttentionBlock(torch.nn.Module):
+    """A ViT-style block as users write it: ``nn.MultiheadAttention`` called as ``attn(y, y, y)``."""
+
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.attn = torch.nn.MultiheadAttention(d, heads, batch_first=True, dropout=0.1)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        y = self.ln(x)
+        x = x + self.attn(y, y, y, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+def test_a_nested_unit_called_with_one_tensor_twice_recomputes_as_it_ran():
+    """``nn.MultiheadAttention`` projects q, k and v with one product when they are one tensor (``query is key``)
+    and with three when they are not. Checkpointed inside a checkpointed block, its inputs came back from torch's
+    checkpoint as three tensors when the block's recomputation recomputed it, so its own recomputation took the
+    other path and torch refused it (CheckpointError: "Recomputed values ... have different metadata"; an 8-block
+    ViT-style model's least-memory plan nests such attention, and its check failed). Now each tensor the unit is
+    given several times is handed to checkpoint once: exact, with dropout on."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_SelfAttentionBlock(), _SelfAttentionBlock()).train()
+    x = torch.randn(2, 8, 32)
+    remat.rewrite.checkpoint_modules(model, ["0", "0.attn", "1.attn"])
+    try:
+        report = remat.check_equivalence(model, x)
+    finally:
+        remat.remove_checkpointing(model)
+    assert report.equal and max(report.max_abs_diff.values()) == 0.0, str(report)

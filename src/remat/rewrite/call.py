@@ -30,6 +30,18 @@ What compile keeps is decided by its partitioner from these tags. It traces some
 eager does (dropout as one ``native_dropout`` where eager CPU runs four operators); selective policies name
 operators so that they keep the same ones under compile (Note [Operators named alike under compile]), and
 plans for a compiled loop are measured on compiled steps (Note [Compiled steps] in remat.solve.calibrated).
+
+Note [One tensor, one input]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Non-reentrant checkpoint saves its positional tensors as saved tensors (``_NoopSaveInputs``) and the recomputation
+runs on what unpacking them gives. Inside another unit's recomputation each save is answered by a tensor of its own,
+so a unit called with one tensor in several places (``attn(y, y, y)``) was recomputed with three tensors where its
+forward had one. Code that asks ``query is key`` then takes another path: ``nn.MultiheadAttention`` projects q, k
+and v with one product for one tensor and with three otherwise, so a nested plan of a ViT-style block and its
+attention recomputed other operators than it saved and torch refused it (CheckpointError, "Recomputed values ...
+have different metadata"; tests/integration/test_nested.py). So a tensor given more than once is handed to checkpoint
+once, and the call is rebuilt from it, the same object in every place it had, in the forward and in every
+recomputation. (Under torch.compile dynamo follows the objects itself: not needed there.)
 """
 
 from __future__ import annotations
@@ -84,4 +96,24 @@ def _checkpointed_call(fn: Callable, args: tuple, kwargs: dict, buffers: list[to
                 return replay(*a, **kw)
         return replay(*a, **kw)
 
+    unique, rebuild = _once_each(args)  # Note [One tensor, one input]
+    if rebuild is not None:
+        return checkpoint(lambda *u, **kw: run(*rebuild(u), **kw), *unique, use_reentrant=False,
+                          preserve_rng_state=preserve_rng_state, **options, **kwargs)
     return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options, **kwargs)
+
+
+def _once_each(args: tuple) -> tuple[tuple, Callable[[tuple], tuple] | None]:
+    """Note [One tensor, one input]: ``args`` with each tensor once (the other arguments in place) and how to rebuild
+    ``args`` from them, or ``args`` and None where no tensor appears twice."""
+    first: dict[int, int] = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            first.setdefault(id(a), i)
+    slots = [first[id(a)] if isinstance(a, torch.Tensor) else i for i, a in enumerate(args)]
+    if slots == list(range(len(args))):
+        return args, None
+    kept = sorted(set(slots))
+    unique = tuple(args[i] for i in kept)
+    where = [kept.index(s) for s in slots]
+    return unique, lambda u: tuple(u[w] for w in where)
