@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from remat._compat import inductor_programs, profiler_memory_trace, random_numbers, uncompiled
+from remat.api.hand_rules import timed_beside_hand_rules
 from remat.api.inputs import validate
 from remat.api.profiling import prepare_hf_for_training
 from remat.check.compiled import CompiledComparison, check_compiled_plan
@@ -260,16 +261,20 @@ def plan_checked(
     steps = steps_checked(model, device)
     each = "one real step" if not steps else f"{steps} real steps, the largest by the allocator's events"
 
-    def done(plan: Plan, measured: int, why: str) -> Plan:
+    def done(plan: Plan, measured: int, why: str, ilp: Plan | None = None) -> Plan:
         note = f"checked on {each}: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}"
         if steps:
             note += " (Note [Steps under gloo] in remat.runtime.distributed: under gloo one step's peak is not the next one's)"
         if len(checked) > 1:
-            label = {fallbacks[1].choices: "every block", fallbacks[0].choices: "the least-memory plan"}
+            label = {planner.every_nth_block(2).choices: "every 2nd block, timed beside the ILP's plan",
+                     fallbacks[1].choices: "every block", fallbacks[0].choices: "the least-memory plan"}
+            if ilp is not None:
+                label[ilp.choices] = "the ILP's plan"
             names = [label.get(units, "the least-memory plan chosen on memory alone") for units in checked
                      if units != plan.choices]
             note += (f"; {len(checked)} plans measured, {'one real step' if not steps else f'{steps} real steps'} each "
-                     f"({' and '.join(names)}, whose measured least is the least peak promised, and this one)")
+                     f"({', '.join(names)} and this one; the least of the least-memory plans' and every block's is "
+                     f"the least peak promised)")
         return dataclasses.replace(plan, budget_bytes=budget_bytes, checked_peak_bytes=measured,
                                    min_peak_bytes=promise, notes=plan.notes + (note,))
 
@@ -289,6 +294,12 @@ def plan_checked(
         plan = agree(planner.plan_for_budget(target))
         measured = check(plan)
         if measured <= budget_bytes:
+            if ranks is None:  # Note [Plans timed beside the hand rules]
+                timed, note = timed_beside_hand_rules(
+                    model, args, kwargs, loss_fn, device, planner, plan, budget_bytes,
+                    [fallbacks[1], planner.every_nth_block(2)], check, output_alive=planner.profile.output_alive)
+                if note is not None:
+                    return done(timed, check(timed), f"within the budget; {note}", ilp=plan)
             return done(plan, measured, "within the budget")
         excess = measured - budget_bytes
         log.info("plan measured %d bytes over the budget; solving again with a target %d bytes lower",

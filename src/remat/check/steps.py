@@ -249,3 +249,44 @@ def measure_plans(
     method = _method(trainee.model)
     return [StepMeasurement(peak, statistics.median(ts) if ts else 0.0, tuple(ts), method)
             for peak, ts in zip(peaks, times)]
+
+
+def time_plans_in_place(
+    model: nn.Module, plans: list, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, *,
+    output_alive: bool = True, rounds: int = 5, warmup: int = 1, seed: int = 0,
+) -> list[tuple[float, ...]]:
+    """Each plan's forward and backward timed on ``model`` itself (no copy: a model that fits the budget once is
+    not held twice), ``rounds`` rounds of one step per plan in a shuffled order after ``warmup`` rounds (Note
+    [Interleaved timing]), so that round ``r``'s steps of two plans are one paired comparison. The optimizer is
+    not stepped (it is the same for every plan and remat never calls the user's: Note [Never call the user's
+    optimizer]). The model's gradients, buffers and RNG state are as they were, and it is left without
+    checkpointing."""
+    from remat.rewrite import checkpoint_plan, remove_checkpointing
+    from remat.runtime.measure import trainable_parameters
+    from remat.runtime.state import fresh_grads, preserved
+
+    clock = Clock(device)
+    leaves = [*trainable_parameters(model), *(t for t in input_tensors(args, kwargs) if t.requires_grad and t.is_leaf)]
+    times: list[list[float]] = [[] for _ in plans]
+
+    def timed(plan) -> float:
+        remove_checkpointing(model)
+        checkpoint_plan(model, plan)
+        for t in leaves:  # every step starts as the first, its gradients None (Note [Loop style])
+            t.grad = None
+        return clock.time(lambda: run_step(model, args, kwargs, loss_fn, output_alive=output_alive))
+
+    try:
+        with preserved(model), fresh_grads(leaves):
+            for _ in range(warmup):
+                for plan in plans:
+                    timed(plan)
+            rng = random.Random(seed)
+            for _ in range(rounds):
+                order = list(range(len(plans)))
+                rng.shuffle(order)
+                for i in order:
+                    times[i].append(timed(plans[i]))
+    finally:
+        remove_checkpointing(model)
+    return [tuple(ts) for ts in times]
