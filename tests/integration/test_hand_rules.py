@@ -68,8 +68,8 @@ def test_optimize_checkpointing_returns_the_plan_measured_faster(planner, monkey
     seen = []
 
     def timings(model, plans, *args, **kwargs):
-        seen.append([p.choices for p in plans])
-        return [(1.0, 1.0, 1.0), (0.9, 0.9, 0.9) if rule_faster else (1.1, 1.1, 1.1)]
+        seen.append([p.choices for p in plans])  # the plan, every block, and every 2nd block where it fits
+        return [(1.0, 1.0, 1.0), (0.9, 0.9, 0.9) if rule_faster else (1.1, 1.1, 1.1)] + [(1.2, 1.2, 1.2)] * (len(plans) - 2)
 
     monkeypatch.setattr(hand_rules, "time_plans_in_place", timings)
     monkeypatch.setattr(hand_rules, "TIMED_MARGIN", 1.0)  # every rule within the budget is timed, whatever predicted
@@ -102,3 +102,26 @@ def test_timing_in_place_leaves_the_model_as_it_was(planner):
     assert all(p.grad is g and torch.equal(g, c) for p, (g, c) in zip(model.parameters(), grads))
     assert torch.equal(rng, torch.get_rng_state())
     assert {name: m.forward for name, m in model.named_modules()} == forwards
+
+
+def test_a_second_call_reads_the_pairs_and_returns_the_same_plan(planner, monkeypatch):
+    """docs/plans.md#reproducible-plans: the second call on the same step reads its times from the timing cache, so
+    it reads the pairs the first call timed too (not timed again: another draw of the noise could return another
+    plan) and returns the same plan."""
+    every = planner.every_nth_block(1)
+    calls = []
+
+    def timings(model, plans, *args, **kwargs):
+        calls.append(1)
+        return [(1.0, 1.0, 1.0), (0.9, 0.9, 0.9)] + [(1.2, 1.2, 1.2)] * (len(plans) - 2)
+
+    monkeypatch.setattr(hand_rules, "time_plans_in_place", timings)
+    monkeypatch.setattr(hand_rules, "TIMED_MARGIN", 1.0)
+    plans = []
+    for _ in range(2):
+        model, inputs, _ = gpt()
+        plans.append(remat.optimize_checkpointing(model, every.predicted_peak_bytes * 1.02 / 2**30, inputs,
+                                                  optimizer=torch.optim.AdamW(model.parameters())))
+    assert len(calls) == 1 and plans[0].choices == plans[1].choices == every.choices
+    notes = [next(n for n in p.notes if "timed beside the hand rules" in n) for p in plans]
+    assert "(measured now)" in notes[0] and "read from remat's timing cache" in notes[1]

@@ -18,7 +18,9 @@ one forward and backward each, in a shuffled order after a warm-up round, every 
 noise of the pairs: even the lower quartile of the differences (plan less rule) above 0, the test
 benchmarks/selective.py calls "slower". Where the pairs cannot tell them apart, the ILP's plan stands (it is predicted
 faster). So the plan returned is never one measured slower than a hand rule that meets the budget. The figures are in
-the plan's notes, measured.
+the plan's notes, measured. The pairs are kept in the timing cache under the step's measured unit times and the
+plans' units: a later call whose profile read its times from the cache reads the same pairs, so it returns the same
+plan (docs/plans.md#reproducible-plans; ``REMAT_CACHE=0`` times them again).
 
 What it costs: where it applies, one real step for each rule's peak (every block's is often checked already, Note
 [Least peak is a promise]) and (ROUNDS + 1) x (1 + rules) forward and backward passes, fewer rounds for a step of a
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from remat.check.steps import time_plans_in_place
+from remat.profile import cache
 from remat.runtime.measure import LossFn
 from remat.solve import Planner
 from remat.solve.plan import Plan
@@ -104,8 +107,17 @@ def timed_beside_hand_rules(
     if not candidates:
         return plan, None
     rounds = LONG_ROUNDS if planner.profile.step_time_s >= LONG_STEP_S else ROUNDS
-    times = time_plans_in_place(model, [plan, *candidates], args, kwargs, loss_fn, device,
-                                output_alive=output_alive, rounds=rounds)
+    plans = [plan, *candidates]
+    # the same plans of a step whose times came from the timing cache: their pairs too (Note [Reproducible plans])
+    key = cache.paired_key(device, _step_of(planner, plans, output_alive), [p.choices for p in plans])
+    hit = cache.load_paired(key)
+    if hit is not None and len(hit[0]) == len(plans):
+        times, where = hit
+        rounds = len(times[0])
+    else:
+        times, where = time_plans_in_place(model, plans, args, kwargs, loss_fn, device, output_alive=output_alive,
+                                           rounds=rounds), "measured now"
+        cache.store_paired(key, times)
     results = faster_of(times[0], list(zip(candidates, times[1:])))
     said = "; ".join(f"{_name(t.rule)} {t.rule_s * 1e3:,.1f} ms (predicted "
                      f"{(t.rule.predicted_step_time_s - plan.predicted_step_time_s) * 1e3:,.1f} ms a step slower than "
@@ -113,14 +125,23 @@ def timed_beside_hand_rules(
                      f"{t.paired_s * 1e3:+,.1f} ms, lower quartile {t.paired_low_s * 1e3:+,.1f} ms)" for t in results)
     head = (f"timed beside the hand rules that meet the budget and that the model predicts within "
             f"{TIMED_MARGIN:.0%} of this plan (Note [Plans timed beside the hand rules] in remat.api.hand_rules): "
-            f"forward and backward, {rounds} paired steps each, medians measured: this plan {results[0].plan_s * 1e3:,.1f} "
-            f"ms; {said}")
+            f"forward and backward, {rounds} paired steps each ({where}), medians: this plan "
+            f"{results[0].plan_s * 1e3:,.1f} ms; {said}")
     best = results[0]
     if not best.rule_faster:
         return plan, head + "; no rule measured faster beyond the noise of the pairs: this plan kept"
     rule = dataclasses.replace(best.rule, budget_bytes=budget_bytes)
     return rule, (head + f"; {_name(rule)} measured faster beyond the noise of the pairs, so it is the plan returned "
                   f"in place of the ILP's ({len(plan.checkpointed)} units: {', '.join(plan.checkpointed)})")
+
+
+def _step_of(planner: Planner, plans: list[Plan], output_alive: bool) -> dict:
+    """What the planner knew of the step that the plans' times depend on (for the cache key): each of their units'
+    times, as the timing cache gives them back (not the plain step's, whose optimizer step is timed afresh)."""
+    p = planner.profile
+    names = sorted({u for plan in plans for u in plan.checkpointed})
+    return {"output_alive": output_alive,
+            "units": [(n, p.unit(n).forward_s, p.unit(n).recompute_s, p.unit(n).overhead_s) for n in names]}
 
 
 def _name(plan: Plan) -> str:

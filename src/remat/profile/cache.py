@@ -189,3 +189,27 @@ def device_rates(measure: Callable[[], dict[str, float]]) -> tuple[dict[str, flo
     found = measure()
     _write("rates", key, {"rates": found})
     return found, "measured now"
+
+
+def paired_key(device: torch.device, step: Any, plans: Sequence[Sequence[str]]) -> str:
+    """The key of plans timed side by side (Note [Plans timed beside the hand rules] in remat.api.hand_rules): the
+    machine, ``step`` (what the planner knew of the step: its units' timed costs, JSON-able) and the plans' units.
+    A profile whose times came from this cache gives the same ``step`` again, so the same pairs are read back."""
+    return _digest({"format": FORMAT, "machine": machine(device), "step": step, "plans": [list(p) for p in plans]})
+
+
+def load_paired(key: str) -> tuple[list[tuple[float, ...]], str] | None:
+    """Paired step times stored under ``key`` (one tuple per plan, in rounds), and a note saying where from."""
+    entry = _read("paired", key)
+    if entry is None:
+        return None
+    try:
+        times = [tuple(float(s) for s in ts) for ts in entry["times"]]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return times, (f"read from remat's timing cache ({entry['path']}, measured {entry.get('measured_at', '?')}; "
+                   "Note [Timing cache]): the same plans of the same step timed before on this machine")
+
+
+def store_paired(key: str, times: Sequence[Sequence[float]]) -> None:
+    _write("paired", key, {"times": [list(ts) for ts in times]})
