@@ -215,3 +215,30 @@ def test_only_the_next_layer_pairs_a_units_copy_back():
     assert unpaired.exposed_copy_s(both) == pytest.approx((3_491_889_152 + 64 * 2**20) / 54.5e9)
     # and the memory model keeps attn's storages gone until its own backward, not mlp's
     assert unpaired.offloads[offload_key("attn")].back_at == renamed.unit("attn").recompute_at
+
+
+def test_the_ilps_copy_out_rows_count_each_units_own_copy():
+    """Note [Exposed copies]: the ILP's rows for the copies out, with the plan's variables fixed, price every set of
+    offloads as the model does (``exposed_copy_s``). u0's copy (3.8 GiB, 82 ms at 50 GB/s, from 0 s) and u1's (1.8 GiB,
+    39 ms, from 29 ms) queue past the 100 ms forward: 20 ms exposed. Each row was built as a list of (variable,
+    coefficient) pairs where a unit's own variable came twice, its copy and its start: PuLP kept the last, so every
+    unit's own copy was dropped and the ILP priced both at 40 ms against the model's 61 ms."""
+    import pulp
+
+    from remat.solve import ilp
+
+    gib = 2**30
+    p = chain_profile([int(3.8 * gib), int(1.8 * gib), 64 * 2**20], [8 * 2**20] * 3, [0.020, 0.040, 0.040])
+    model = MemoryModel(p, offload=HostLink(50e9, 50e9))
+    u0, u1 = offload_key("u0"), offload_key("u1")
+    assert set(model.offloads) == {u0, u1}
+    for chosen in ([u0], [u1], [u0, u1]):
+        prob = pulp.LpProblem("fixed", pulp.LpMinimize)
+        x = {v: pulp.LpVariable(f"x{i}", 0, 1, cat="Binary") for i, v in enumerate(model.variables)}
+        for v, var in x.items():
+            var.lowBound = var.upBound = 1 if v in chosen else 0
+        own = pulp.LpAffineExpression([(x[v], model.cost_s(v) * ilp._US) for v in x])
+        prob += ilp._offload_terms(prob, model, x, 1, own)
+        prob.solve(pulp.PULP_CBC_CMD(msg=False))
+        assert pulp.value(prob.objective) / ilp._US == pytest.approx(model.exposed_copy_s(chosen), rel=1e-6), chosen
+    assert model.exposed_copy_s([u0, u1]) == pytest.approx(0.0605, abs=1e-3)

@@ -206,8 +206,10 @@ def _offload_terms(prob: pulp.LpProblem, model: MemoryModel, x: dict, scale: int
     # what it has not finished when the backward starts is exposed (exact for the queue: the largest of these
     # rows over the chosen k, and an unchosen k's row is implied by the next chosen one's)
     for i, (k, span) in enumerate(spans.items()):
-        terms = [(x[v], s.copy_out_s) for v, s in spans.items() if s.start_s >= span.start_s]
-        terms.append((x[k], span.start_s))
+        coef = {v: s.copy_out_s for v, s in spans.items() if s.start_s >= span.start_s}
+        coef[k] = coef.get(k, 0.0) + span.start_s  # its own copy and its start (pairs with one variable twice: PuLP
+        # keeps the last of them, which dropped every unit's own copy from its row)
+        terms = [(x[v], c) for v, c in coef.items()]
         prob += (pulp.LpAffineExpression(terms + [(out_s, -1)]) <= p.forward_s, f"copy_out_{i}_{_name(k)}")
     options: dict[str, list[str]] = {}
     for k, span in spans.items():
