@@ -115,6 +115,11 @@ def test_mistakes_exit_2(capsys, argv, message):
     assert code == 2 and message in err, err
 
 
+def test_a_device_torch_does_not_know_is_refused_in_one_line(capsys):
+    code, out, err = run(capsys, "accuracy", *TINY, "--device", "cuda:x")
+    assert code == 2 and "--device cuda:x: not a device torch knows here" in err, err
+
+
 def test_measuring_on_a_cpu_needs_the_spec_given(capsys):
     code, out, err = run(capsys, "accuracy", *TINY, "--measure-on", "cpu")
     assert code == 2 and "--device GPU" in err, err

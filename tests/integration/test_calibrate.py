@@ -264,6 +264,15 @@ def test_without_cuda_the_command_refuses_in_one_line(capsys):
     assert code == 2 and "CUDA" in err and "--device h100-80gb" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_device_torch_does_not_know_is_refused_in_one_line(capsys):
+    """``--device h200`` names a spec in every other command; here it was handed to torch.device, whose RuntimeError
+    reached the user as a traceback."""
+    code = main(["calibrate", "--device", "h200", "--out", "never.json"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "--device h200: not a device torch knows here" in err and "cuda:N" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_the_command_lines_device_takes_the_file(capsys, tmp_path):
     path = _file(tmp_path, calibrated_file(MEASURED, KNOWN["h200"]))
     code = main(["plan", "gpt", "--layers", "2", "--batch-size", "2", "--seq-len", "32", "--d-model", "32",
@@ -293,3 +302,20 @@ def test_on_a_gpu_every_measurement_runs_and_the_file_plans(tmp_path):
     assert spec.sources_of("memory_bytes")[0][0].startswith(f"remat calibrate on {props.name}")
     model, batch = _gpt()
     assert remat.optimize_checkpointing(model, 1.0, batch, target=Target(device=str(path))).predicted_step_time_s > 0
+
+
+def test_the_spec_table_prints_each_field_in_its_unit():
+    """fields_table printed the shortest kernel (seconds) as a bandwidth ("0.0 GB/s"): each field in its own unit."""
+    import dataclasses
+
+    from rich.console import Console
+
+    from remat.cli.calibrate import fields_table
+
+    spec = dataclasses.replace(KNOWN["h200"], shortest_kernel_s=2.5e-6, host_forward_op_s=29e-6)
+    console = Console(record=True, width=200)
+    console.print(fields_table(spec, KNOWN["h200"]))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in console.export_text().splitlines()
+            if line.count("│") >= 3}
+    assert rows["shortest_kernel_s"] == "2.50 us" and rows["host_forward_op_s"] == "29.00 us"
+    assert rows["hbm_bytes_per_s"].endswith("GB/s") and rows["bf16_flops_per_s"].endswith("TFLOP/s")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from remat._compat.versions import REMAT_VERSION as __version__
-from remat.cli.common import OPTIMIZERS, UsageError, _gib_list
+from remat.cli.common import OPTIMIZERS, UsageError, _gib_list, parsed_device
 from remat.costs.unit_costs import is_selective
 from remat.solve.plan import fmt_bytes
 
@@ -67,7 +67,8 @@ def cmd_accuracy(args, out, err) -> int:
     if args.steps < 2:
         raise UsageError(f"--steps must be 2 or more (the first step is not read), got {args.steps}")
     here = args.device if (args.device or "").startswith("cuda") else "cuda"  # (--device cuda:N: that GPU)
-    measure_on = torch.device(args.measure_on or here)
+    measure_on = parsed_device(args.measure_on or here, "remat accuracy runs the plans on the CUDA GPU here: "
+                                                        "--device cuda or cuda:N, or the GPU's name or spec file")
     if measure_on.type == "cuda" and not torch.cuda.is_available():
         raise cuda_required()
     if measure_on.type == "cpu":

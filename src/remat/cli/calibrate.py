@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
 
 from remat._compat.versions import REMAT_VERSION as __version__
-from remat.cli.common import UsageError
-from remat.errors import UnsupportedError
+from remat.cli.common import UsageError, parsed_device
+from remat.target.this_gpu import cuda_required, named_in_table
 
 
 def add_calibrate(sub) -> None:
@@ -42,13 +41,6 @@ def add_calibrate(sub) -> None:
     c.add_argument("--measure-on", default=None, help=argparse.SUPPRESS)
 
 
-def cuda_required() -> UnsupportedError:
-    return UnsupportedError(
-        f"remat calibrate measures a CUDA GPU, and torch here ({torch.__version__}) sees none "
-        f"(torch.cuda.is_available() is False). Run it on the machine with the GPU; here, plan for a built-in GPU "
-        f"(--device h100-80gb) or a spec file of your own (docs/targets.md)")
-
-
 def _base(args, gpu_name: str | None):
     """The built-in spec the file derives from and how it was chosen, or (None, why)."""
     from remat.target.devices import _ALIASES, KNOWN, _key
@@ -62,13 +54,9 @@ def _base(args, gpu_name: str | None):
         return KNOWN[_ALIASES[_key(args.base)]], "given with --base"
     if gpu_name is None:
         return None, "no base (the CPU test run)"
-    key = re.sub(r"[\s_]+", "-", gpu_name.strip().lower())
-    # torch's name is an alias, else holds one ("nvidia-h200" holds "h200"); never by compute capability alone
-    # (an RTX 4090 is no L4): a GPU the table does not name gets its peaks measured
-    inside = sorted((a for a in _ALIASES if a == key or re.search(rf"(^|-){re.escape(a)}($|-)", key)),
-                    key=len, reverse=True)
-    if inside:
-        return KNOWN[_ALIASES[inside[0]]], f"torch's name {gpu_name!r} is the table's {_ALIASES[inside[0]]}"
+    found = named_in_table(gpu_name)
+    if found is not None:
+        return found
     return None, f"{gpu_name!r} is not in the table: every peak measured"
 
 
@@ -79,9 +67,10 @@ def cmd_calibrate(args, out, err) -> int:
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("remat calibrate measures one GPU: run it without torchrun")
-    device = torch.device(args.measure_on or args.device)
+    device = parsed_device(args.measure_on or args.device, "remat calibrate measures the CUDA GPU here: --device "
+                                                            "cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise cuda_required()
+        raise cuda_required("remat calibrate", "measures")
     if device.type not in ("cuda", "cpu") or (device.type == "cpu" and args.measure_on is None):
         raise UsageError(f"--device {args.device}: remat calibrate measures a CUDA GPU (cuda or cuda:N)")
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -156,8 +145,8 @@ def fields_table(spec, base):
         value = getattr(spec, field)
         if value is None:
             continue
-        text = (f"{value * 1e6:.2f} us" if field.endswith("_op_s") else f"{value:,}" if field == "memory_bytes"
-                else _flops(value) if "flops" in field else f"{value / 1e9:.1f} GB/s")
+        text = (f"{value:,}" if field == "memory_bytes" else _flops(value) if field.endswith("_flops_per_s")
+                else f"{value / 1e9:.1f} GB/s" if field.endswith("_bytes_per_s") else f"{value * 1e6:.2f} us")
         table.add_row(field, text, source(field))
     for cls, compute, memory in spec.efficiency:
         table.add_row(f"efficiency.{cls}", ", ".join(f"{k} {v:.3f}" for k, v in (("compute", compute),

@@ -113,10 +113,19 @@ def _modelled(args) -> Any:
         raise UsageError(str(e)) from None
 
 
+def parsed_device(text: str, hint: str) -> torch.device:
+    """``torch.device(text)``, or the command line's error saying what to give (``hint``)."""
+    try:
+        return torch.device(text)
+    except RuntimeError:
+        raise UsageError(f"--device {text}: not a device torch knows here; {hint}") from None
+
+
 def _device(arg: str | None) -> torch.device:
     if arg == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu")
-    device = torch.device(arg or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = parsed_device(arg or ("cuda" if torch.cuda.is_available() else "cpu"),
+                           "cpu, cuda or cuda:N, or a GPU of the device table to plan for (docs/targets.md)")
     if device.type == "cuda" and device.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per rank under torchrun
     return device

@@ -22,13 +22,32 @@ from remat.target.devices import KNOWN, DeviceSpec, device_spec
 BY_CAPABILITY = {(8, 0): "a100-80gb", (9, 0): "h100-80gb", (10, 0): "b200", (8, 9): "l4"}
 
 
-def cuda_required(what: str = "remat accuracy") -> UnsupportedError:
-    """The error for a check asked for on a machine without CUDA."""
+def cuda_required(what: str = "remat accuracy", does: str = "runs the plans for real on") -> UnsupportedError:
+    """The error for a command that needs the CUDA GPU here, on a machine without CUDA."""
     return UnsupportedError(
-        f"{what} runs the plans for real on a CUDA GPU, and torch here ({torch.__version__}) sees none "
+        f"{what} {does} a CUDA GPU, and torch here ({torch.__version__}) sees none "
         f"(torch.cuda.is_available() is False). On this machine, predict for a GPU that is not here instead: "
-        f"remat tradeoff TARGET --device h100-80gb (or remat plan ... --device GPU), and run remat accuracy "
-        f"where the GPU is")
+        f"remat tradeoff TARGET --device h100-80gb (or remat plan ... --device GPU, or --device FILE, a spec of your "
+        f"own: docs/targets.md), and run {what} where the GPU is")
+
+
+def named_in_table(gpu_name: str) -> tuple[DeviceSpec, str] | None:
+    """The table's entry torch's name of a GPU is (a name or alias), else the one whose name or alias is the
+    longest part of it ("NVIDIA H200 NVL" holds "h200"), and how it was found; None for neither (never by compute
+    capability alone here: an RTX 4090 is no L4)."""
+    from remat.target.devices import _ALIASES
+
+    try:
+        spec = device_spec(gpu_name)
+        return spec, f"torch's name {gpu_name!r} is the table's {spec.name}"
+    except InvalidInputError:
+        pass
+    key = re.sub(r"[\s_]+", "-", gpu_name.strip().lower())
+    inside = sorted((a for a in _ALIASES if re.search(rf"(^|-){re.escape(a)}($|-)", key)), key=len, reverse=True)
+    if not inside:
+        return None
+    spec = KNOWN[_ALIASES[inside[0]]]
+    return spec, f"torch's name {gpu_name!r} holds the table's {spec.name} ({inside[0]!r})"
 
 
 def spec_here(device: torch.device | str | None = None) -> tuple[DeviceSpec, str]:
@@ -46,23 +65,11 @@ def spec_here(device: torch.device | str | None = None) -> tuple[DeviceSpec, str
 
 def match_spec(gpu_name: str, capability: tuple[int, int], total_memory_bytes: int) -> tuple[DeviceSpec, str]:
     """:func:`spec_here` for a GPU described by torch's name, its compute capability and ``total_memory``."""
-    key = re.sub(r"[\s_]+", "-", gpu_name.strip().lower())
-    spec, how = None, ""
-    try:
-        spec = device_spec(gpu_name)
-        how = f"torch's name {gpu_name!r} is the table's {spec.name}"
-    except InvalidInputError:
-        # the longest table name or alias inside torch's name ("nvidia-h200-nvl" holds "h200")
-        from remat.target.devices import _ALIASES
-
-        inside = sorted((a for a in _ALIASES if re.search(rf"(^|-){re.escape(a)}($|-)", key)), key=len, reverse=True)
-        if inside:
-            spec = KNOWN[_ALIASES[inside[0]]]
-            how = f"torch's name {gpu_name!r} holds the table's {spec.name} ({inside[0]!r})"
-        elif capability in BY_CAPABILITY:
-            spec = KNOWN[BY_CAPABILITY[capability]]
-            how = (f"{gpu_name!r} is not in the table; its compute capability {capability[0]}.{capability[1]} is the "
-                   f"table's {spec.name}'s, whose rates stand for it")
+    spec, how = named_in_table(gpu_name) or (None, "")
+    if spec is None and capability in BY_CAPABILITY:
+        spec = KNOWN[BY_CAPABILITY[capability]]
+        how = (f"{gpu_name!r} is not in the table; its compute capability {capability[0]}.{capability[1]} is the "
+               f"table's {spec.name}'s, whose rates stand for it")
     if spec is None:
         raise InvalidInputError(
             f"the GPU here, {gpu_name!r} (compute capability {capability[0]}.{capability[1]}), is not in remat's "
