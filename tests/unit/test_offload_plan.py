@@ -239,6 +239,6 @@ def test_the_ilps_copy_out_rows_count_each_units_own_copy():
             var.lowBound = var.upBound = 1 if v in chosen else 0
         own = pulp.LpAffineExpression([(x[v], model.cost_s(v) * ilp._US) for v in x])
         prob += ilp._offload_terms(prob, model, x, 1, own)
-        prob.solve(pulp.PULP_CBC_CMD(msg=False))
+        prob.solve(ilp._solver(None, None))  # the solver the ILP uses (CBC, as PuLP finds it)
         assert pulp.value(prob.objective) / ilp._US == pytest.approx(model.exposed_copy_s(chosen), rel=1e-6), chosen
     assert model.exposed_copy_s([u0, u1]) == pytest.approx(0.0605, abs=1e-3)

@@ -293,14 +293,10 @@ def plan_checked(
             break
         plan = agree(planner.plan_for_budget(target))
         measured = check(plan)
-        if measured <= budget_bytes:
-            if ranks is None:  # Note [Plans timed beside the hand rules]
-                timed, note = timed_beside_hand_rules(
-                    model, args, kwargs, loss_fn, device, planner, plan, budget_bytes,
-                    [fallbacks[1], planner.every_nth_block(2)], check, output_alive=planner.profile.output_alive)
-                if note is not None:
-                    return done(timed, check(timed), f"within the budget; {note}", ilp=plan)
-            return done(plan, measured, "within the budget")
+        if measured <= budget_bytes:  # Note [Plans timed beside the hand rules]
+            timed, note = timed_beside_hand_rules(model, args, kwargs, loss_fn, device, planner, plan, budget_bytes,
+                                                  [fallbacks[1], planner.every_nth_block(2)], check, ranks=ranks)
+            return done(timed, check(timed), "within the budget" + (f"; {note}" if note else ""), ilp=plan)
         excess = measured - budget_bytes
         log.info("plan measured %d bytes over the budget; solving again with a target %d bytes lower",
                  excess, excess)

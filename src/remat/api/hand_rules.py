@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -98,11 +98,14 @@ def faster_of(plan_times: tuple[float, ...], timed: list[tuple[Plan, tuple[float
 
 def timed_beside_hand_rules(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
-    plan: Plan, budget_bytes: int, rules: list[Plan], check: Callable[[Plan], int], *, output_alive: bool,
+    plan: Plan, budget_bytes: int, rules: list[Plan], check: Callable[[Plan], int], *, ranks: Any = None,
 ) -> tuple[Plan, str | None]:
     """Note [Plans timed beside the hand rules]: ``plan`` (checked within the budget) or a hand rule of ``rules``
-    measured faster, and the note that says which and by how much (None where nothing was timed). ``check`` is the
-    checked peak of a plan (one real step, once per plan)."""
+    measured faster, and the note that says which and by how much (None where nothing was timed: also for a
+    distributed plan, ``ranks`` given). ``check`` is the checked peak of a plan (one real step, once per plan)."""
+    if ranks is not None:
+        return plan, None
+    output_alive = planner.profile.output_alive
     candidates = [r for r in rules_to_time(planner, plan, budget_bytes, rules) if check(r) <= budget_bytes]
     if not candidates:
         return plan, None

@@ -41,12 +41,6 @@ from dataclasses import dataclass
 
 FLASH, EFFICIENT, CUDNN, MATH = "flash", "efficient", "cudnn", "math"
 
-#: the aten operator each kernel is called as (what a recording names, what a selective policy is asked about)
-OPERATOR = {FLASH: "aten._scaled_dot_product_flash_attention.default",
-            EFFICIENT: "aten._scaled_dot_product_efficient_attention.default",
-            CUDNN: "aten._scaled_dot_product_cudnn_attention.default",
-            MATH: "aten._scaled_dot_product_attention_math.default"}
-
 #: torch's default priority order (``at::Context``'s ``sdp_priority_order``: flash, efficient, math, cuDNN), read
 #: at run time from the torch here where it can be (``torch._C._get_sdp_priority_order``)
 DEFAULT_ORDER = (FLASH, EFFICIENT, MATH, CUDNN)
@@ -121,10 +115,6 @@ class Choice:
     kernel: str
     order: tuple[str, ...]
     refused: tuple[tuple[str, str], ...] = ()
-
-    def describe(self) -> str:
-        why = "; ".join(f"{k} refused: {r}" for k, r in self.refused)
-        return f"{self.kernel} (order {' > '.join(self.order)}{'; ' + why if why else ''})"
 
 
 def _truthy(value: str | None) -> bool | None:

@@ -176,9 +176,8 @@ class OffloadSpan:
     next_unit: str | None = None
     #: when its forward starts, seconds into the step's forward (its copies out start then at the earliest)
     start_s: float = 0.0
-    #: seconds its copies take each way, at the link's rate of each direction
+    #: seconds its copies out take, at the link's rate to the host (back: ``stall_s``, all of it waited for)
     copy_out_s: float = 0.0
-    copy_back_s: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -265,8 +264,7 @@ def _span(profile: Profile, name: str, u: UnitCost, drops: list, after: list[Uni
     window = (nxt.backward_s if nxt.backward_s is not None else 2 * nxt.forward_s) if nxt else 0.0
     start_s = profile.forward_s * u.forward_start / max(profile.backward_start, 1)
     return OffloadSpan(name, spans, back, back_s, ops, paired_stall_s=max(0.0, back_s - window),
-                       next_unit=nxt.name if nxt is not None else None, start_s=start_s, copy_out_s=copy_s,
-                       copy_back_s=back_s)
+                       next_unit=nxt.name if nxt is not None else None, start_s=start_s, copy_out_s=copy_s)
 
 
 def exposed_copy_s(spans: dict[str, OffloadSpan], forward_s: float) -> float:

@@ -137,5 +137,6 @@ def describe_calls(calls: list[AttentionCall], target: Target) -> str | None:
              + (", mask" if k[5] else "") + (", grouped heads" if k[6] else "") + ")" for k, n in seen.items()]
     first = calls[0].choice
     release = ".".join(map(str, torch_release(target.torch_version)))
+    refused = "".join(f"; {k} refused: {why}" for k, why in first.refused)  # (the first call's, where earlier ones were)
     return (f"attention assumed as torch {release} picks it on {vendor} sm {major}.{minor} (order "
-            f"{' > '.join(first.order)}; Note [Attention on the target]): " + "; ".join(parts))
+            f"{' > '.join(first.order)}{refused}; Note [Attention on the target]): " + "; ".join(parts))

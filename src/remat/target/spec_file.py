@@ -48,9 +48,9 @@ def spec_from_mapping(data: dict[str, Any], *, where: str = "the spec", default_
         _load_builtin_documents, generation_of
 
     data = dict(data)
-    base_name = data.pop("base", None)
-    documents = data.pop("documents", {}) or {}
-    data.pop("aliases", None), data.pop("about", None), data.pop("calibration", None)
+    extra = {k: data.pop(k) for k in EXTRA_KEYS if k in data}  # not DeviceSpec's fields
+    base_name = extra.get("base")
+    documents = extra.get("documents") or {}
     if not isinstance(documents, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                   for k, v in documents.items()):
         raise InvalidInputError(f"\"documents\" must be an object of text by key (sources cite them as "
@@ -99,17 +99,16 @@ def spec_from_mapping(data: dict[str, Any], *, where: str = "the spec", default_
     return DeviceSpec.from_dict(out)
 
 
-def efficiency_table(spec: Any, table: Any = None) -> Any:
+def efficiency_table(spec: Any) -> Any:
     """The time model's efficiency table for ``spec``: each operator class the spec gives (``spec.efficiency``,
     measured by ``remat calibrate``) in place of the table's entries for that class (every generation's), a
-    fraction it leaves None the table's; every other class the table's (default
-    remat.costs.device_time.EFFICIENCY). ``measured_on`` is the spec's name."""
+    fraction it leaves None the table's; every other class the table's (remat.costs.device_time.EFFICIENCY).
+    ``measured_on`` is the spec's name."""
     from types import MappingProxyType
 
-    from remat.costs.device_time import EFFICIENCY, Efficiency
+    from remat.costs.device_time import EFFICIENCY as table, Efficiency
     from remat.target.devices import generation_of
 
-    table = EFFICIENCY if table is None else table
     if not spec.efficiency:
         return table
     generation = generation_of(spec)
