@@ -242,3 +242,17 @@ def test_the_ilps_copy_out_rows_count_each_units_own_copy():
         prob.solve(ilp._solver(None, None))  # the solver the ILP uses (CBC, as PuLP finds it)
         assert pulp.value(prob.objective) / ilp._US == pytest.approx(model.exposed_copy_s(chosen), rel=1e-6), chosen
     assert model.exposed_copy_s([u0, u1]) == pytest.approx(0.0605, abs=1e-3)
+
+
+def test_the_model_pairs_layers_by_name_as_the_mechanism_does():
+    """The mechanism (remat.rewrite.offload.offload_modules) brings ``layers.0``'s storages back at ``layers.1``'s
+    backward wherever both are offloaded, also with another unit (``adapter.0``) between them; the model paired them
+    only when ``layers.1`` ran right after, so it counted ``layers.0``'s bytes off the device through ``adapter.0``'s
+    backward, where the mechanism had them back. Now the model's span says what the mechanism does."""
+    p = chain_profile([64 * 2**20] * 3, [8 * 2**20] * 3, [0.020, 0.020, 0.020])
+    names = {"u0": "layers.0", "u1": "adapter.0", "u2": "layers.1"}
+    p = dataclasses.replace(p, units=tuple(dataclasses.replace(u, name=names[u.name]) for u in p.units))
+    model = MemoryModel(p, offload=HostLink(54.5e9, 54.5e9))
+    span = model.offloads[offload_key("layers.0")]
+    assert span.next_unit == "layers.1" and span.back_at == p.unit("layers.1").recompute_at
+    assert span.back_at < p.unit("adapter.0").recompute_at  # back before the unit between them runs its backward

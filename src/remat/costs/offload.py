@@ -171,7 +171,7 @@ class OffloadSpan:
     ops: tuple[str, ...] = ()
     #: seconds it waits when ``next_unit`` is offloaded too (what that unit's backward does not hide)
     paired_stall_s: float = 0.0
-    #: the next layer, running right after it, whose offloaded backward brings this one's storages back
+    #: the next layer (by name, wherever it runs after it), whose offloaded backward brings this one's storages back
     #: (:func:`next_layer`); None: no such unit
     next_unit: str | None = None
     #: when its forward starts, seconds into the step's forward (its copies out start then at the earliest)
@@ -251,9 +251,10 @@ def _span(profile: Profile, name: str, u: UnitCost, drops: list, after: list[Uni
         if ran_s + rest_s < copy_s:
             return None  # its copy would still run when the backward starts: not offered
         gone = profile.backward_start
-    # Note [Exposed copies]: what brings it back early is the next layer (``layers.4`` after ``layers.3``) where that
-    # runs right after it, as the mechanism pairs them (remat.rewrite.offload.offload_modules)
-    nxt = after[0] if after and after[0].name == next_layer(name) else None
+    # Note [Exposed copies]: what brings it back early is the next layer (``layers.4`` after ``layers.3``), wherever it
+    # runs after it, as the mechanism pairs them (by name: remat.rewrite.offload.offload_modules); a unit between the
+    # two then runs its backward with these storages back (they return at the next layer's backward)
+    nxt = next((v for v in after if v.name == next_layer(name)), None)
     back = min(nxt.recompute_at, u.recompute_at) if nxt is not None else u.recompute_at
     spans = tuple((d.nbytes, max(d.free_from, min(gone, back)), d.storage) for d in drops)
     if not spans or not any(at < back for _, at, _ in spans):
