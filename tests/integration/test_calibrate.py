@@ -319,3 +319,25 @@ def test_the_spec_table_prints_each_field_in_its_unit():
             if line.count("│") >= 3}
     assert rows["shortest_kernel_s"] == "2.50 us" and rows["host_forward_op_s"] == "29.00 us"
     assert rows["hbm_bytes_per_s"].endswith("GB/s") and rows["bf16_flops_per_s"].endswith("TFLOP/s")
+
+
+def test_the_compute_capability_measured_is_the_one_the_attention_rules_read(tmp_path):
+    """A calibrated sm 8.6 GPU (an RTX 3090's class: "ampere", not an A100) and an sm 12.0 one ("blackwell", not a
+    B200) had their attention kernels chosen as sm 8.0's and 10.0's: the capability went only into the raw
+    measurements, and the spec's field the rules asked for did not exist. Now the file carries it and the rules
+    read it; a malformed one is refused naming the field."""
+    import dataclasses
+
+    from remat.errors import InvalidInputError
+    from remat.target.attention import gpu_of
+
+    for capability, generation in (((8, 6), "ampere"), ((12, 0), "blackwell")):
+        env = dataclasses.replace(MEASURED.environment, device_name="NVIDIA Some GPU", capability=capability)
+        data = calibrated_file(dataclasses.replace(MEASURED, environment=env), None)
+        assert data["compute_capability"] == list(capability) and data["generation"] == generation
+        target = Target(device=str(_file(tmp_path, data, f"sm{capability[0]}{capability[1]}.json")))
+        assert target.spec.compute_capability == capability
+        assert gpu_of(target) == ("NVIDIA", capability)
+    assert gpu_of(Target(device="h200")) == (KNOWN["h200"].vendor, (9, 0))  # a built-in: its generation's
+    with pytest.raises(InvalidInputError, match="compute_capability must be"):
+        dataclasses.replace(KNOWN["h200"], compute_capability=(9,))

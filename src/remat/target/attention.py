@@ -56,14 +56,13 @@ class AttentionCall:
 
 
 def gpu_of(target: Target) -> tuple[str, tuple[int, int]]:
-    """(vendor, compute capability) of the target's GPU: the device table's generation (remat.target.devices),
-    or a spec's ``compute_capability`` where a spec gives one; an unknown NVIDIA GPU is taken as Hopper (9.0)."""
+    """(vendor, compute capability) of the target's GPU: the spec's ``compute_capability`` where it gives one (a
+    calibrated spec does), else its generation's (remat.target.devices); an unknown NVIDIA GPU is taken as Hopper."""
     from remat.target.devices import generation_of
 
     spec = target.spec
-    given = getattr(spec, "compute_capability", None)
-    if given:
-        return spec.vendor, (int(given[0]), int(given[1]))
+    if spec.compute_capability is not None:
+        return spec.vendor, spec.compute_capability
     return spec.vendor, CAPABILITY.get(generation_of(spec), (9, 0))
 
 

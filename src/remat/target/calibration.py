@@ -29,7 +29,7 @@ reach here and writes each as the fraction of the spec's peak that gives the mea
   memory; pageable copies are noted (the offloader never copies from pageable memory on a GPU);
 * ``shortest_kernel_s``: one-element additions captured in a CUDA graph and replayed (no host between them),
   GPU time per kernel: the model's floor for any operator (a GPU only);
-* ``memory_bytes``: ``total_memory``; ``generation`` from the compute capability.
+* ``memory_bytes``: ``total_memory``; ``compute_capability`` as torch reports it, and ``generation`` from it.
 
 Nothing here is fitted to a step time: every figure is a rate of the kernels or the host measured directly.
 """
@@ -223,6 +223,8 @@ def calibrated_file(m: Measurements, base: Any = None, *, name: str | None = Non
     generation = generation_for(env.capability)
     if generation:
         w.put("generation", generation, f"{test}compute capability {env.capability[0]}.{env.capability[1]}")
+    if env.capability is not None and env.is_gpu:
+        w.put("compute_capability", list(env.capability), "torch.cuda.get_device_capability()")
     w.put("memory_bytes", int(env.total_memory_bytes),
           f"{test}torch.cuda.get_device_properties().total_memory: {env.total_memory_bytes:,} bytes"
           if env.is_gpu else f"{test}this machine's physical memory (os.sysconf)")

@@ -108,6 +108,9 @@ class DeviceSpec:
     #: the GPU's architecture ("ampere", "ada", "hopper", "blackwell"): the time model's efficiencies, torch's
     #: kernel and workspace choices per generation; "": read from the name (:data:`GENERATION`)
     generation: str = ""
+    #: the GPU's compute capability ``(major, minor)`` where known (``remat calibrate`` writes it; JSON ``[8, 6]``):
+    #: torch's attention kernel rules read it (an sm 8.6 GPU is "ampere" but not an A100); None: the generation's
+    compute_capability: tuple[int, int] | None = None
     #: per operator class, the fractions of this spec's peaks (FLOP/s, memory bandwidth) its kernels were measured
     #: to reach here, ``(class, compute, memory)``, None for the time model's own figure (``remat calibrate``;
     #: JSON: ``{"matmul": {"compute": 0.8}}``); empty: the time model's table (remat.costs.device_time)
@@ -140,6 +143,13 @@ class DeviceSpec:
         if not isinstance(self.generation, str):
             raise InvalidInputError(f"device {self.name!r}: generation must be a string such as \"hopper\", got "
                                     f"{self.generation!r}")
+        cc = self.compute_capability
+        if cc is not None:
+            if (not isinstance(cc, (list, tuple)) or len(cc) != 2
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in cc)):
+                raise InvalidInputError(f"device {self.name!r}: compute_capability must be [major, minor] as torch "
+                                        f"reports it (torch.cuda.get_device_capability(), e.g. [8, 6]), got {cc!r}")
+            object.__setattr__(self, "compute_capability", (cc[0], cc[1]))
         object.__setattr__(self, "efficiency", _efficiency(self.name, self.efficiency))
         for field in SECONDS:
             object.__setattr__(self, field, _seconds(self.name, field, getattr(self, field)))
@@ -161,6 +171,8 @@ class DeviceSpec:
         out["efficiency"] = {cls: {k: v for k, v in (("compute", c), ("memory", m)) if v is not None}
                              for cls, c, m in self.efficiency}
         out["sources"] = [list(s) for s in self.sources]
+        if self.compute_capability is not None:
+            out["compute_capability"] = list(self.compute_capability)
         return out
 
     @classmethod
