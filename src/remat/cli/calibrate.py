@@ -17,6 +17,7 @@ import torch
 
 from remat._compat.versions import REMAT_VERSION as __version__
 from remat.cli.common import UsageError, parsed_device
+from remat.target.calibration import flops_text
 from remat.target.this_gpu import cuda_required, named_in_table
 
 
@@ -92,10 +93,6 @@ def cmd_calibrate(args, out, err) -> int:
     return 0
 
 
-def _flops(x: float) -> str:
-    return f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.2f} GFLOP/s"
-
-
 def measurements_table(m):
     """The raw figures as a rich table: what was measured, the rate reached."""
     from rich.table import Table
@@ -105,9 +102,9 @@ def measurements_table(m):
     for col, just in (("what", "left"), ("measured", "right"), ("rate", "right")):
         table.add_column(col, justify=just, no_wrap=True)
     for g in m.gemm:
-        table.add_row(f"product {g.dtype} {g.size}^3", f"{g.seconds * 1e3:.3f} ms", _flops(g.flops_per_s))
+        table.add_row(f"product {g.dtype} {g.size}^3", f"{g.seconds * 1e3:.3f} ms", flops_text(g.flops_per_s))
     for s in m.samples:
-        rate = (_flops(s.flops / s.seconds) if s.op_class == "attention"
+        rate = (flops_text(s.flops / s.seconds) if s.op_class == "attention"
                 else f"{s.bytes_accessed / s.seconds / 1e9:.1f} GB/s")
         table.add_row(f"{s.op_class}: {s.label}", f"{s.seconds * 1e3:.3f} ms", rate)
     h = m.host
@@ -145,7 +142,7 @@ def fields_table(spec, base):
         value = getattr(spec, field)
         if value is None:
             continue
-        text = (f"{value:,}" if field == "memory_bytes" else _flops(value) if field.endswith("_flops_per_s")
+        text = (f"{value:,}" if field == "memory_bytes" else flops_text(value) if field.endswith("_flops_per_s")
                 else f"{value / 1e9:.1f} GB/s" if field.endswith("_bytes_per_s") else f"{value * 1e6:.2f} us")
         table.add_row(field, text, source(field))
     for cls, compute, memory in spec.efficiency:

@@ -47,16 +47,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from remat.costs.allocator import round_size
 from remat.errors import InvalidInputError
 
-#: the CUDA caching allocator's smallest block, and the multiple every block size is rounded to (bytes)
-BLOCK_BYTES = 512
-
-
-def block_bytes(requested_bytes: int) -> int:
-    """The bytes a request occupies as the allocator counts it, rounded to 512 (a large block left unsplit may
-    hold up to 1 MiB more, which a history of requested sizes does not say)."""
-    return max(BLOCK_BYTES, -(-requested_bytes // BLOCK_BYTES) * BLOCK_BYTES)
+#: the bytes a request occupies as the allocator counts it, rounded to 512 (a large block left unsplit may hold up to
+#: 1 MiB more, which a history of requested sizes does not say): the allocator model's rounding
+block_bytes = round_size
 
 
 @dataclass(frozen=True)

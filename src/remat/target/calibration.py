@@ -177,7 +177,8 @@ _PEAK_FIELD = {"bfloat16": "bf16_flops_per_s", "float16": "fp16_flops_per_s", "t
                "float32": "fp32_flops_per_s"}
 
 
-def _tflops(x: float) -> str:
+def flops_text(x: float) -> str:
+    """A FLOP/s figure as printed: TFLOP/s from 10^12, else GFLOP/s."""
     return f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.2f} GFLOP/s"
 
 
@@ -252,7 +253,7 @@ def _products_and_attention(m: Measurements, base: Any, w: _Written) -> dict[str
     by_dtype: dict[str, list[GemmRate]] = {}
     for g in sorted(m.gemm, key=lambda g: g.size):
         by_dtype.setdefault(g.dtype, []).append(g)
-    listing = "; ".join(f"{d} " + ", ".join(f"{g.size}: {_tflops(g.flops_per_s)}" for g in gs)
+    listing = "; ".join(f"{d} " + ", ".join(f"{g.size}: {flops_text(g.flops_per_s)}" for g in gs)
                         for d, gs in by_dtype.items())
     peaks: dict[str, float] = {}
     for dtype, gs in by_dtype.items():
@@ -273,11 +274,11 @@ def _products_and_attention(m: Measurements, base: Any, w: _Written) -> dict[str
     used = gs[1:] if len(gs) > 1 else gs
     fraction = statistics.fmean(g.flops_per_s / peaks[ref] for g in used)
     others = "; ".join(f"{d} at {statistics.fmean(g.flops_per_s for g in (x[1:] if len(x) > 1 else x)) / peaks[d]:.2f}"
-                       f" of its {_tflops(peaks[d])}" for d, x in by_dtype.items() if d != ref)
+                       f" of its {flops_text(peaks[d])}" for d, x in by_dtype.items() if d != ref)
     efficiency["matmul"] = {"compute": fraction}
     w.note("efficiency.matmul",
            f"{test}square {ref} products at {', '.join(str(g.size) for g in used)}: the mean of their "
-           f"rates over the {ref} peak {_tflops(peaks[ref])} ({fraction:.3f}); every size measured: "
+           f"rates over the {ref} peak {flops_text(peaks[ref])} ({fraction:.3f}); every size measured: "
            f"{listing}" + (f"; the other dtypes reach {others} (the model applies {fraction:.2f} to "
                            f"every dtype)" if others else "")
            + ("; ABOVE the base's peak: is the base this GPU?" if fraction > 1 else ""))
@@ -289,9 +290,9 @@ def _products_and_attention(m: Measurements, base: Any, w: _Written) -> dict[str
         kernels = sorted({o for s in attention for o in s.operators if "attention" in o})
         w.note("efficiency.attention",
                f"{test}scaled_dot_product_attention forward and backward ("
-               + "; ".join(f"{s.label}: {_tflops(s.flops / s.seconds)}" for s in attention)
+               + "; ".join(f"{s.label}: {flops_text(s.flops / s.seconds)}" for s in attention)
                + f"; kernels {', '.join(kernels) or 'not recorded'}): the model's FLOPs (causal halved) "
-                 f"over the {ref} peak {_tflops(peaks[ref])}, over the time measured ({fraction:.3f})")
+                 f"over the {ref} peak {flops_text(peaks[ref])}, over the time measured ({fraction:.3f})")
     return efficiency
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import platform
 import re
@@ -55,6 +54,9 @@ from types import MappingProxyType
 from typing import Any
 
 from remat.errors import InvalidInputError
+from remat.target.spec_fields import (  # noqa: F401 (the constants are read from here too)
+    EFFICIENCY_CLASSES, SECONDS, check_capability, check_efficiency, check_seconds, check_whole,
+)
 
 __all__ = ["DeviceSpec", "KNOWN", "device_spec", "cpu_spec", "generation_of"]
 
@@ -139,20 +141,14 @@ class DeviceSpec:
                 f"device {self.name!r}: memory_bytes is required: the device's memory in bytes, as "
                 f"torch.cuda.get_device_properties(0).total_memory reports it there (or GB x 10^9)")
         for field in NUMBERS:
-            object.__setattr__(self, field, _whole(self.name, field, getattr(self, field)))
+            object.__setattr__(self, field, check_whole(self.name, field, getattr(self, field)))
         if not isinstance(self.generation, str):
             raise InvalidInputError(f"device {self.name!r}: generation must be a string such as \"hopper\", got "
                                     f"{self.generation!r}")
-        cc = self.compute_capability
-        if cc is not None:
-            if (not isinstance(cc, (list, tuple)) or len(cc) != 2
-                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in cc)):
-                raise InvalidInputError(f"device {self.name!r}: compute_capability must be [major, minor] as torch "
-                                        f"reports it (torch.cuda.get_device_capability(), e.g. [8, 6]), got {cc!r}")
-            object.__setattr__(self, "compute_capability", (cc[0], cc[1]))
-        object.__setattr__(self, "efficiency", _efficiency(self.name, self.efficiency))
+        object.__setattr__(self, "compute_capability", check_capability(self.name, self.compute_capability))
+        object.__setattr__(self, "efficiency", check_efficiency(self.name, self.efficiency))
         for field in SECONDS:
-            object.__setattr__(self, field, _seconds(self.name, field, getattr(self, field)))
+            object.__setattr__(self, field, check_seconds(self.name, field, getattr(self, field)))
         object.__setattr__(self, "sources", _sources(self.name, self.sources))
 
     def describe(self) -> str:
@@ -193,76 +189,6 @@ class DeviceSpec:
             raise InvalidInputError(f"device spec {d.get('name', '?')!r} lacks {' and '.join(missing)}.\n"
                                     + _how_to())
         return cls(**dict(d))
-
-
-def _whole(name: str, field: str, value: Any) -> int | None:
-    unit = "bytes" if field == "memory_bytes" else "FLOP/s" if "flops" in field else "bytes/s"
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidInputError(f"device {name!r}: {field} must be a number of {unit}, got {value!r}: give it "
-                                f"as a number (e.g. 989.5e12)" + ("" if field == "memory_bytes" else
-                                                                  ", or None where unknown"))
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidInputError(f"device {name!r}: {field} must be positive, got {value!r}: give the device's "
-                                f"{unit}" + (" (torch.cuda.get_device_properties(0).total_memory)"
-                                             if field == "memory_bytes" else ", or None where unknown"))
-    if field == "memory_bytes" and value != int(value):
-        raise InvalidInputError(f"device {name!r}: memory_bytes must be a whole number of bytes, got {value!r}")
-    return int(round(value))
-
-
-#: the operator classes of the time model's efficiency table (remat.costs.device_time.op_class)
-EFFICIENCY_CLASSES = ("matmul", "conv", "attention", "pointwise", "transcendental", "reduction", "foreach")
-#: host seconds per operator (remat.costs.device_time.HostCosts): the selective ones may be 0
-HOST_SECONDS = ("host_forward_op_s", "host_backward_op_s", "host_selective_forward_op_s",
-                "host_selective_recompute_op_s")
-#: every field in seconds
-SECONDS = HOST_SECONDS + ("shortest_kernel_s",)
-
-
-def _efficiency(name: str, value: Any) -> tuple[tuple[str, float | None, float | None], ...]:
-    """``value`` as ``(class, compute, memory)`` triples: given so, or as ``{class: {"compute": c, "memory": m}}``."""
-    if isinstance(value, Mapping):
-        rows = []
-        for cls, fractions in value.items():
-            if not isinstance(fractions, Mapping) or not fractions or set(fractions) - {"compute", "memory"}:
-                raise InvalidInputError(f"device {name!r}: efficiency.{cls} must be an object of \"compute\" and/or "
-                                        f"\"memory\" (fractions of the peak FLOP/s and bandwidth), got {fractions!r}")
-            rows.append((cls, fractions.get("compute"), fractions.get("memory")))
-        value = rows
-    if isinstance(value, str) or not hasattr(value, "__iter__"):
-        raise InvalidInputError(f"device {name!r}: efficiency must map operator classes to fractions, e.g. "
-                                f"{{\"matmul\": {{\"compute\": 0.8}}}}, got {value!r}")
-    out = []
-    for row in value:
-        if not isinstance(row, (tuple, list)) or len(row) != 3:
-            raise InvalidInputError(f"device {name!r}: an efficiency is (class, compute, memory), got {row!r}")
-        cls, *fractions = row
-        if cls not in EFFICIENCY_CLASSES:
-            raise InvalidInputError(f"device {name!r}: efficiency of {cls!r}: not an operator class; the classes are "
-                                    f"{', '.join(EFFICIENCY_CLASSES)}")
-        for what, f in zip(("compute", "memory"), fractions):
-            if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f)
-                                  or f <= 0):
-                raise InvalidInputError(f"device {name!r}: efficiency.{cls}.{what} must be a positive fraction of the "
-                                        f"peak (e.g. 0.8), got {f!r}")
-        out.append((cls, *(None if f is None else float(f) for f in fractions)))
-    if len({r[0] for r in out}) != len(out):
-        raise InvalidInputError(f"device {name!r}: efficiency names a class twice: {[r[0] for r in out]}")
-    return tuple(out)
-
-
-def _seconds(name: str, field: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    least = 0.0 if "selective" in field else None
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or value < 0 or (least is None and value == 0)):
-        raise InvalidInputError(f"device {name!r}: {field} must be a {'non-negative' if least == 0 else 'positive'} "
-                                f"number of seconds{' per operator' if 'op_s' in field else ''} (e.g. 2.47e-05), got "
-                                f"{value!r}, or None for the time model's figure")
-    return float(value)
 
 
 def _sources(name: str, sources: Any) -> tuple[tuple[str, str, str], ...]:
