@@ -1,6 +1,6 @@
 """Profile: measure one training step of the model on its device, per unit.
 
-The stage in five parts, one module each:
+The stage in six parts, one module each:
 
 * ``recorder``: one step recorded (fake tensors when possible) into an immutable
   :class:`remat.costs.recording.Recording` (Note [Timeline]);
@@ -26,8 +26,7 @@ is computed (``output_alive=False``: Hugging Face Trainer's ``compute_loss``, to
 (``Profile.after_backward_bytes``): the last backward operator's incoming gradient is gone by
 then. The user's own ``.grad`` objects are set aside and given back (``remat.runtime.state.fresh_grads``).
 
-Nothing here mutates the model, its gradients, its buffers or the optimizer; RNG state is
-restored (see ``remat.runtime.state``).
+Nothing here mutates the model, its gradients, its buffers or the optimizer; RNG state is restored (runtime.state).
 """
 
 from __future__ import annotations
@@ -356,6 +355,10 @@ def _assembled(step: _Step, rec: Recording, units: list[UnitCost], forward_s: fl
                opt: OptimizerCost, recorded: str, notes: list[str], workspace_bytes: int = 0) -> Profile:
     """The Profile: the recording's timelines, the units, the step's sizes and times, the notes so far."""
     model, args, kwargs, device = step.model, step.args, step.kwargs, step.device
+
+    def state_bytes(tensors: list, on: torch.device | None = None) -> int:  # as the check meters it (CUDA: blocks)
+        return CudaAllocator(device).state_bytes(tensors) if device.type == "cuda" and torch.cuda.is_available() \
+            else tensor_bytes(tensors, on)
     return Profile(
         units=units,
         live_bytes=rec.timeline(),
@@ -366,11 +369,10 @@ def _assembled(step: _Step, rec: Recording, units: list[UnitCost], forward_s: fl
         saved_bytes=rec.saved_timeline(),
         backward_start=rec.backward_start,
         # on CUDA as the allocator counts their blocks, as the check does (Note [The budget on CUDA is absolute])
-        params_bytes=CudaAllocator(device).state_bytes(list(model.parameters())) if device.type == "cuda" and
-        torch.cuda.is_available() else tensor_bytes(model.parameters()),
+        params_bytes=state_bytes(list(model.parameters())),
         grads_bytes=tensor_bytes(trainable_parameters(model)),
-        buffers_bytes=tensor_bytes(model.buffers()),
-        inputs_bytes=tensor_bytes(input_tensors(args, kwargs), device),
+        buffers_bytes=state_bytes(list(model.buffers())),
+        inputs_bytes=state_bytes(input_tensors(args, kwargs), device),
         world_size=step.world_size,
         wrapping=step.wrapping,
         optimizer_state_bytes=opt.state_bytes,
