@@ -212,9 +212,11 @@ def test_the_efficiency_classes_are_the_time_models():
 
 def test_the_command_runs_its_whole_pipeline_on_the_cpu_labelled_not_a_gpu_calibration(capsys, tmp_path):
     path = tmp_path / "cpu.json"
+    rng = torch.get_rng_state()
     code = main(["calibrate", "--measure-on", "cpu", "--out", str(path)])
     out, err = capsys.readouterr()
     assert code == 0, err
+    assert torch.equal(rng, torch.get_rng_state())  # it seeds its own draws and gives the random state back
     assert "NOT a GPU calibration" in out and str(path) in out
     data = json.loads(path.read_text())
     assert "base" not in data and data["name"] == "cpu-test-calibration"

@@ -1,14 +1,15 @@
 """Private torch APIs remat relies on, in one place.
 
 Every private torch API remat uses (and the one of Lightning's it reads, and transformers' mask helpers) lives in
-this package and nowhere else; the rest of remat imports them from ``remat._compat``, which re-exports each entry of
-its modules:
+this package and nowhere else; the rest of remat imports them from ``remat._compat``, which re-exports the entries
+of its modules (``attention``'s are imported from it: remat.target.attention alone uses them):
 ``versions`` (the torch releases remat supports: ``CHECKED_ON``, ``TORCH_FLOOR``, ``COMPILED_FLOOR``,
 :func:`require_torch`), ``dispatch`` (dispatch modes, fake tensors, operator schemas, storages, pytrees),
 ``optim`` (torch.optim's global hooks and defaults), ``modules`` (``Module.compile()`` and ``torch.compile``),
 ``inductor`` (the sizes of inductor's programs), ``distributed`` (DTensor, FSDP2), ``profiler`` (the
-profiler's memory events), ``cuda`` (the BLAS workspaces in the CUDA caching allocator) and ``transformers``
-(Hugging Face's mask helpers, answered for fake tensors: Note [Masks decided on values]).
+profiler's memory events), ``cuda`` (the BLAS workspaces in the CUDA caching allocator), ``transformers``
+(Hugging Face's mask helpers, answered for fake tensors: Note [Masks decided on values]) and ``attention`` (SDPA's
+switches and priority order, the CUDA kernels called on fake tensors: Note [Attention on the target]).
 
 Each entry names the torch versions it was checked on: CI runs the suite on every release in ``CHECKED_ON``
 (``.ci/run``), so each entry was run on those; 2.11 is the lent GPU's image; an entry used only for compiled steps

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-#: the helpers answered for fake tensors, by name, and the argument that holds the tensor read for its values
+#: the helpers answered for fake tensors, by name (Note [Masks decided on values])
 _ANSWERED = ("find_packed_sequence_indices", "_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
 
 

@@ -179,8 +179,9 @@ class MemoryModel(MemoryRows, PeakExplainer):
         return max(self.row_bytes(r, chosen) for r in self.rows)
 
     def recompute_s(self, plan: Iterable[str]) -> float:
-        """Predicted recompute time of ``plan``: the measured recompute time of its checkpointed units plus
-        checkpoint's measured bookkeeping per unit (seconds); its offloads cost :meth:`exposed_copy_s`."""
+        """Predicted time ``plan``'s checkpointed units add (seconds): each unit's ``UnitCost.cost_s``, its
+        recompute and checkpoint's bookkeeping, or its host's time for them where that is longer, and the host's
+        extra time in its forward (Note [Host time in the plan]); its offloads cost :meth:`exposed_copy_s`."""
         return sum(self.units[u].cost_s for u in plan if offloaded_unit(u) is None)
 
     def extra_s(self, plan: Iterable[str]) -> float:

@@ -227,8 +227,9 @@ class Planner:
             dt += block_dt
             op_s, block_s = self.model.extra_s(units), None if block is None else self.model.extra_s(block)
             if block_s is not None and op_s > (1 - SELECTIVE_MARGIN) * block_s:
-                notes = (f"the best op-level plan was predicted to save {1 - op_s / block_s:.1%} of the block-level "
-                         f"plan's recompute, under the {SELECTIVE_MARGIN:.0%} margin (Note [Selective margin]): "
+                notes = (f"the best op-level plan was predicted to save {1 - op_s / block_s:.1%} of the time the "
+                         f"block-level plan adds (recompute, host time, exposed copies), under the "
+                         f"{SELECTIVE_MARGIN:.0%} margin (Note [Selective margin]): "
                          "block-level plan kept",)
                 units, status = block, block_status
         name = "ilp" if self.granularity == "block" else "ilp-op"

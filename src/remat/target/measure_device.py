@@ -342,7 +342,7 @@ def measure(device: torch.device | str = "cuda", *, quick: bool = False,
             progress: Callable[[str], None] | None = None) -> Measurements:
     """Every measurement of a calibration on ``device`` (a CUDA GPU; "cpu" only for the tests, at
     :data:`CPU_TEST`'s sizes). Runs under ``torch.no_grad`` where nothing needs gradients; changes no setting
-    it does not restore."""
+    it does not restore (the random state included: its inputs are drawn from a seed of its own)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -353,10 +353,12 @@ def measure(device: torch.device | str = "cuda", *, quick: bool = False,
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return _measure(device, sizes, quick, progress)
+            with torch.random.fork_rng(devices=[]):
+                return _measure(device, sizes, quick, progress)
         finally:
             torch.set_num_threads(threads)
-    return _measure(device, sizes, quick, progress)
+    with torch.random.fork_rng(devices=[device]):
+        return _measure(device, sizes, quick, progress)
 
 
 def _measure(device: torch.device, sizes: Sizes, quick: bool,
