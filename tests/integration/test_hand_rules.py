@@ -125,3 +125,19 @@ def test_a_second_call_reads_the_pairs_and_returns_the_same_plan(planner, monkey
     assert len(calls) == 1 and plans[0].choices == plans[1].choices == every.choices
     notes = [next(n for n in p.notes if "timed beside the hand rules" in n) for p in plans]
     assert "(measured now)" in notes[0] and "read from remat's timing cache" in notes[1]
+
+
+def test_the_tradeoff_tables_remat_row_is_the_plan_the_call_returns(planner, monkeypatch):
+    """`remat tradeoff`'s row for remat at a budget is what optimize_checkpointing returns there: every block where it
+    was measured faster (labelled remat, with a note saying so), not dropped from remat's rows."""
+    every = planner.every_nth_block(1)
+    monkeypatch.setattr(hand_rules, "time_plans_in_place",
+                        lambda model, plans, *a, **k: [(1.0,) * 3, (0.9,) * 3] + [(1.2,) * 3] * (len(plans) - 2))
+    monkeypatch.setattr(hand_rules, "TIMED_MARGIN", 1.0)
+    model, inputs, _ = gpt()
+    rows = remat.tradeoff(model, inputs, planner.profile, loss_fn=None, optimizer_factory=None,
+                          budgets=[int(every.predicted_peak_bytes * 1.02)], granularities=("block",),
+                          hand_rules=[planner.no_checkpointing()],
+                          warmup=0, repeats=1, warmup_s=0.0)
+    ours, = [r for r in rows if r.strategy == "remat"]
+    assert ours.checkpointed == every.checkpointed and "every block, measured faster" in ours.note

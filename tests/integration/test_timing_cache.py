@@ -74,7 +74,7 @@ def test_an_unreadable_entry_is_measured_again_and_rewritten(cache_on, monkeypat
     monkeypatch.setattr(remat.profile, "time_units", lambda *a, **k: calls.append(1) or real(*a, **k))
     profile = remat.make_profile(model, x)
     assert calls == [1] and not any("timing cache" in n for n in profile.notes)
-    assert json.loads(entry.read_text())["format"] == 1
+    assert json.loads(entry.read_text())["format"] == remat.profile.cache.FORMAT
 
 
 def test_remat_cache_0_reads_and_writes_nothing(tmp_path, monkeypatch):
