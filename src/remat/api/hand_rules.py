@@ -138,6 +138,16 @@ def timed_beside_hand_rules(
                   f"in place of the ILP's ({len(plan.checkpointed)} units: {', '.join(plan.checkpointed)})")
 
 
+def remats_row(plan: Plan, granularity: str, budget_bytes: int) -> tuple[Plan, int, str]:
+    """remat's answer for a budget as a tradeoff table's row of remat's (``ilp`` or ``ilp-op``), a hand rule too where
+    it was measured faster than the ILP's plan: the plan, the budget and the row's note saying so."""
+    ilp = "ilp" if granularity == "block" else "ilp-op"
+    if plan.strategy == ilp:
+        return plan, budget_bytes, ""
+    return (dataclasses.replace(plan, strategy=ilp), budget_bytes,
+            f"{_name(plan)}, measured faster than the ILP's plan at this budget (Note [Plans timed beside the hand rules])")
+
+
 def _step_of(planner: Planner, plans: list[Plan], output_alive: bool) -> dict:
     """What the planner knew of the step that the plans' times depend on (for the cache key): each of their units'
     times, as the timing cache gives them back (not the plain step's, whose optimizer step is timed afresh)."""

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from remat.api import checked_reading, plan_checked, prepare_hf_for_training
+from remat.api import checked_reading, plan_checked, prepare_hf_for_training, remats_row
 from remat.api.checking import least_checked
 from remat.runtime.compiled import compiled_loop
 from remat.costs.unit_costs import Profile
@@ -165,14 +165,8 @@ def _checked_plans(model, inputs, loss_fn, planners, granularities, budget: int,
     out: list = []
     for gran in granularities:
         try:
-            plan = plan_checked(model, args, kwargs, loss_fn, model_device(model), planners[gran], budget,
-                                ranks=ranks, checked=dict((checked or {}).get(gran, {})))
-            # remat's answer for the budget, a hand rule where it was measured faster than the ILP's plan (Note [Plans
-            # timed beside the hand rules] in remat.api.hand_rules): its row is remat's
-            ilp = "ilp" if gran == "block" else "ilp-op"
-            out.append((dataclasses.replace(plan, strategy=ilp), budget,
-                        "" if plan.strategy == ilp else f"{plan.strategy.replace('_', ' ')}, measured faster than the "
-                                                        "ILP's plan at this budget"))
+            out.append(remats_row(plan_checked(model, args, kwargs, loss_fn, model_device(model), planners[gran], budget,
+                                               ranks=ranks, checked=dict((checked or {}).get(gran, {}))), gran, budget))
         except InfeasibleBudgetError as e:
             out.append((_Infeasible("ilp" if gran == "block" else "ilp-op"), budget,
                         f"below the least achievable peak {fmt_bytes(e.min_feasible_bytes)}"))
