@@ -53,6 +53,8 @@ TIMED_MARGIN = 0.10
 ROUNDS = 5
 LONG_ROUNDS = 3
 LONG_STEP_S = 1.0
+#: what the note of a plan that replaced the ILP's says (the tradeoff table reads it)
+REPLACED = "it is the plan returned in place of the ILP's"
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def timed_beside_hand_rules(
         return plan, None
     rounds = LONG_ROUNDS if planner.profile.step_time_s >= LONG_STEP_S else ROUNDS
     plans = [plan, *candidates]
-    # the same plans of a step whose times came from the timing cache: their pairs too (Note [Reproducible plans])
+    # the same plans of a step whose times came from the timing cache: their pairs too (docs/plans.md#reproducible-plans)
     key = cache.paired_key(device, _step_of(planner, plans, output_alive), [p.choices for p in plans])
     hit = cache.load_paired(key)
     if hit is not None and len(hit[0]) == len(plans):
@@ -134,8 +136,8 @@ def timed_beside_hand_rules(
     if not best.rule_faster:
         return plan, head + "; no rule measured faster beyond the noise of the pairs: this plan kept"
     rule = dataclasses.replace(best.rule, budget_bytes=budget_bytes)
-    return rule, (head + f"; {_name(rule)} measured faster beyond the noise of the pairs, so it is the plan returned "
-                  f"in place of the ILP's ({len(plan.checkpointed)} units: {', '.join(plan.checkpointed)})")
+    return rule, (head + f"; {_name(rule)} measured faster beyond the noise of the pairs, so {REPLACED} "
+                  f"({len(plan.checkpointed)} units: {', '.join(plan.checkpointed)})")
 
 
 def remats_row(plan: Plan, granularity: str, budget_bytes: int) -> tuple[Plan, int, str]:
@@ -144,8 +146,10 @@ def remats_row(plan: Plan, granularity: str, budget_bytes: int) -> tuple[Plan, i
     ilp = "ilp" if granularity == "block" else "ilp-op"
     if plan.strategy == ilp:
         return plan, budget_bytes, ""
-    return (dataclasses.replace(plan, strategy=ilp), budget_bytes,
-            f"{_name(plan)}, measured faster than the ILP's plan at this budget (Note [Plans timed beside the hand rules])")
+    timed = any(REPLACED in n for n in plan.notes)
+    return (dataclasses.replace(plan, strategy=ilp), budget_bytes, f"{_name(plan)}, " + (
+        "measured faster than the ILP's plan at this budget (Note [Plans timed beside the hand rules])" if timed else
+        "the plans predicted cheaper measured over the budget (Note [Least peak is a promise])"))
 
 
 def _step_of(planner: Planner, plans: list[Plan], output_alive: bool) -> dict:
