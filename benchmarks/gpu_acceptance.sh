@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #55's checks on a machine with a CUDA GPU, in one prepared script (the lent H200: /work/.library/device/).
+# Issues #55's and #56's checks on a machine with a CUDA GPU, in one prepared script (the lent H200: /work/.library/device/).
 #
 #   bash benchmarks/gpu_acceptance.sh PULP_WHEEL [PART ...]
 #
@@ -9,7 +9,7 @@
 #     python3 -m pip download --no-deps --only-binary=:all: -d .whl pulp==3.3.2     # py3-none-any, CBC bundled
 # and run it with carry [".whl"]:
 #     bash benchmarks/gpu_acceptance.sh .whl/pulp-3.3.2-py3-none-any.whl calibrate accuracy-gpt accuracy-llama1b budget
-#     bash benchmarks/gpu_acceptance.sh .whl/pulp-3.3.2-py3-none-any.whl cuda-tests suite
+#     bash benchmarks/gpu_acceptance.sh .whl/pulp-3.3.2-py3-none-any.whl ranking cuda-tests suite
 # (two calls of under 10 minutes each; one call with no PART runs them all, if its limit allows).
 #
 # PARTS, in this order by default:
@@ -22,24 +22,26 @@
 #                     llama1b, bf16, 4 x 2048, the loop keeps only the loss), with a 24 GiB plan among the rows
 #   budget            optimize_checkpointing at 24 GiB on that model, then 4 real steps: max_memory_allocated against
 #                     the budget (benchmarks/gpu_budget.py; exit 1 when over)
+#   ranking           benchmarks/ranking.py --device cuda (issue #56): remat's plan at budgets just above every
+#                     block's peak, measured beside every block in paired rounds (ranking_gpu.md)
 #   cuda-tests        pytest tests/integration/test_cuda.py tests/integration/test_accuracy_command.py
 #                     tests/integration/test_calibrate.py
 #   suite             the whole suite, pytest -n 14
 #
 # Everything goes under $OUT (default ./gpu-acceptance; at most 8 files come back from a device call):
 #   acceptance.log    all output;  summary.txt   one line per part: exit status and seconds
-#   h200-calibrated.json, accuracy_gpt.json, accuracy_llama1b.json, budget_llama1b_24gib.json, cuda_tests.log,
-#   suite.log
+#   h200-calibrated.json, accuracy_gpt.json, accuracy_llama1b.json, budget_llama1b_24gib.json, ranking_gpu.md,
+#   cuda_tests.log, suite.log
 # Each part runs under `timeout` (PART_TIMEOUT_S, default per part below) and the script goes on after a failure;
 # its own exit status is the number of parts that failed. PYTHON (default python3) is the interpreter.
 
 set -u -o pipefail
-usage() { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 case "$1" in -h|--help) usage ;; esac
 WHEEL=$1; shift
 [ -f "$WHEEL" ] || { echo "gpu_acceptance.sh: no PuLP wheel at $WHEEL (see the header for how to carry one)" >&2; exit 2; }
-ALL=(calibrate accuracy-gpt accuracy-llama1b budget cuda-tests suite)
+ALL=(calibrate accuracy-gpt accuracy-llama1b budget ranking cuda-tests suite)
 PARTS=("$@")
 [ ${#PARTS[@]} -gt 0 ] || PARTS=("${ALL[@]}")
 for p in "${PARTS[@]}"; do
@@ -106,6 +108,8 @@ for p in "${PARTS[@]}"; do
     budget)
       part budget 240 "$PY" benchmarks/gpu_budget.py benchmarks/gpu_targets.py:llama1b --budget 24 --output-dropped \
         --json "$OUT/budget_llama1b_24gib.json" ;;
+    ranking)
+      part ranking 300 "$PY" benchmarks/ranking.py --device cuda --out "$OUT/ranking_gpu.md" ;;
     cuda-tests)
       part cuda-tests 300 bash -c "set -o pipefail; '$PY' -m pytest -q -p no:cacheprovider -rfEs \
         tests/integration/test_cuda.py tests/integration/test_accuracy_command.py tests/integration/test_calibrate.py \

@@ -1,6 +1,6 @@
 """Plans ranked by what is measured (issue #56), on models written as their users write them (run by hand, alone).
 
-    python benchmarks/ranking.py [--models vit,resnet] [--repeats 5] [--out benchmarks/results/ranking-cpu.md]
+    python benchmarks/ranking.py [--models vit,resnet] [--repeats 5] [--device cuda] [--out benchmarks/results/ranking-cpu.md]
 
 Issue #56 asks that where checkpointing every block meets the budget, the plan remat chooses is never measured
 slower than every block (on a model outside the repository a segment plan, at a budget just above every block's
@@ -89,16 +89,16 @@ class ResNet(nn.Module):
         return self.head(self.stages(self.stem(x)).mean((2, 3)))
 
 
-def _classifier(model: nn.Module, shape: tuple[int, ...]):
+def _classifier(model: nn.Module, shape: tuple[int, ...], device: str):
     torch.manual_seed(0)
-    x = torch.randn(*shape)
-    y = torch.randint(0, 100, (shape[0],))
-    return model, x, lambda out: nn.functional.cross_entropy(out, y)
+    x = torch.randn(*shape).to(device)
+    y = torch.randint(0, 100, (shape[0],)).to(device)
+    return model.to(device), x, lambda out: nn.functional.cross_entropy(out, y)
 
 
 MODELS = {
-    "vit": lambda: _classifier(ViT(), (16, 3, 128, 128)),
-    "resnet": lambda: _classifier(ResNet(), (16, 3, 64, 64)),
+    "vit": lambda device: _classifier(ViT(), (16, 3, 128, 128), device),
+    "resnet": lambda device: _classifier(ResNet(), (16, 3, 64, 64), device),
 }
 FACTORS = (1.00, 1.02, 1.05, 1.10)
 
@@ -107,9 +107,9 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def run(name: str, repeats: int, say) -> None:
+def run(name: str, repeats: int, say, device: str = "cpu") -> None:
     torch.manual_seed(0)
-    model, x, loss = MODELS[name]()
+    model, x, loss = MODELS[name](device)
     planner = remat.Planner(remat.make_profile(model, x, loss_fn=loss, optimizer=adamw(model.parameters())))
     every, none = planner.every_nth_block(1), planner.no_checkpointing()
     first = measure_plans(model, x, [every, none], loss_fn=loss, optimizer_factory=adamw, repeats=0, warmup=0)
@@ -156,6 +156,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--repeats", type=int, default=5, help="2 x repeats paired rounds (default 5)")
+    ap.add_argument("--device", default="cpu", help="where the models train: cpu (default) or cuda")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     lines: list[str] = []
@@ -164,10 +165,12 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    say(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, {platform.processor() or 'CPU'}, "
-        f"{torch.get_num_threads()} threads; every figure measured here but those marked predicted")
+    where = (torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else
+             f"{platform.processor() or 'CPU'}, {torch.get_num_threads()} threads")
+    say(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, {where}; every figure measured "
+        f"here but those marked predicted")
     for name in a.models.split(","):
-        run(name, a.repeats, say)
+        run(name, a.repeats, say, a.device)
     if a.out:
         a.out.write_text("\n".join(lines) + "\n")
 
