@@ -19,6 +19,11 @@ from remat.runtime.measure import split_inputs
 from remat.solve import Planner
 
 
+@pytest.fixture(autouse=True)
+def _timed(monkeypatch):
+    monkeypatch.setenv("REMAT_TIME_HAND_RULES", "1")  # off in the rest of the suite (tests/conftest.py)
+
+
 def gpt():
     return make_gpt(layers=4, batch_size=2, seq_len=32, d_model=64, heads=2, vocab=256, dropout=0.1)
 
@@ -102,6 +107,17 @@ def test_timing_in_place_leaves_the_model_as_it_was(planner):
     assert all(p.grad is g and torch.equal(g, c) for p, (g, c) in zip(model.parameters(), grads))
     assert torch.equal(rng, torch.get_rng_state())
     assert {name: m.forward for name, m in model.named_modules()} == forwards
+
+
+def test_the_timing_is_off_where_the_environment_says_so(planner, monkeypatch):
+    """REMAT_TIME_HAND_RULES=0: the plan as the model ranks it, nothing timed (the rest of the suite's setting)."""
+    monkeypatch.setenv("REMAT_TIME_HAND_RULES", "0")
+    monkeypatch.setattr(hand_rules, "time_plans_in_place", lambda *a, **k: pytest.fail("timed"))
+    monkeypatch.setattr(hand_rules, "TIMED_MARGIN", 1.0)
+    model, inputs, _ = gpt()
+    plan = remat.optimize_checkpointing(model, planner.every_nth_block(1).predicted_peak_bytes * 1.02 / 2**30,
+                                        inputs, optimizer=torch.optim.AdamW(model.parameters()))
+    assert not any("timed beside the hand rules" in n for n in plan.notes)
 
 
 def test_a_second_call_reads_the_pairs_and_returns_the_same_plan(planner, monkeypatch):
