@@ -1,12 +1,13 @@
 """Plans ranked by what is measured (issue #56), on models written as their users write them (run by hand, alone).
 
-    python benchmarks/ranking.py [--models vit,resnet] [--repeats 5] [--device cuda] [--out benchmarks/results/ranking-cpu.md]
+    python benchmarks/ranking.py [--models vit,resnet,mlp16] [--repeats 5] [--device cuda] [--out benchmarks/results/ranking-cpu.md]
 
 Issue #56 asks that where checkpointing every block meets the budget, the plan remat chooses is never measured
 slower than every block (on a model outside the repository a segment plan, at a budget just above every block's
 peak, had measured 1.3x every block's overhead). For each model here (defined in this file, as a user's project
-would: a ViT-style model whose blocks sit in an ``nn.Sequential`` and call ``nn.MultiheadAttention(y, y, y)``, and a
-ResNet-style conv net with BatchNorm, its bottlenecks in an ``nn.Sequential``), ``remat.optimize_checkpointing`` is
+would: a ViT-style model whose blocks sit in an ``nn.Sequential`` and call ``nn.MultiheadAttention(y, y, y)``, a
+ResNet-style conv net with BatchNorm, its bottlenecks in an ``nn.Sequential``, and 16 residual MLP blocks in one
+``nn.Sequential``, where the plans just above every block's peak are segments, the issue's case), ``remat.optimize_checkpointing`` is
 called as a user calls it (a fresh copy of the model each time, AdamW) at budgets of every block's measured peak x
 1.00, 1.02, 1.05, 1.10 and halfway to no checkpointing. Then every distinct plan returned, every block and no
 checkpointing are measured side by side in one process: whole training steps with AdamW, 2 x --repeats rounds of
@@ -89,6 +90,28 @@ class ResNet(nn.Module):
         return self.head(self.stages(self.stem(x)).mean((2, 3)))
 
 
+class MLPBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.ln(x))))
+
+
+def _deep_mlp(device: str):
+    """16 residual MLP blocks of width 256 in one nn.Sequential with the input and output layers, 64 x 128 tokens:
+    where remat's plans just above every block's peak are segments of two blocks (Note [Segments])."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), *[MLPBlock(256) for _ in range(16)], nn.Linear(256, 10))
+    x = torch.randn(64, 128, 64).to(device)
+    y = torch.randint(0, 10, (64, 128)).to(device)
+    return model.to(device), x, lambda out: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
 def _classifier(model: nn.Module, shape: tuple[int, ...], device: str):
     torch.manual_seed(0)
     x = torch.randn(*shape).to(device)
@@ -99,6 +122,7 @@ def _classifier(model: nn.Module, shape: tuple[int, ...], device: str):
 MODELS = {
     "vit": lambda device: _classifier(ViT(), (16, 3, 128, 128), device),
     "resnet": lambda device: _classifier(ResNet(), (16, 3, 64, 64), device),
+    "mlp16": _deep_mlp,
 }
 FACTORS = (1.00, 1.02, 1.05, 1.10)
 
