@@ -1,14 +1,15 @@
 """Plans ranked by what is measured (issue #56), on models written as their users write them (run by hand, alone).
 
-    python benchmarks/ranking.py [--models vit,resnet,mlp16] [--repeats 5] [--device cuda] [--out benchmarks/results/ranking-cpu.md]
+    python benchmarks/ranking.py [--models vit,resnet,mlp16] [--repeats 5] [--device cuda]
+                                 [--out benchmarks/results/ranking-cpu.md]
 
 Issue #56 asks that where checkpointing every block meets the budget, the plan remat chooses is never measured
 slower than every block (on a model outside the repository a segment plan, at a budget just above every block's
 peak, had measured 1.3x every block's overhead). For each model here (defined in this file, as a user's project
 would: a ViT-style model whose blocks sit in an ``nn.Sequential`` and call ``nn.MultiheadAttention(y, y, y)``, a
 ResNet-style conv net with BatchNorm, its bottlenecks in an ``nn.Sequential``, and 16 residual MLP blocks in one
-``nn.Sequential``, where the plans just above every block's peak are segments, the issue's case), ``remat.optimize_checkpointing`` is
-called as a user calls it (a fresh copy of the model each time, AdamW) at budgets of every block's measured peak x
+``nn.Sequential``, where the plans just above every block's peak are segments, the issue's case),
+``remat.optimize_checkpointing`` is called as a user calls it (a fresh copy of the model each time, AdamW) at budgets of every block's measured peak x
 1.00, 1.02, 1.05, 1.10 and halfway to no checkpointing. Then every distinct plan returned, every block and no
 checkpointing are measured side by side in one process: whole training steps with AdamW, 2 x --repeats rounds of
 one step per plan in a shuffled order after a warm-up (remat.check.steps.measure_plans), so that each round is a

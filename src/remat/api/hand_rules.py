@@ -128,7 +128,8 @@ def timed_beside_hand_rules(
     long = planner.profile.step_time_s >= LONG_STEP_S
     rounds, most = (LONG_ROUNDS, LONG_ROUNDS_MAX) if long else (ROUNDS, ROUNDS_MAX)
     plans = [plan, *candidates]
-    # the same plans of a step whose times came from the timing cache: their pairs too (docs/plans.md#reproducible-plans)
+    # the same plans of a step whose times came from the timing cache: their pairs too
+    # (docs/plans.md#reproducible-plans)
     key = cache.paired_key(device, _step_of(planner, plans, output_alive), [p.choices for p in plans])
     hit = cache.load_paired(key)
     if hit is not None and len(hit[0]) == len(plans):

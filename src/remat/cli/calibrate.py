@@ -34,8 +34,9 @@ def add_calibrate(sub) -> None:
     c.add_argument("--base", default=None,
                    help="a built-in device the GPU is (its datasheet peaks, links and notes carried; default: the "
                         "table's entry torch's name for the GPU matches); 'none': every peak measured")
-    c.add_argument("--name", default=None, help="the device's name in the file (default: BASE-calibrated, or GPU-calibrated from torch's "
-                                        "name of the GPU where there is no base)")
+    c.add_argument("--name", default=None,
+                   help="the device's name in the file (default: BASE-calibrated, or GPU-calibrated from torch's name "
+                        "of the GPU where there is no base)")
     c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about a third of the time)")
     c.add_argument("--device", default="cuda", help="the GPU to measure (default: cuda, the current one)")
     c.add_argument("--debug", action="store_true", help="show tracebacks")
