@@ -232,15 +232,7 @@ def measure_plans(
 
     times: list[list[float]] = [[] for _ in plans]
     if interleave:
-        for _ in range(warmup):
-            for plan in plans:
-                timed(plan)
-        rng = random.Random(seed)
-        for _ in range(2 * repeats):
-            order = list(range(len(plans)))
-            rng.shuffle(order)
-            for i in order:
-                times[i].append(timed(plans[i]))
+        times = _interleaved(timed, plans, warmup, 2 * repeats, seed)
     else:
         for i, plan in enumerate(plans):
             for _ in range(warmup):
@@ -267,7 +259,6 @@ def time_plans_in_place(
 
     clock = Clock(device)
     leaves = [*trainable_parameters(model), *(t for t in input_tensors(args, kwargs) if t.requires_grad and t.is_leaf)]
-    times: list[list[float]] = [[] for _ in plans]
 
     def timed(plan) -> float:
         remove_checkpointing(model)
@@ -278,15 +269,23 @@ def time_plans_in_place(
 
     try:
         with preserved(model), fresh_grads(leaves):
-            for _ in range(warmup):
-                for plan in plans:
-                    timed(plan)
-            rng = random.Random(seed)
-            for _ in range(rounds):
-                order = list(range(len(plans)))
-                rng.shuffle(order)
-                for i in order:
-                    times[i].append(timed(plans[i]))
+            times = _interleaved(timed, plans, warmup, rounds, seed)
     finally:
         remove_checkpointing(model)
     return [tuple(ts) for ts in times]
+
+
+def _interleaved(timed: Any, plans: list, warmup: int, rounds: int, seed: int) -> list[list[float]]:
+    """Note [Interleaved timing]: ``warmup`` rounds of ``timed(plan)`` for every plan, then ``rounds`` rounds in a
+    shuffled order (``seed``); each plan's timings in round order."""
+    for _ in range(warmup):
+        for plan in plans:
+            timed(plan)
+    times: list[list[float]] = [[] for _ in plans]
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        order = list(range(len(plans)))
+        rng.shuffle(order)
+        for i in order:
+            times[i].append(timed(plans[i]))
+    return times
