@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 import contextlib
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from remat._compat import inductor_programs, profiler_memory_trace, random_numbers, uncompiled
-from remat.api.hand_rules import timed_beside_hand_rules
 from remat.api.inputs import validate
 from remat.api.profiling import prepare_hf_for_training
 from remat.check.compiled import CompiledComparison, check_compiled_plan
@@ -27,6 +26,7 @@ from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.runtime.compiled import CompiledLoop, eager_submodules
 from remat.runtime.distributed import Ranks, steps_checked, wrapping_of
 from remat.runtime.measure import (
+    Clock,
     LossFn,
     default_loss,
     found_storages_are_fresh,
@@ -41,7 +41,14 @@ from remat.solve import Planner
 from remat.solve.calibrated import CompiledReading
 from remat.solve.plan import GiB, Plan, fmt_bytes
 
+if TYPE_CHECKING:
+    from remat.api.hand_rules import Race
+
 log = logging.getLogger(__name__)
+
+#: ``plan_checked``'s ``beside``: (the ILP's plan checked within the budget, the hand rules, the checker of peaks,
+#: each checked step's forward and backward seconds by plan units) -> the plan returned and its note
+Beside = Callable[[Plan, list[Plan], Callable[[Plan], int], dict[tuple[str, ...], float]], "Race"]
 
 
 def proved_compiled(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, loop: CompiledLoop,
@@ -109,7 +116,7 @@ def measure_checked_peak(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, *,
     output_alive: bool = True, optimizer_state_bytes: int = 0, optimizer_step_bytes: int = 0,
     grads_held: bool = False, grads_held_in_forward: bool = False, call: Callable[..., Any] | None = None,
-    allocator_level: bool = False, steps: int | None = None,
+    allocator_level: bool = False, steps: int | None = None, step_s: list[float] | None = None,
 ) -> int:
     """The peak memory (bytes) of one training step of ``model`` as it is (checkpointed or not): forward,
     loss and ``loss.backward()`` run for real, as the loop runs them (Note [Loop style] in remat.profile:
@@ -125,8 +132,12 @@ def measure_checked_peak(
     events and keep the largest peak; None: as many as ``model`` needs (:func:`remat.runtime.distributed.steps_checked`:
     3 for a tensor-parallel or compiled model on CPU, under gloo, Note [Steps under gloo]; else one).
 
+    ``step_s``: the measured step's forward and backward seconds are appended to it, timed under the meter (one
+    process, not metered by profiler events; Note [Plans timed beside the hand rules] in remat.api.hand_rules).
+
     The model's gradients (``.grad`` objects and values), buffers and the RNG state are as they were."""
     inputs = input_tensors(args, kwargs)
+    clock, started = Clock(device), []
     state = [*model.parameters(), *model.buffers(), *inputs]
     trainable = trainable_parameters(model)
     leaves = trainable + [t for t in inputs if t.requires_grad and t.is_leaf]
@@ -138,12 +149,15 @@ def measure_checked_peak(
             for p in trainable:
                 p.grad = None
         if event == "backward":
+            if step_s is not None and started:
+                step_s.append(clock.seconds(started[-1], clock.mark()))
             after_backward.append(live_now())
 
     def work(live_now: Callable[[], int]) -> None:
         if grads_held or grads_held_in_forward:  # allocated in the work: the meter sees them come and go
             for p in trainable:
                 p.grad = torch.zeros_like(p)
+        started.append(clock.mark())
         run_step(call, args, kwargs, loss_fn, output_alive=output_alive, on=lambda event: on(event, live_now))
 
     steps = steps_checked(model, device, compiled=allocator_level) if steps is None else steps
@@ -162,19 +176,21 @@ def measure_checked_peak(
 
 def peak_with_plan(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
                    profile: Profile, loop: CompiledLoop | None = None,
-                   then: Callable[[Callable[..., Any]], None] | None = None) -> int:
+                   then: Callable[[Callable[..., Any]], None] | None = None, *,
+                   step_s: list[float] | None = None) -> int:
     """:func:`measure_checked_peak` of one step of ``model`` checkpointed as ``plan`` says, for the loop and
     optimizer ``profile`` was made for; with ``loop``, of the step compiled as the loop compiles it (compiled
     afresh, one warm-up step that compiles, then the measured step, metered at allocator level). ``then(call)``
     runs afterwards with the plan still applied (and compiled: ``call`` runs the forward), e.g. to time steps
-    without compiling again. Leaves ``model`` without checkpointing."""
-    return checked_reading(model, plan, args, kwargs, loss_fn, device, profile, loop, then).peak_bytes
+    without compiling again. ``step_s``: :func:`measure_checked_peak`'s. Leaves ``model`` without checkpointing."""
+    return checked_reading(model, plan, args, kwargs, loss_fn, device, profile, loop, then, step_s=step_s).peak_bytes
 
 
 def checked_reading(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
                     profile: Profile, loop: CompiledLoop | None = None,
                     then: Callable[[Callable[..., Any]], None] | None = None, *,
-                    compare: CompiledComparison | None = None) -> CompiledReading:
+                    compare: CompiledComparison | None = None,
+                    step_s: list[float] | None = None) -> CompiledReading:
     """:func:`peak_with_plan`, and with ``loop`` what the programs inductor generated for the step say of its
     memory, read as they are compiled, before the measured step (Note [Compiled programs] in
     remat.costs.compiled_memory; None where they cannot be read). ``compare``: the step that compiles the plan is
@@ -205,7 +221,7 @@ def checked_reading(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, los
                 model, args, kwargs, loss_fn, device, output_alive=profile.output_alive, grads_held=profile.grads_held,
                 grads_held_in_forward=profile.grads_held_in_forward,
                 optimizer_state_bytes=profile.optimizer_state_bytes, optimizer_step_bytes=profile.optimizer_step_bytes,
-                call=call, allocator_level=loop is not None)
+                call=call, allocator_level=loop is not None, step_s=step_s)
             if then is not None:
                 then(call)
             return CompiledReading(peak, program)
@@ -219,12 +235,14 @@ def checked_plan(model: nn.Module, example_inputs: Any, planner: Planner, budget
     :func:`make_profile` of this model, with the same ``loss_fn``), checked on one real step (Note [Checked
     plans]), without applying it: the model, its checkpointing, gradients, buffers and RNG state are left as
     they were. Raises InfeasibleBudgetError (with the least measured peak) when no plan fits."""
+    from remat.api.hand_rules import fastest_checked  # (it checks plans by this module's plan_checked)
+
     model = uncompiled(model)
     _, args, kwargs, device = validate(model, max(budget_bytes, 1) / GiB, example_inputs)
     _, undo = prepare_hf_for_training(model)
     try:
         with preserved(model), eager_submodules(model):
-            return plan_checked(model, args, kwargs, loss_fn or default_loss, device, planner, budget_bytes)
+            return fastest_checked(model, args, kwargs, loss_fn or default_loss, device, planner, budget_bytes)
     finally:
         undo()
 
@@ -232,7 +250,7 @@ def checked_plan(model: nn.Module, example_inputs: Any, planner: Planner, budget
 def plan_checked(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
     budget_bytes: int, *, ranks: Ranks | None = None, checked: dict[tuple[str, ...], int] | None = None,
-    more_fallbacks: Callable[[], list[Plan]] | None = None,
+    more_fallbacks: Callable[[], list[Plan]] | None = None, beside: Beside | None = None,
 ) -> Plan:
     """Note [Checked plans]: the simulator's prediction is close (tests hold it to 5%) but models are
     many; remat's promise is the measured peak. So a plan runs one real step
@@ -251,12 +269,16 @@ def plan_checked(
     ranks (Note [One plan for every rank] in remat.runtime.distributed). ``checked``: peaks already measured, by the
     plan's units (shared with :func:`least_checked`; filled in). ``more_fallbacks``: other plans to check
     before refusing a budget below the promise (the least-memory plan chosen on memory alone, whose checked
-    peak an early refusal reports: Note [Memory before time]).
+    peak an early refusal reports: Note [Memory before time]). ``beside``: what the ILP's plan, once checked within
+    the budget, goes through before it is returned (:func:`remat.api.hand_rules.fastest_checked` passes the race
+    beside the hand rules, Note [Plans timed beside the hand rules]; None: nothing, the plan as checked: what
+    ``tradeoff`` and ``max_batch`` ask, which time their plans themselves).
 
     Leaves ``model`` without checkpointing; raises InfeasibleBudgetError when no plan fits."""
     agree = ranks.broadcast if ranks is not None else (lambda plan: plan)
     checked = {} if checked is None else checked
-    check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked)
+    check_s: dict[tuple[str, ...], float] = {}
+    check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked, check_s)
 
     steps = steps_checked(model, device)
     each = "one real step" if not steps else f"{steps} real steps, the largest by the allocator's events"
@@ -280,7 +302,7 @@ def plan_checked(
 
     fallbacks = [agree(planner.least_memory()), agree(planner.every_nth_block(1))]
     promise = least_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks,
-                            checked=checked, fallbacks=fallbacks)
+                            checked=checked, fallbacks=fallbacks, check_s=check_s)
     if budget_bytes < promise and more_fallbacks is not None:
         extra = [agree(p) for p in more_fallbacks() if p.choices not in {f.choices for f in fallbacks}]
         fallbacks += extra
@@ -293,10 +315,12 @@ def plan_checked(
             break
         plan = agree(planner.plan_for_budget(target))
         measured = check(plan)
-        if measured <= budget_bytes:  # Note [Plans timed beside the hand rules]
-            timed, note = timed_beside_hand_rules(model, args, kwargs, loss_fn, device, planner, plan, budget_bytes,
-                                                  [fallbacks[1], planner.every_nth_block(2)], check, ranks=ranks)
-            return done(timed, check(timed), "within the budget" + (f"; {note}" if note else ""), ilp=plan)
+        if measured <= budget_bytes:
+            if beside is None or ranks is not None:  # (a distributed plan is not raced: Note [Plans timed ...])
+                return done(plan, measured, "within the budget", ilp=plan)
+            race = beside(plan, [fallbacks[1], planner.every_nth_block(2)], check, check_s)  # Note [Plans timed ...]
+            return done(race.plan, check(race.plan), "within the budget" + (f"; {race.note}" if race.note else ""),
+                        ilp=plan)
         excess = measured - budget_bytes
         log.info("plan measured %d bytes over the budget; solving again with a target %d bytes lower",
                  excess, excess)
@@ -309,15 +333,20 @@ def plan_checked(
 
 
 def _checker(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
-             ranks: Ranks | None, checked: dict[tuple[str, ...], int]) -> Callable[[Plan], int]:
-    """A plan's checked peak (one real step, the largest over ranks), measured once per set of units."""
+             ranks: Ranks | None, checked: dict[tuple[str, ...], int],
+             check_s: dict[tuple[str, ...], float] | None = None) -> Callable[[Plan], int]:
+    """A plan's checked peak (one real step, the largest over ranks), measured once per set of units. ``check_s``:
+    the forward and backward seconds of each step checked here, by the plan's units (one process only)."""
     fsdp2 = wrapping_of(model).kind == "fsdp2"  # Note [Memory found] in remat.runtime.tracker
 
     def check(plan: Plan) -> int:
         if plan.choices not in checked:
+            step_s: list[float] = []
             with found_storages_are_fresh(fsdp2):
-                peak = peak_with_plan(model, plan, args, kwargs, loss_fn, device, planner.profile)
+                peak = peak_with_plan(model, plan, args, kwargs, loss_fn, device, planner.profile, step_s=step_s)
             checked[plan.choices] = ranks.max(peak) if ranks is not None else peak
+            if check_s is not None and ranks is None and len(step_s) == 1:
+                check_s[plan.choices] = step_s[0]
         return checked[plan.choices]
 
     return check
@@ -325,7 +354,8 @@ def _checker(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, devic
 
 def least_checked(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device,
                   planner: Planner, budget_bytes: int, *, ranks: Ranks | None = None,
-                  checked: dict[tuple[str, ...], int] | None = None, fallbacks: list[Plan] | None = None) -> int:
+                  checked: dict[tuple[str, ...], int] | None = None, fallbacks: list[Plan] | None = None,
+                  check_s: dict[tuple[str, ...], float] | None = None) -> int:
     """The least peak remat promises (Note [Least peak is a promise]): the least-memory plan's checked peak,
     or "every block"'s where that is lower. Checkpointing the last block frees a few bytes no prediction
     sees, so "every block" can measure 64-128 bytes under the least-memory plan: it is checked too where
@@ -334,12 +364,12 @@ def least_checked(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, 
     [Checked plans]: 5%). No budget it meets is refused; a budget far below it (a refusal) or far above it
     (a roomy plan, issue #23: one real step of 2-3 in such a call) does not wait one more real step for a
     least-peak figure a few bytes lower.
-    ``fallbacks``: the two plans, when the caller has them (agreed across ranks)."""
+    ``fallbacks``: the two plans, when the caller has them (agreed across ranks). ``check_s``: :func:`_checker`'s."""
     checked = {} if checked is None else checked
     agree = ranks.broadcast if ranks is not None else (lambda plan: plan)
     least, every = fallbacks if fallbacks is not None else \
         (agree(planner.least_memory()), agree(planner.every_nth_block(1)))
-    check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked)
+    check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked, check_s)
     promise = check(least)
     near = 0.95 * every.predicted_peak_bytes <= budget_bytes <= 1.05 * max(every.predicted_peak_bytes, promise)
     if every.checkpointed and every.predicted_peak_bytes <= 1.05 * promise and near:

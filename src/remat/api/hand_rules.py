@@ -10,30 +10,46 @@ few percent faster than every block can run slower: at a budget just above every
 measured at 1.3x every block's overhead on a CPU (issue #56), and on the H200 a 16-selective-unit plan predicted
 11% faster than every block ran 16% slower (its host time, since modelled).
 
-So where a hand rule meets the budget by its prediction and the chosen plan is predicted faster than it by less than
+Where a hand rule meets the budget by its prediction and the chosen plan is predicted faster than it by less than
 TIMED_MARGIN of the rule's predicted step, the rule's peak is checked on a real step like the plan's (Note [Checked
-plans] in remat.api.checking), and if it is within the budget the two are timed on the model itself: ROUNDS rounds of
-one forward and backward each, in a shuffled order after a warm-up round, every round a paired comparison (Note
-[Interleaved timing] in remat.sweeps.report); while the pairs cannot tell a rule from the plan (the quartiles of the
-differences on both sides of 0), two rounds more, up to ROUNDS_MAX. The rule is returned in the plan's place where it
-was faster in the median of the pairs: the plan returned is the one measured faster. A first version kept the plan
-unless the rule was faster beyond the noise (even the lower quartile above 0) after 3 rounds of a long step; on
-benchmarks/ranking.py's 16 MLP blocks it kept a segment plan that 10 rounds then measured slower than every block
-(median +90 ms a step of 3.6 s, lower quartile +17: the issue's case). Where two plans are alike in truth, which of the
-two is returned is chance, and either is as fast. The figures are in the plan's notes, measured. The pairs are kept in
-the timing cache under the step's measured unit times and the plans' units: a later call whose profile read its times
-from the cache reads the same pairs, so it returns the same plan (docs/plans.md#reproducible-plans; ``REMAT_CACHE=0``
-times them again).
+plans] in remat.api.checking; every block's is often checked already, Note [Least peak is a promise]). Those two
+checked steps are a first comparison that costs nothing more: each is one forward and backward of its plan, timed
+while the meter reads its peak. The predicted difference d (the rule's predicted forward and backward less the
+plan's) is held to the measured one m (the rule's checked step less the plan's): the model's error on this pair,
+on this device, measured. Where m >= CONFIRMED x d and d >= FLOOR_MARGIN of the rule's predicted step, the model's
+ranking stands (its error is under half the difference it predicts) and nothing is timed. The meter adds the same
+dispatch cost per operator to both steps, so it cancels in m but for the operators one plan recomputes more; the
+floor is the noise of one pair of steps on a shared CPU (a few percent: docs/results.md), below which one pair
+cannot confirm anything. issue #60: at a budget 1-5% above every block's peak the GPT-2-small plan was predicted
+474-621 ms a step faster than every block and measured 650 ms faster, yet 11 more plain steps' time went into
+timing it; benchmarks/planning_cost.py measures the cost now.
 
-What it costs: where it applies, one real step for each rule's peak (every block's is often checked already, Note
-[Least peak is a promise]) and (ROUNDS + 1) x (1 + rules) forward and backward passes, up to (ROUNDS_MAX + 1) x
-(1 + rules) where the pairs are undecided, fewer for a step of a second or more (LONG_ROUNDS, LONG_ROUNDS_MAX);
-nothing where the model's margin is wide or no rule meets the budget. Not done for
-distributed plans (each rank would time its own steps and all must agree on one plan: the ranks' steps are timed
-by the model alone, said in the plan's notes) nor compiled loops (each plan a compile of its own: Note [Compiled
-steps] in remat.solve.calibrated), nor with ``check=False`` (no real step at all), nor with the environment variable
-``REMAT_TIME_HAND_RULES=0`` (the plan as the model ranks it, no steps timed: the test suite's setting, where a plan
-must not hang on this machine's noise; tests/integration/test_hand_rules.py turns it on).
+Elsewhere (not confirmed, or a step whose checked time is unknown: checked by another call) the two are timed on
+the model itself: rounds of one forward and backward each in a shuffled order, every round a paired comparison (Note
+[Interleaved timing] in remat.sweeps.report), no warm-up round (each plan's checked step, just run, warmed its
+configuration). The comparison is sequential: from ROUNDS_MIN rounds on, a rule whose pairs decide (their quartiles
+on one side of 0; with 3 pairs, all three alike) is timed no more, and the rounds end when every rule is decided, or
+at ROUNDS_MAX (LONG_ROUNDS_MAX for a step of LONG_STEP_S or more). The rule is returned in the plan's place where it
+was faster in the median of the pairs: the plan returned is the one measured faster. A first version kept the plan
+unless the rule was faster beyond the noise after 3 rounds of a long step; on benchmarks/ranking.py's 16 MLP blocks
+it kept a segment plan that 10 rounds then measured slower than every block (median +90 ms a step of 3.6 s, lower
+quartile +17: the issue's case). Where two plans are alike in truth, which of the two is returned is chance, and
+either is as fast. The figures are in the plan's notes, measured, with the passes and seconds the timing took
+(``Plan.rules_timing_passes``, ``Plan.rules_timing_s``, printed with the plan). The checked steps' times and the
+pairs are kept in the timing cache under the step's measured unit times and the plans' units: a later call whose
+profile read its times from the cache reads the same figures, so it decides alike and returns the same plan
+(docs/plans.md#reproducible-plans; ``REMAT_CACHE=0`` measures them again).
+
+What it costs: where it applies, one real step for each rule's peak not checked already; where the checked steps
+confirm the model, nothing more; else at least ROUNDS_MIN x (1 + rules) forward and backward passes, at most
+ROUNDS_MAX x (1 + rules) (LONG_ROUNDS_MAX for a long step); nothing where the model's margin is wide or no rule meets
+the budget. ``tradeoff`` and ``max_batch`` do not race here: they time their plans anyway, and decide their rows
+from those same rounds (:func:`faster_of`; remat.sweeps). Not done for distributed plans (each rank would time its
+own steps and all must agree on one plan: the ranks' steps are timed by the model alone, said in the plan's notes)
+nor compiled loops (each plan a compile of its own: Note [Compiled steps] in remat.solve.calibrated), nor with
+``check=False`` (no real step at all), nor with the environment variable ``REMAT_TIME_HAND_RULES=0`` (the plan as
+the model ranks it, no steps timed: the test suite's setting, where a plan must not hang on this machine's noise;
+tests/integration/test_hand_rules.py turns it on).
 """
 
 from __future__ import annotations
@@ -41,34 +57,37 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from remat.api.checking import plan_checked
 from remat.check.steps import time_plans_in_place
 from remat.profile import cache
 from remat.runtime.measure import LossFn
 from remat.solve import Planner
 from remat.solve.plan import Plan
 
-#: a hand rule is timed beside the plan when the plan is predicted faster by less than this fraction of the rule's
-#: predicted step: the time model's accuracy where it was held to measured steps (+-10%)
+#: a hand rule is compared with the plan where the plan is predicted faster by less than this fraction of the rule's
+#: predicted step: the time model's accuracy where it was held to measured steps (+-10%); beyond it, trusted
 TIMED_MARGIN = 0.10
-#: paired rounds (after one warm-up round); LONG_ROUNDS for a step of a second or more (profile's step time); while
-#: the pairs cannot tell the plans apart (their quartiles on both sides of 0), more, up to the *_MAX
-ROUNDS, ROUNDS_MAX = 5, 11
-LONG_ROUNDS, LONG_ROUNDS_MAX = 3, 7
+#: below this fraction of the rule's predicted forward and backward, one pair of checked steps confirms nothing
+FLOOR_MARGIN = 0.03
+#: the checked steps confirm the model where they measure at least this part of the predicted difference
+CONFIRMED = 0.5
+#: paired rounds: at least ROUNDS_MIN, then each rule until its pairs decide, up to ROUNDS_MAX (LONG_ROUNDS_MAX for a
+#: step of LONG_STEP_S or more, the profile's step time)
+ROUNDS_MIN, ROUNDS_MAX, LONG_ROUNDS_MAX = 3, 11, 7
 LONG_STEP_S = 1.0
-#: what the note of a plan that replaced the ILP's says (the tradeoff table reads it)
-REPLACED = "it is the plan returned in place of the ILP's"
 
 
 @dataclass(frozen=True)
 class Timed:
     """A hand rule timed beside the plan: each one's median step (seconds, forward and backward, measured) and the
-    paired differences' median and quartiles (plan less rule: above 0, the rule was faster)."""
+    paired differences' median and quartiles (plan less rule: above 0, the rule was faster), over ``rounds``."""
 
     rule: Plan
     plan_s: float
@@ -76,6 +95,7 @@ class Timed:
     paired_s: float
     paired_low_s: float
     paired_high_s: float
+    rounds: int = 0
 
     @property
     def rule_faster(self) -> bool:
@@ -88,8 +108,28 @@ class Timed:
         return self.paired_low_s < 0 < self.paired_high_s
 
 
-def rules_to_time(planner: Planner, plan: Plan, budget_bytes: int, rules: list[Plan]) -> list[Plan]:
-    """The hand rules the plan is timed beside: those predicted within the budget, other than the plan, that the
+@dataclass(frozen=True)
+class Race:
+    """What the race beside the hand rules decided (Note [Plans timed beside the hand rules]): the plan returned,
+    whether a hand rule replaced the ILP's plan, the rules confirmed by the checked steps and those timed, what the
+    timing cost (passes and seconds run in this call, measured) and the note saying it (None: nothing compared)."""
+
+    plan: Plan
+    note: str | None = None
+    replaced: bool = False
+    confirmed: tuple[Plan, ...] = ()
+    timed: tuple[Timed, ...] = ()
+    passes: int = 0
+    seconds: float = 0.0
+
+
+def timing_off() -> bool:
+    """``REMAT_TIME_HAND_RULES=0``: plans as the model ranks them, nothing timed."""
+    return os.environ.get("REMAT_TIME_HAND_RULES", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def rules_to_time(plan: Plan, budget_bytes: int, rules: list[Plan]) -> list[Plan]:
+    """The hand rules the plan is compared with: those predicted within the budget, other than the plan, that the
     plan is predicted to beat by less than TIMED_MARGIN of their step (no torch: the predictions decide)."""
     out = []
     for rule in rules:
@@ -100,77 +140,175 @@ def rules_to_time(planner: Planner, plan: Plan, budget_bytes: int, rules: list[P
     return out
 
 
+def confirmed(plan: Plan, rule: Plan, plan_s: float | None, rule_s: float | None, optimizer_s: float) -> bool:
+    """Whether the checked steps (``plan_s``, ``rule_s``: forward and backward seconds, None where unknown) confirm
+    that ``plan`` is faster than ``rule`` as predicted: the predicted difference at least FLOOR_MARGIN of the rule's
+    predicted forward and backward, and at least CONFIRMED of it measured (Note [Plans timed beside the hand rules])."""
+    if plan_s is None or rule_s is None:
+        return False
+    predicted = rule.predicted_step_time_s - plan.predicted_step_time_s
+    return predicted >= FLOOR_MARGIN * (rule.predicted_step_time_s - optimizer_s) and \
+        rule_s - plan_s >= CONFIRMED * predicted
+
+
 def faster_of(plan_times: tuple[float, ...], timed: list[tuple[Plan, tuple[float, ...]]]) -> list[Timed]:
-    """Each rule's paired comparison with the plan (round ``r`` of both is one pair), the rules measured faster
-    first (the largest median of the differences, then the largest lower quartile)."""
+    """Each rule's paired comparison with the plan (round ``r`` of both is one pair; a rule timed for fewer rounds
+    pairs with the plan's first ones), the rules measured faster first (the largest median of the differences, then
+    the largest lower quartile)."""
     out = []
     for rule, times in timed:
         pairs = [p - r for p, r in zip(plan_times, times)]
         low, _, high = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (pairs[0],) * 3
-        out.append(Timed(rule, statistics.median(plan_times), statistics.median(times), statistics.median(pairs),
-                         low, high))
+        out.append(Timed(rule, statistics.median(plan_times[:len(pairs)]), statistics.median(times),
+                         statistics.median(pairs), low, high, len(pairs)))
     return sorted(out, key=lambda t: (-t.paired_s, -t.paired_low_s))
 
 
-def timed_beside_hand_rules(
+def still_undecided(times: list[list[float]], minimum: int = ROUNDS_MIN) -> list[int]:
+    """The plans the next round times (``times[0]``: the plan's, the others a rule's each, in rounds): the plan and
+    every rule timed in every round so far whose pairs do not decide yet (all of them before ``minimum`` rounds);
+    only the plan (nothing more to time) once every rule is decided."""
+    done = len(times[0])
+    return [0] + [i for i, ts in enumerate(times[1:], 1) if len(ts) == done and (done < minimum or _undecided(
+        [p - r for p, r in zip(times[0], ts)]))]
+
+
+def _undecided(pairs: list[float]) -> bool:
+    low, _, high = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (pairs[0],) * 3
+    return low < 0 < high
+
+
+def fastest_checked(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
-    plan: Plan, budget_bytes: int, rules: list[Plan], check: Callable[[Plan], int], *, ranks: Any = None,
-) -> tuple[Plan, str | None]:
+    budget_bytes: int, *, ranks: Any = None, checked: dict[tuple[str, ...], int] | None = None,
+    more_fallbacks: Callable[[], list[Plan]] | None = None,
+) -> Plan:
+    """:func:`remat.api.checking.plan_checked`'s plan, raced beside the hand rules where the model cannot tell them
+    apart (Note [Plans timed beside the hand rules]): what ``optimize_checkpointing`` returns. Leaves ``model``
+    without checkpointing."""
+    def beside(plan: Plan, rules: list[Plan], check: Callable[[Plan], int], check_s: dict) -> Race:
+        race = race_hand_rules(model, args, kwargs, loss_fn, device, planner, plan, budget_bytes, rules, check,
+                               check_s)
+        return dataclasses.replace(race, plan=dataclasses.replace(
+            race.plan, rules_timing_passes=race.passes, rules_timing_s=race.seconds))
+
+    return plan_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks, checked=checked,
+                        more_fallbacks=more_fallbacks, beside=None if timing_off() else beside)
+
+
+def race_hand_rules(
+    model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
+    plan: Plan, budget_bytes: int, rules: list[Plan], check: Callable[[Plan], int],
+    check_s: dict[tuple[str, ...], float],
+) -> Race:
     """Note [Plans timed beside the hand rules]: ``plan`` (checked within the budget) or a hand rule of ``rules``
-    measured faster, and the note that says which and by how much (None where nothing was timed: also for a
-    distributed plan, ``ranks`` given). ``check`` is the checked peak of a plan (one real step, once per plan)."""
-    if ranks is not None or os.environ.get("REMAT_TIME_HAND_RULES", "1").strip().lower() in ("0", "false", "off", "no"):
-        return plan, None
+    measured faster, and what was measured. ``check`` is the checked peak of a plan (one real step, once per plan),
+    ``check_s`` the forward and backward seconds of the steps it checked (filled in)."""
+    started, before = time.perf_counter(), set(check_s)
     output_alive = planner.profile.output_alive
-    candidates = [r for r in rules_to_time(planner, plan, budget_bytes, rules) if check(r) <= budget_bytes]
+    near = rules_to_time(plan, budget_bytes, rules)
+    candidates = [r for r in near if check(r) <= budget_bytes]
     if not candidates:
-        return plan, None
-    long = planner.profile.step_time_s >= LONG_STEP_S
-    rounds, most = (LONG_ROUNDS, LONG_ROUNDS_MAX) if long else (ROUNDS, ROUNDS_MAX)
+        over = [r for r in near if r.choices not in before and r.choices in check_s]
+        return Race(plan, seconds=time.perf_counter() - started, note=None if not over else (
+            f"{', '.join(_name(r) for r in over)} checked for a comparison with this plan (Note [Plans timed beside "
+            f"the hand rules] in remat.api.hand_rules): over the budget, not compared; "
+            f"{time.perf_counter() - started:.1f} s (measured)"))
     plans = [plan, *candidates]
-    # the same plans of a step whose times came from the timing cache: their pairs too
+    # the same plans of a step whose times came from the timing cache: their checked steps' times and pairs too
     # (docs/plans.md#reproducible-plans)
     key = cache.paired_key(device, _step_of(planner, plans, output_alive), [p.choices for p in plans])
     hit = cache.load_paired(key)
-    if hit is not None and len(hit[0]) == len(plans):
-        times, where = hit
-        rounds = len(times[0])
+    if hit is not None and len(hit[0]) == len(plans) and len(hit[1]) == len(plans):
+        times, steps_s, where = hit
     else:
-        times, where = time_plans_in_place(model, plans, args, kwargs, loss_fn, device, output_alive=output_alive,
-                                           rounds=rounds), "measured now"
-        # two more rounds at a time while some rule's pairs cannot tell it from the plan (model warm: no warm-up)
-        while rounds < most and any(t.undecided for t in faster_of(times[0], list(zip(candidates, times[1:])))):
-            more = time_plans_in_place(model, plans, args, kwargs, loss_fn, device, output_alive=output_alive,
-                                       rounds=min(2, most - rounds), warmup=0, seed=rounds)
-            times, rounds = [a + b for a, b in zip(times, more)], rounds + len(more[0])
-        cache.store_paired(key, times)
-    results = faster_of(times[0], list(zip(candidates, times[1:])))
-    said = "; ".join(f"{_name(t.rule)} {t.rule_s * 1e3:,.1f} ms (predicted "
-                     f"{(t.rule.predicted_step_time_s - plan.predicted_step_time_s) * 1e3:,.1f} ms a step slower than "
-                     f"this plan; checked {check(t.rule):,} bytes; this plan less it, in the pairs: median "
-                     f"{t.paired_s * 1e3:+,.1f} ms, lower quartile {t.paired_low_s * 1e3:+,.1f} ms)" for t in results)
-    head = (f"timed beside the hand rules that meet the budget and that the model predicts within "
-            f"{TIMED_MARGIN:.0%} of this plan (Note [Plans timed beside the hand rules] in remat.api.hand_rules): "
-            f"forward and backward, {rounds} paired steps each ({where}), medians: this plan "
-            f"{results[0].plan_s * 1e3:,.1f} ms; {said}")
-    best = results[0]
-    if not best.rule_faster:
-        return plan, head + "; no rule measured faster in the median of the pairs: this plan kept"
+        steps_s = [check_s.get(p.choices) for p in plans]
+        sure = [confirmed(plan, r, steps_s[0], s, planner.profile.optimizer_s) for r, s in zip(candidates, steps_s[1:])]
+        times, where = [[] for _ in plans], "measured now"
+        if not all(sure):
+            most = LONG_ROUNDS_MAX if planner.profile.step_time_s >= LONG_STEP_S else ROUNDS_MAX
+            racing = [plan, *(r for r, ok in zip(candidates, sure) if not ok)]
+            raced = time_plans_in_place(model, racing, args, kwargs, loss_fn, device, output_alive=output_alive,
+                                        rounds=most, warmup=0, still=still_undecided)
+            it = iter(raced[1:])
+            times = [list(raced[0])] + [[] if ok else list(next(it)) for ok in sure]
+        cache.store_paired(key, times, steps_s)
+    passes = sum(len(t) for t in times) if where == "measured now" else 0
+    race = _decided(plan, candidates, times, steps_s, planner.profile.optimizer_s, check, where)
+    return dataclasses.replace(race, passes=passes, seconds=time.perf_counter() - started,
+                               note=race.note + f"; timing beside the hand rules: {passes} forward and backward "
+                               f"passes, {time.perf_counter() - started:.1f} s with the rules' checked steps "
+                               "(measured)")
+
+
+def _decided(plan: Plan, candidates: list[Plan], times: list, steps_s: list, optimizer_s: float,
+             check: Callable[[Plan], int], where: str) -> Race:
+    """The race's outcome from the checked steps' times and the pairs, and its note."""
+    budget_bytes = plan.budget_bytes
+    sure = tuple(r for r, ts in zip(candidates, times[1:]) if not ts)
+    results = faster_of(tuple(times[0]), [(r, tuple(ts)) for r, ts in zip(candidates, times[1:]) if ts]) \
+        if times[0] else []
+    said = [f"{_name(r)} predicted {(r.predicted_step_time_s - plan.predicted_step_time_s) * 1e3:,.1f} ms a step "
+            f"slower than this plan, its checked step measured {(s - steps_s[0]) * 1e3:,.1f} ms slower (forward and "
+            f"backward, one step each under the memory meter): the model's ranking confirmed, not timed"
+            for r, s in zip(candidates, steps_s[1:]) if r in sure]
+    said += [f"{_name(t.rule)} {t.rule_s * 1e3:,.1f} ms against this plan's {t.plan_s * 1e3:,.1f} ms, {t.rounds} "
+             f"paired steps (predicted {(t.rule.predicted_step_time_s - plan.predicted_step_time_s) * 1e3:,.1f} ms a "
+             f"step slower than this plan; checked {check(t.rule):,} bytes; this plan less it, in the pairs: median "
+             f"{t.paired_s * 1e3:+,.1f} ms, lower quartile {t.paired_low_s * 1e3:+,.1f} ms)" for t in results]
+    head = (f"compared with the hand rules that meet the budget and that the model predicts within {TIMED_MARGIN:.0%} "
+            f"of this plan (Note [Plans timed beside the hand rules] in remat.api.hand_rules; {where}): "
+            + "; ".join(said))
+    best = results[0] if results else None
+    if best is None or not best.rule_faster:
+        return Race(plan, head + ("; no rule measured faster" if results else "") + ": this plan kept", confirmed=sure,
+                    timed=tuple(results))
     rule = dataclasses.replace(best.rule, budget_bytes=budget_bytes)
-    return rule, (head + f"; {_name(rule)} measured faster in the median of the pairs, so {REPLACED} "
-                  f"({len(plan.checkpointed)} units: {', '.join(plan.checkpointed)})")
+    return Race(rule, head + f"; {_name(rule)} measured faster in the median of the pairs, so it is the plan returned "
+                f"in place of the ILP's ({len(plan.checkpointed)} units: {', '.join(plan.checkpointed)})",
+                replaced=True, confirmed=sure, timed=tuple(results))
 
 
-def remats_row(plan: Plan, granularity: str, budget_bytes: int) -> tuple[Plan, int, str]:
-    """remat's answer for a budget as a tradeoff table's row of remat's (``ilp`` or ``ilp-op``), a hand rule too where
-    it was measured faster than the ILP's plan: the plan, the budget and the row's note saying so."""
+def remats_row(plan: Plan, granularity: str, budget_bytes: int, faster: Timed | None = None) -> tuple[Plan, int, str]:
+    """remat's answer for a budget as a tradeoff table's row of remat's (``ilp`` or ``ilp-op``): the plan, the
+    budget and the row's note. ``faster``: a hand rule the table's own rounds measured faster than the ILP's plan
+    (:func:`faster_of`), which is then the row (the race of Note [Plans timed beside the hand rules], decided by the
+    table's timing); a hand rule ``plan_checked`` fell back to is the row too."""
     ilp = "ilp" if granularity == "block" else "ilp-op"
+    if faster is not None:
+        return (dataclasses.replace(faster.rule, strategy=ilp, budget_bytes=budget_bytes), budget_bytes,
+                f"{_name(faster.rule)}, measured faster than the ILP's plan at this budget in this table's rounds "
+                f"(median of {faster.rounds} pairs {faster.paired_s * 1e3:+,.1f} ms; Note [Plans timed beside the "
+                "hand rules])")
     if plan.strategy == ilp:
         return plan, budget_bytes, ""
-    timed = any(REPLACED in n for n in plan.notes)
-    return (dataclasses.replace(plan, strategy=ilp), budget_bytes, f"{_name(plan)}, " + (
-        "measured faster than the ILP's plan at this budget (Note [Plans timed beside the hand rules])" if timed else
-        "the plans predicted cheaper measured over the budget (Note [Least peak is a promise])"))
+    return (dataclasses.replace(plan, strategy=ilp), budget_bytes, f"{_name(plan)}, the plans predicted cheaper "
+            "measured over the budget (Note [Least peak is a promise])")
+
+
+def rows_beside_rules(rows: list[tuple[Any, int | None, str]], rules: list[Plan]) -> dict[int, list[Plan]]:
+    """For a table of ``(plan, budget, note)`` rows (``tradeoff``'s), each remat row's hand rules to compare it with
+    (:func:`rules_to_time`), by row index: the table times them with its plans, once however many budgets, and
+    :func:`rows_decided` reads the race from those rounds. Empty with ``REMAT_TIME_HAND_RULES=0``."""
+    if timing_off():
+        return {}
+    return {i: near for i, (plan, budget, _) in enumerate(rows) if budget is not None and isinstance(plan, Plan)
+            and plan.strategy in ("ilp", "ilp-op") and (near := rules_to_time(plan, budget, rules))}
+
+
+def rows_decided(rows: list[tuple[Any, int | None, str]], beside: dict[int, list[Plan]],
+                 measured: Callable[[Plan], tuple[int, tuple[float, ...]]]) -> list[tuple[Any, int | None, str]]:
+    """``rows`` with each remat row of ``beside`` replaced by the hand rule measured faster than its plan in the
+    table's rounds (``measured(plan)``: its measured peak and step times), among those measured within the budget
+    (:func:`remats_row` says so in the row's note)."""
+    out = list(rows)
+    for i, near in beside.items():
+        plan, budget, _ = rows[i]
+        fits = [(r, measured(r)[1]) for r in near if measured(r)[0] <= budget]
+        results = faster_of(measured(plan)[1], fits) if fits and measured(plan)[1] else []
+        if results and results[0].rule_faster:
+            out[i] = remats_row(plan, "block" if plan.strategy == "ilp" else "op", budget, faster=results[0])
+    return out
 
 
 def _step_of(planner: Planner, plans: list[Plan], output_alive: bool) -> dict:

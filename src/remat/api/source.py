@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from remat.api.checking import _ranks_reading, checked_reading, least_checked, plan_checked, proved_compiled
+from remat.api.checking import _ranks_reading, checked_reading, least_checked, proved_compiled
+from remat.api.hand_rules import fastest_checked
 from remat.api.inputs import loop_grads, stage
 from remat.api.profiling import _make_profile
 from remat.check.compiled import CompiledComparison
@@ -130,8 +131,8 @@ def _choose(req: Request, planner: Planner, profile: Profile, first: _MemoryFirs
             notes += (proved_compiled(model, plan, args, kwargs, loss_fn, loop, compare),)
     elif req.check:
         with stage("check", model, args, kwargs, loss_fn):
-            plan = plan_checked(model, args, kwargs, loss_fn, device, planner, req.budget_bytes, ranks=ranks,
-                                checked=first.checked, more_fallbacks=lambda: first.least(planner))
+            plan = fastest_checked(model, args, kwargs, loss_fn, device, planner, req.budget_bytes, ranks=ranks,
+                                   checked=first.checked, more_fallbacks=lambda: first.least(planner))
     else:
         plan = planner.plan_for_budget(req.budget_bytes)
         plan = ranks.broadcast(plan) if ranks is not None else plan

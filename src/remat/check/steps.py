@@ -12,7 +12,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -246,10 +246,13 @@ def measure_plans(
 def time_plans_in_place(
     model: nn.Module, plans: list, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, *,
     output_alive: bool = True, rounds: int = 5, warmup: int = 1, seed: int = 0,
+    still: Callable[[list[list[float]]], Sequence[int]] | None = None,
 ) -> list[tuple[float, ...]]:
     """Each plan's forward and backward timed on ``model`` itself (no copy: a model that fits the budget once is
-    not held twice), ``rounds`` rounds of one step per plan in a shuffled order after ``warmup`` rounds (Note
-    [Interleaved timing]), so that round ``r``'s steps of two plans are one paired comparison. The optimizer is
+    not held twice), up to ``rounds`` rounds of one step per plan in a shuffled order after ``warmup`` rounds (Note
+    [Interleaved timing]), so that round ``r``'s steps of two plans are one paired comparison. ``still(times)``,
+    asked before each round with the times so far: the indices of the plans that round times (a sequential
+    comparison stops timing what it has decided); the rounds end when it gives fewer than two. The optimizer is
     not stepped (it is the same for every plan and remat never calls the user's: Note [Never call the user's
     optimizer]). The model's gradients, buffers and RNG state are as they were, and it is left without
     checkpointing."""
@@ -269,22 +272,25 @@ def time_plans_in_place(
 
     try:
         with preserved(model), fresh_grads(leaves):
-            times = _interleaved(timed, plans, warmup, rounds, seed)
+            times = _interleaved(timed, plans, warmup, rounds, seed, still)
     finally:
         remove_checkpointing(model)
     return [tuple(ts) for ts in times]
 
 
-def _interleaved(timed: Any, plans: list, warmup: int, rounds: int, seed: int) -> list[list[float]]:
+def _interleaved(timed: Any, plans: list, warmup: int, rounds: int, seed: int,
+                 still: Callable[[list[list[float]]], Sequence[int]] | None = None) -> list[list[float]]:
     """Note [Interleaved timing]: ``warmup`` rounds of ``timed(plan)`` for every plan, then ``rounds`` rounds in a
-    shuffled order (``seed``); each plan's timings in round order."""
+    shuffled order (``seed``); each plan's timings in round order. ``still``: see :func:`time_plans_in_place`."""
     for _ in range(warmup):
         for plan in plans:
             timed(plan)
     times: list[list[float]] = [[] for _ in plans]
     rng = random.Random(seed)
     for _ in range(rounds):
-        order = list(range(len(plans)))
+        order = list(range(len(plans))) if still is None else sorted(set(still(times)))
+        if still is not None and len(order) < 2:
+            break
         rng.shuffle(order)
         for i in order:
             times[i].append(timed(plans[i]))

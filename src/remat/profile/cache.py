@@ -198,18 +198,22 @@ def paired_key(device: torch.device, step: Any, plans: Sequence[Sequence[str]]) 
     return _digest({"format": FORMAT, "machine": machine(device), "step": step, "plans": [list(p) for p in plans]})
 
 
-def load_paired(key: str) -> tuple[list[tuple[float, ...]], str] | None:
-    """Paired step times stored under ``key`` (one tuple per plan, in rounds), and a note saying where from."""
+def load_paired(key: str) -> tuple[list[tuple[float, ...]], list[float | None], str] | None:
+    """Paired step times stored under ``key`` (one tuple per plan, in rounds: a rule decided early has fewer, one
+    decided by the checked steps none), each plan's checked step's seconds (None: unknown), and a note saying where
+    from."""
     entry = _read("paired", key)
     if entry is None:
         return None
     try:
         times = [tuple(float(s) for s in ts) for ts in entry["times"]]
+        checked = [None if s is None else float(s) for s in entry["checked_s"]]
     except (KeyError, TypeError, ValueError):
         return None
-    return times, (f"read from remat's timing cache ({entry['path']}, measured {entry.get('measured_at', '?')}; "
-                   "Note [Timing cache]): the same plans of the same step timed before on this machine")
+    return times, checked, (f"read from remat's timing cache ({entry['path']}, measured {entry.get('measured_at', '?')}; "
+                            "Note [Timing cache]): the same plans of the same step measured before on this machine")
 
 
-def store_paired(key: str, times: Sequence[Sequence[float]]) -> None:
-    _write("paired", key, {"times": [list(ts) for ts in times]})
+def store_paired(key: str, times: Sequence[Sequence[float]], checked_s: Sequence[float | None] = ()) -> None:
+    """Keep ``times`` (:func:`load_paired`'s) and each plan's checked step's seconds under ``key``."""
+    _write("paired", key, {"times": [list(ts) for ts in times], "checked_s": list(checked_s)})

@@ -135,6 +135,10 @@ class Plan:
     predicted_exposed_copy_s: float = 0.0
     #: what the user should know about the plan: assumptions, settings remat changed, how it was checked
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: forward and backward passes run to time the plan beside the hand rules, and their seconds with the rules'
+    #: checked steps run for it, measured (Note [Plans timed beside the hand rules] in remat.api.hand_rules)
+    rules_timing_passes: int = 0
+    rules_timing_s: float = 0.0
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -241,6 +245,9 @@ class Plan:
             for part, ops in self.offloaded_ops.items():
                 lines.append(f"    {part}: the outputs of {len(ops)} of {offloaded_module(part)}'s operators "
                              f"({', '.join(ops[:4])}{', ...' if len(ops) > 4 else ''}); the rest stays on the device")
+        if self.rules_timing_s:
+            lines.append(f"  timed beside hand rules: {self.rules_timing_passes} forward and backward passes, "
+                         f"{self.rules_timing_s:.1f} s measured (the rules' checked steps included)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from remat.api import checked_reading, plan_checked, prepare_hf_for_training, remats_row
 from remat.api.checking import least_checked
+from remat.api.hand_rules import rows_beside_rules, rows_decided
 from remat.runtime.compiled import compiled_loop
 from remat.costs.unit_costs import Profile
 from remat.errors import InfeasibleBudgetError
@@ -255,8 +256,10 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
             g = planner.greedy(b)
             plans.append((g, b, "" if g.solver_status != "infeasible" else "greedy found no plan within the budget"))
 
+    # Note [Plans timed beside the hand rules] in remat.api.hand_rules: remat's rows raced by the table's own rounds
+    beside = rows_beside_rules(plans, [planner.every_nth_block(1), planner.every_nth_block(2)])
     distinct: dict[frozenset[str], Plan] = {}
-    for plan, _, _ in plans:
+    for plan in [p for p, _, _ in plans] + [r for near in beside.values() for r in near]:
         if not isinstance(plan, _Infeasible) and plan.solver_status != "infeasible":
             distinct.setdefault(frozenset(plan.checkpointed), plan)
     order = list(distinct.items())
@@ -273,6 +276,8 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
                             output_alive=profile.output_alive, progress=say)
     measured: dict[frozenset[str], Any] = {key: m for (key, _), m in zip(order, results)}
     plain_time = measured[frozenset()].step_time_s
+    plans = rows_decided(plans, beside, lambda p: (measured[frozenset(p.checkpointed)].peak_bytes,
+                                                   measured[frozenset(p.checkpointed)].step_times_s))
     rows = []
     for plan, budget, note in plans:
         if isinstance(plan, _Infeasible):
@@ -285,20 +290,13 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
             continue
         m = measured[frozenset(plan.checkpointed)]
         rows.append(TradeoffRow(
-            strategy=name,
-            budget_bytes=budget,
-            checkpointed=plan.checkpointed,
-            predicted_peak_bytes=plan.predicted_peak_bytes,
-            measured_peak_bytes=m.peak_bytes,
-            predicted_step_time_s=plan.predicted_step_time_s,
-            measured_step_time_s=m.step_time_s,
+            strategy=name, budget_bytes=budget, checkpointed=plan.checkpointed,
+            predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=m.peak_bytes,
+            predicted_step_time_s=plan.predicted_step_time_s, measured_step_time_s=m.step_time_s,
             measured_overhead=m.step_time_s / plain_time - 1 if plain_time > 0 else None,
-            solve_time_s=plan.solve_time_s if plan.strategy in _STRATEGY else None,
-            status=plan.solver_status,
-            budget_met=None if budget is None else m.peak_bytes <= budget,
-            note=note,
-            measured_step_times_s=tuple(m.step_times_s),
-        ))
+            solve_time_s=plan.solve_time_s if plan.strategy in _STRATEGY else None, status=plan.solver_status,
+            budget_met=None if budget is None else m.peak_bytes <= budget, note=note,
+            measured_step_times_s=tuple(m.step_times_s)))
     return rows
 
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torch import nn
 
 from remat.api import peak_with_plan, plan_checked, stage
+from remat.api.hand_rules import faster_of, rules_to_time, timing_off
 from remat.api.profiling import _make_profile
 from remat.capture import ModelGraph, capture
 from remat.costs.unit_costs import Profile, is_selective
@@ -24,9 +27,8 @@ from remat.errors import InfeasibleBudgetError, InvalidInputError, RematError, U
 from remat.costs.extrapolate import ProfileFit
 from remat.runtime.measure import LossFn, model_device, split_inputs
 from remat.solve.plan import GiB, Plan, fmt_bytes
-from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
-from remat.check.steps import measure_step
+from remat.check.steps import time_plans_in_place
 
 #: max_batch's logger (the search logs the sizes that cannot run under the name it had in remat.sweeps.sizing)
 log = logging.getLogger("remat.sweeps.sizing")
@@ -309,18 +311,34 @@ class _Search:
         source = "profiled" if n in self.profiles else "fitted"
         if plan is None:
             return SizeRow(n, False, None, least, source=source, least_peak_measured=measured)
+        plan, step_s = self._timed(plan, n, repeats)
         peak = plan.checked_peak_bytes
-        step_s = self._time(plan, n, repeats)
         profile = self.planner(n).profile
         return SizeRow(n, peak <= self.budget_bytes, plan, least, peak, n / plan.predicted_step_time_s,
                        n / (step_s + profile.optimizer_s), source, least_peak_measured=measured)
 
-    def _time(self, plan: Plan, n: int, repeats: int) -> float:
-        """Median seconds of real forward-and-backward steps with ``plan`` (on a copy of the model)."""
-        inputs, loss_fn = self.sized(n)
-        checkpoint_plan(self.model, plan)
-        try:
-            return measure_step(self.model, inputs, loss_fn=loss_fn, repeats=repeats, warmup=1,
-                                measure_memory=False, output_alive=self.output_alive).step_time_s
-        finally:
-            remove_checkpointing(self.model)
+    def _timed(self, plan: Plan, n: int, repeats: int) -> tuple[Plan, float]:
+        """The plan of size ``n``'s row and the median seconds of its real forward-and-backward steps, on the model
+        itself (restored). An ILP plan is timed beside the hand rules the model cannot tell from it, measured within
+        the budget, in the same interleaved rounds (Note [Plans timed beside the hand rules] in remat.api.hand_rules:
+        the race is the row's own timing, not one per size tried), and the rule measured faster is the row's plan;
+        the notes say so and what the rules' steps cost."""
+        started = time.perf_counter()
+        near = [] if self.strategy != "ilp" or timing_off() else rules_to_time(
+            plan, self.budget_bytes, [self.planner(n).every_nth_block(1), self.planner(n).every_nth_block(2)])
+        rules = [dataclasses.replace(r, budget_bytes=self.budget_bytes, checked_peak_bytes=peak) for r in near
+                 if (peak := self.measure_peak(r, n)) <= self.budget_bytes]
+        args, kwargs, loss_fn = self.batch(n)
+        times = time_plans_in_place(self.model, [plan, *rules], args, kwargs, loss_fn, self.device,
+                                    output_alive=self.output_alive, rounds=repeats, warmup=1)
+        results = faster_of(times[0], list(zip(rules, times[1:])))
+        if near:
+            self.notes.append(f"size {n}: timed beside {', '.join(r.strategy.replace('_', ' ') for r in near)} (the "
+                              f"model cannot tell them apart), {len(rules) * (repeats + 1) + len(near)} steps more, "
+                              f"{time.perf_counter() - started:.1f} s of the row's timing (measured)" + (
+                                  f"; {results[0].rule.strategy.replace('_', ' ')} measured faster in the median of "
+                                  f"{results[0].rounds} pairs ({results[0].paired_s * 1e3:+,.1f} ms): the row's plan"
+                                  if results and results[0].rule_faster else "; the ILP's plan kept"))
+        if results and results[0].rule_faster:
+            return results[0].rule, results[0].rule_s
+        return plan, statistics.median(times[0])
