@@ -62,6 +62,14 @@ def _eager_footer(out, rows, profile, device, args, planner_min) -> None:
               + (" remat-op: remat's plan with selective units allowed; (k @ops): k units checkpointed "
                  "selectively (keeping some operators' outputs)." if any(r.strategy == "remat-op" for r in rows)
                  else ""))
+    timed = {r.checkpointed: r.measured_step_times_s for r in rows if r.measured_step_times_s}
+    out.print(f"timing: {sum(map(len, timed.values()))} timed steps of {len(timed)} plans, "
+              f"{sum(map(sum, timed.values())):.1f} s measured (after the warm-up; each plan once however many "
+              "budgets: remat's rows are compared with the hand rules on these same steps, none of their own, Note "
+              "[Plans timed beside the hand rules] in remat.api.hand_rules)")
+    for r in rows:
+        if r.strategy.startswith("remat") and r.status != "infeasible" and r.note:
+            out.print(f"{r.strategy} at {fmt_bytes(r.budget_bytes)}: {r.note}")
 
 
 def _print_profile(out, profile, planner) -> None:

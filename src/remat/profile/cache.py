@@ -210,8 +210,9 @@ def load_paired(key: str) -> tuple[list[tuple[float, ...]], list[float | None], 
         checked = [None if s is None else float(s) for s in entry["checked_s"]]
     except (KeyError, TypeError, ValueError):
         return None
-    return times, checked, (f"read from remat's timing cache ({entry['path']}, measured {entry.get('measured_at', '?')}; "
-                            "Note [Timing cache]): the same plans of the same step measured before on this machine")
+    return times, checked, (f"read from remat's timing cache ({entry['path']}, measured "
+                            f"{entry.get('measured_at', '?')}; Note [Timing cache]): the same plans of the same step "
+                            "measured before on this machine")
 
 
 def store_paired(key: str, times: Sequence[Sequence[float]], checked_s: Sequence[float | None] = ()) -> None:
