@@ -14,7 +14,9 @@ torch 2.11, one step after two warm-up steps, CPU and CUDA activities), read int
   model counts for the recorded step.
 
     python benchmarks/gpu_traces.py [TRACE_DIR]   # default ../shared/gpu/h200-2026-12-04
-    python benchmarks/gpu_traces.py --calibrate   # the device table's H200 figures (records llama1b: ~30 s)
+    python benchmarks/gpu_traces.py --calibrate   # the device table's H200 efficiencies (records llama1b: ~30 s)
+    python benchmarks/gpu_traces.py --host [--write]   # the H200 host's figures (GPU_HOST) and their check;
+                                                       # --write: their inputs to tests/data/h200_host_inputs.json
 
 Phases: forward is the main thread up to the first event of autograd's thread, backward is autograd's thread
 (its first to last event), optimizer the ``Optimizer.step`` annotation (with ``zero_grad`` and anything after it
@@ -316,10 +318,13 @@ def _short(name: str) -> str:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--calibrate"]
+    args = [a for a in sys.argv[1:] if a not in ("--calibrate", "--host", "--write")]
     where = args[0] if args else os.environ.get("GPU_DATA", DEFAULT_DIR)
     if "--calibrate" in sys.argv:
         calibrate(where)
+        return
+    if "--host" in sys.argv:
+        host(where)
         return
     for name in TRACES:
         path = os.path.join(where, f"{name}.trace.json.gz")
@@ -404,28 +409,164 @@ def calibrate(where: str) -> None:
     print(f"| foreach (optimizer) | - | {opt_at_peak * 1e3:.2f} ms | {by_class['optimizer foreach'] * 1e3:.2f} ms | "
           f"{opt_at_peak / by_class['optimizer foreach']:.3f} (of peak bandwidth; the profile's optimizer "
           f"{profile.optimizer_s * 1e3:.2f} ms at {pointwise:.2f}) |")
-    # -- the host --------------------------------------------------------------------------------------------
-    t4 = Trace.load(os.path.join(where, "llama1b__4.trace.json.gz"))
-    ph1, ph4 = phases(t1), phases(t4)
-    fwd_wall = ph1["forward"][1] - ph1["forward"][0]
-    n_fwd, n_bwd = len(rec.forward_ops), len(rec.backward_ops)
-    unit_ops = statistics.median(u.forward_end - u.forward_start + 1 for u in layers)
-    clusters = dispatch_clusters(t4)
-    fwd_unit = statistics.median(s for tid, s, _ in clusters if tid == t4.main_tid)
-    rec_unit = statistics.median(s for tid, s, _ in clusters if tid != t4.main_tid)
-    rec_total = sum(s for tid, s, _ in clusters if tid != t4.main_tid)
-    bwd_wall = ph4["backward"][1] - ph4["backward"][0]
-    host_fwd = fwd_wall / n_fwd
-    host_bwd = (bwd_wall - rec_total) / n_bwd
-    print(f"\nhost, per recorded operator: forward {fwd_wall / 1e3:.2f} ms / {n_fwd} = {host_fwd:.1f} µs (llama1b__1); "
-          f"backward ({bwd_wall / 1e3:.2f} - {rec_total / 1e3:.2f} ms of recomputations) / {n_bwd} = {host_bwd:.1f} µs "
-          f"(llama1b__4)")
-    print(f"selective unit ({unit_ops:.0f} recorded operators): forward {fwd_unit / 1e3:.2f} ms a unit -> "
-          f"{fwd_unit / unit_ops:.1f} µs an operator, {fwd_unit / unit_ops - host_fwd:.1f} beyond a plain one; "
-          f"recomputation {rec_unit / 1e3:.2f} ms -> {rec_unit / unit_ops:.1f} µs, "
-          f"{rec_unit / unit_ops - host_fwd:.1f} beyond a plain recomputation's")
     sel = [u for u in profile.units if is_selective(u.name)]
-    print(f"(the profile's selective options: {len(sel)}; forward operators of model.layers.0: {unit_ops:.0f})")
+    print(f"(the profile's selective options: {len(sel)})")
+
+
+# -- the host: the device's cost per operator (--host) -----------------------------------------------------------
+INPUTS = os.path.join(HERE, "..", "tests", "data", "h200_host_inputs.json")
+
+
+def host(where: str) -> None:
+    """The H200 host's seconds per operator (remat.costs.device_time.GPU_HOST; Note [Host time decomposed] in
+    remat.costs.host_time): llama1b__1's profiled forward (every block checkpointed) less the model's own work
+    (measured here on fake tensors, as planning measures it), checkpointing's bookkeeping and the profiler's
+    events (each measured here), over its recorded operators, through op_s_from_phase (what ``remat calibrate``
+    uses); the inputs measured here are written to tests/data/h200_host_inputs.json. Then the figure is held
+    against the phases it was not taken from: llama1b__1's backward, llama1b__4's forward and backward (16
+    selective units)."""
+    import json
+    import platform
+    from datetime import datetime, timezone
+
+    import torch
+
+    sys.path.insert(0, os.path.join(where, "..", "oracle"))
+    os.environ.setdefault("REMAT_PROJECT", os.path.join(HERE, ".."))
+    os.environ["REMAT_CACHE"] = "0"  # measured now, not read back
+    import gpu_models as gm
+
+    import remat
+    import remat.profile.host_work as host_work
+    from remat.api.profiling import make_profile
+    from remat.profile import cache
+    from remat.profile.timing import checkpoint_overhead
+    from remat.target.host_trace import TraceEvents, host_costs_from_traces, host_phases
+
+    seen = {}
+    real = host_work.measure_host_work
+
+    def spy(*args, **kwargs):
+        seen["work"] = real(*args, **kwargs)
+        return seen["work"]
+
+    host_work.measure_host_work = spy
+    c = gm.build("llama1b", "meta")
+    model = c["model"]
+    profile = make_profile(model, c["inputs"], target=remat.Target(device="h200", **c["target"]),
+                           loss_fn=c["loss_fn"], optimizer=c["opt"](model.parameters()),
+                           output_alive=c["output_alive"])
+    host_work.measure_host_work = real
+    work = seen["work"]
+    cpu = torch.device("cpu")
+    book = cache.overhead(cpu, lambda: checkpoint_overhead(cpu))
+    per_event = profiler_event_s()
+    layers = [u for u in profile.units if re.fullmatch(r"model\.layers\.\d+", u.name)]
+    selective = [u for u in profile.units if re.fullmatch(r"model\.layers\.\d+@ops\d+", u.name)]
+    bookkeeping = sum(book.per_call_s + len(u.drops) * book.per_saved_tensor_s for u in layers)
+    t1 = host_phases(TraceEvents.load(os.path.join(where, "llama1b__1.trace.json.gz")))
+    t4 = host_phases(TraceEvents.load(os.path.join(where, "llama1b__4.trace.json.gz")))
+    # the 16-selective-unit plan of llama1b__4: one option per layer (each layer's options run the same operators)
+    selective = list({u.name.split("@")[0]: u for u in reversed(selective)}.values())
+
+    def recomputed(units) -> int:
+        return sum((u.recompute_end if u.recompute_end is not None else u.forward_end) - u.forward_start + 1
+                   for u in units)
+
+    recompute_s = lambda op_s: recomputed(layers) * (work.forward_python_per_op_s + op_s)  # noqa: E731
+    sel_bookkeeping = sum(book.per_call_s + len(u.drops) * book.per_saved_tensor_s for u in selective)
+    inputs = dict(traces=["llama1b__1.trace.json.gz", "llama1b__4.trace.json.gz"],
+                  forward_python_s=work.forward_python_s, backward_python_s=work.backward_python_s,
+                  forward_ops=work.forward_ops, backward_ops=work.backward_ops, bookkeeping_s=bookkeeping,
+                  selective_ops=sum(u.forward_end - u.forward_start + 1 for u in selective),
+                  selective_bookkeeping_s=sel_bookkeeping, selective_recomputed_ops=recomputed(selective),
+                  profiler_event_s=per_event,
+                  measured=f"{datetime.now(timezone.utc).date()} on {platform.processor() or platform.machine()}, "
+                           f"torch {torch.__version__}: {work.source}; checkpoint_overhead: "
+                           f"{book.per_call_s * 1e6:.1f} us a call, {book.per_saved_tensor_s * 1e6:.1f} us a saved "
+                           f"tensor ({book.per_selective_op_s * 1e6:.1f} us a selective operator here); "
+                           f"{len(layers)} units; the profiler {per_event * 1e6:.2f} us an event")
+    phases = {"llama1b__1": t1, "llama1b__4": t4}
+    found = host_costs_from_traces(phases, inputs)
+    op_s, selective_op_s, selective_recompute_op_s = (found.forward_op_s, found.selective_forward_op_s,
+                                                      found.selective_recompute_op_s)
+    if "--write" in sys.argv:  # the built-in figures' inputs, anew (then GPU_HOST takes the figures printed)
+        with open(INPUTS, "w") as f:
+            json.dump(inputs, f, indent=1)
+            f.write("\n")
+    ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
+    fwd, bwd = t1["forward"], t1["backward"]
+    print(f"\nllama1b__1 forward: {ms(fwd.wall_s)} on the host = the model's own {ms(work.forward_python_s)} + "
+          f"checkpointing's bookkeeping {ms(bookkeeping)} + the profiler's {fwd.events} events x "
+          f"{per_event * 1e6:.2f} us + {work.forward_ops} operators x **{op_s * 1e6:.2f} us**")
+    print(f"llama1b__4 forward: {ms(t4['forward'].wall_s)} = the same operators + 16 selective units' bookkeeping "
+          f"{ms(sel_bookkeeping)} + the profiler's {t4['forward'].events} events + their {inputs['selective_ops']} "
+          f"operators x **{selective_op_s * 1e6:.2f} us** of dispatch mode (here: "
+          f"{book.per_selective_op_s * 1e6:.2f} us)")
+    print(f"llama1b__4 backward: {ms(t4['backward'].wall_s)} = the plain backward + their recomputations' "
+          f"{inputs['selective_recomputed_ops']} operators, each + **{selective_recompute_op_s * 1e6:.2f} us** of "
+          "dispatch mode")
+    print(f"(inputs measured here{' written to ' + os.path.relpath(INPUTS) if '--write' in sys.argv else ''}; "
+          "the figures for remat.costs.device_time.GPU_HOST: "
+          f"forward_op_s=backward_op_s={op_s * 1e6:.2f}e-6, selective_forward_op_s={selective_op_s * 1e6:.2f}e-6, "
+          f"selective_recompute_op_s={selective_recompute_op_s * 1e6:.2f}e-6)")
+    checks = [
+        ("llama1b__1 backward (16 blocks recomputed)", bwd,
+         work.backward_python_s + work.backward_ops * op_s + recompute_s(op_s)),
+    ]
+    print("\n| phase (not used to derive the figures) | host wall, measured (profiled) | predicted, unprofiled | "
+          "+ the profiler's events | error |")
+    print("|---|---:|---:|---:|---:|")
+    for what, phase, predicted in checks:
+        traced = predicted + phase.events * per_event
+        print(f"| {what} | {ms(phase.wall_s)} | {ms(predicted)} | {ms(traced)} | "
+              f"{(traced / phase.wall_s - 1) * 100:+.1f}% |")
+
+
+def profiler_event_s(repeats: int = 30, *, blocks: int = 4, width: int = 64, tokens: int = 8) -> float:
+    """What ``torch.profiler`` (CPU activity, no shapes or stacks: as the shared traces were recorded) adds to the
+    host per event it records, on this machine: steps of tiny blocks (RMS norm, Linear, SiLU) on the CPU, each
+    block checkpointed (as the traced step was: checkpointing's hooks run under the profiler too), profiled and
+    not, interleaved, on one thread; the least of ``repeats`` each, the difference over the events one profiled
+    step records."""
+    import torch
+    from torch import nn
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.checkpoint import checkpoint
+
+    from remat._compat.profiler import stderr_silenced
+    from remat.runtime.measure import one_thread
+
+    with one_thread(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        layers = nn.Sequential(*(nn.Sequential(nn.RMSNorm(width), nn.Linear(width, width), nn.SiLU())
+                                 for _ in range(blocks)))
+        x = torch.randn(tokens, width, requires_grad=True)
+
+        def step() -> None:
+            h = x
+            for block in layers:
+                h = checkpoint(block, h, use_reentrant=False)
+            h.square().mean().backward()
+
+        for _ in range(3):
+            step()
+        plain, profiled, events = [], [], 0
+        with stderr_silenced():
+            for _ in range(repeats):
+                plain.append(_wall(step))
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    profiled.append(_wall(step))
+                events = len(prof.events())
+    return max(min(profiled) - min(plain), 0.0) / max(events, 1)
+
+
+def _wall(fn) -> float:
+    import time
+
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
 
 
 def dispatch_clusters(t: Trace, gap_us: float = 300.0) -> list[tuple[int, float, int]]:

@@ -16,6 +16,7 @@ from remat.cli import main
 from remat.costs.device_time import EFFICIENCY, op_seconds
 from remat.errors import InvalidInputError
 from remat.examples import GPT
+from remat.costs.device_time import GPU_HOST
 from remat.target.calibration import (ClassSample, CopyRate, Environment, GemmRate, HostSample, Measurements,
                                       calibrated_file, generation_for)
 from remat.target.devices import EFFICIENCY_CLASSES, KNOWN
@@ -41,8 +42,8 @@ MEASURED = Measurements(
              ClassSample("attention", "4x16x2048x128", 10**12, 10**9, 10**12 / 500e12,
                          ("aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_cudnn_attention_backward")),
              ClassSample("foreach", "AdamW", 0, 7 * 2**29, 7 * 2**29 / 2.2e12, ("aten._foreach_add_",))),
-    host=HostSample(op_s=6e-6, forward_op_s=15e-6, backward_op_s=11e-6, selective_forward_op_s=40e-6,
-                    selective_recompute_op_s=-1e-6, forward_ops=128, backward_ops=353, label="8 blocks"),
+    host=HostSample(forward_op_s=15e-6, backward_op_s=11e-6, wall_s=(3e-3, 5e-3), python_s=(1.08e-3, 1.117e-3),
+                    ops=(128, 353), label="4 blocks"),
     copies=(CopyRate("device_to_host", True, 2**28, 2**28 / 53e9), CopyRate("host_to_device", True, 2**28, 2**28 / 55e9),
             CopyRate("device_to_host", False, 2**28, 2**28 / 14e9), CopyRate("host_to_device", False, 2**28, 2**28 / 7e9)),
     seconds=41.0, shortest_kernel_s=1.6e-6)
@@ -70,7 +71,6 @@ def test_a_calibration_becomes_a_spec_file_that_target_reads_with_each_figure_me
     assert spec.memory_bytes == 150_109_880_320
     assert spec.device_to_host_bytes_per_s == 53_000_000_000 and spec.host_to_device_bytes_per_s == 55_000_000_000
     assert (spec.host_forward_op_s, spec.host_backward_op_s) == (15e-6, 11e-6)
-    assert spec.host_selective_forward_op_s == 40e-6 and spec.host_selective_recompute_op_s == 0.0  # read < 0
     assert spec.shortest_kernel_s == 1.6e-6
     eff = {cls: (c, m) for cls, c, m in spec.efficiency}
     # products: the sizes but the smallest (2048: 600, 4096: 700 TFLOP/s) over the H200's dense 989.5
@@ -123,8 +123,10 @@ def test_the_time_model_reads_the_calibrated_fields_and_a_changed_field_moves_th
     assert rates.efficiency_of("pointwise").memory == spec_eff["pointwise"][1]
     assert rates.efficiency_of("conv") == EFFICIENCY["conv"]
     assert rates.efficiency_of("matmul").measured_on == "h200-calibrated"
-    assert (rates.host.forward_op_s, rates.host.backward_op_s, rates.host.selective_forward_op_s,
-            rates.host.selective_recompute_op_s) == (15e-6, 11e-6, 40e-6, 0.0)
+    assert (rates.host.forward_op_s, rates.host.backward_op_s) == (15e-6, 11e-6)
+    # the selective figures: not calibrated, the built-in host's (the H200's)
+    assert (rates.host.selective_forward_op_s, rates.host.selective_recompute_op_s) == (
+        GPU_HOST.selective_forward_op_s, GPU_HOST.selective_recompute_op_s)
     assert rates.launch_s == 1.6e-6  # the floor of any operator: the shortest kernel measured
     assert op_seconds("aten.add.Tensor", 4, 48, rates) == 1.6e-6
     # a product's time is its FLOPs at the calibrated fraction of the peak
@@ -166,7 +168,8 @@ def test_the_time_model_reads_the_calibrated_fields_and_a_changed_field_moves_th
     ({"base": "h200", "efficiency": {"matmul": {"compute": -0.8}}}, "efficiency.matmul.compute must be a positive"),
     ({"base": "h200", "efficiency": {"matmul": 0.8}}, "efficiency.matmul must be an object"),
     ({"base": "h200", "host_forward_op_s": 0}, "host_forward_op_s must be a positive number of seconds"),
-    ({"base": "h200", "host_selective_forward_op_s": -1e-6}, "must be a non-negative number of seconds"),
+    ({"base": "h200", "host_backward_op_s": -1e-6}, "host_backward_op_s must be a positive number of seconds"),
+    ({"base": "h200", "host_selective_forward_op_s": 4e-5}, "unknown field(s) ['host_selective_forward_op_s']"),
     ({"base": "h200", "shortest_kernel_s": "2us"}, "shortest_kernel_s must be a positive number of seconds"),
     ({"base": "h200", "sources": [["hbm", "doc", "note"]]}, "each source must be (field, document, note)"),
     ([1, 2], "holds one JSON object"),
@@ -229,13 +232,15 @@ def test_the_command_runs_its_whole_pipeline_on_the_cpu_labelled_not_a_gpu_calib
                                                       "attention", "foreach"}
     attention, = [s for s in measured.samples if s.op_class == "attention"]
     assert any("attention" in o and o.endswith("backward") for o in attention.operators) and attention.flops > 0
-    assert measured.host.forward_ops > 0 and measured.host.backward_ops > measured.host.forward_ops
+    assert 0 < measured.host.ops[0] < measured.host.ops[1]
+    # the decomposition (Note [Host time decomposed]): each phase's wall less the blocks' own work, per operator
+    for i, op_s in enumerate((measured.host.forward_op_s, measured.host.backward_op_s)):
+        assert op_s == pytest.approx((measured.host.wall_s[i] - measured.host.python_s[i]) / measured.host.ops[i])
     assert {(c.direction, c.pinned) for c in measured.copies} == {("device_to_host", False), ("host_to_device", False)}
     # the file: every field the time model reads, each noted as the CPU test run's
     spec = Target(device=str(path)).spec
     for field in ("bf16_flops_per_s", "hbm_bytes_per_s", "host_forward_op_s", "host_backward_op_s",
-                  "host_selective_forward_op_s", "host_selective_recompute_op_s", "device_to_host_bytes_per_s",
-                  "host_to_device_bytes_per_s"):
+                  "device_to_host_bytes_per_s", "host_to_device_bytes_per_s"):
         assert getattr(spec, field) is not None, field
         assert "CPU test run, not a GPU calibration" in spec.sources_of(field)[0][1], field
     assert {c for c, _, _ in spec.efficiency} == {"matmul", "attention", "pointwise", "transcendental", "reduction",
@@ -297,7 +302,7 @@ def test_on_a_gpu_every_measurement_runs_and_the_file_plans(tmp_path):
     assert {g.dtype for g in m.gemm} == {"bfloat16", "float16", "tf32", "float32"}
     assert {(c.direction, c.pinned) for c in m.copies} == {(d, p) for d in ("device_to_host", "host_to_device")
                                                            for p in (True, False)}
-    assert m.shortest_kernel_s is not None and m.host.backward_ops > 0
+    assert m.shortest_kernel_s is not None and m.host.ops[1] > 0
     path = _file(tmp_path, calibrated_file(m, None, name="here"))
     spec = Target(device=str(path)).spec
     assert spec.generation == generation_for((props.major, props.minor)) and spec.shortest_kernel_s is not None

@@ -11,6 +11,7 @@ import remat
 from remat import Target
 from remat.examples import GPT, make_gpt
 from remat.target import timing
+from remat.costs.host_time import HostWork
 from remat.target.devices import DeviceSpec, cpu_spec
 from remat.target.timing import measure_cpu
 
@@ -242,6 +243,10 @@ def test_a_plan_for_gpus_shows_its_predicted_step_time_tokens_per_second_and_mfu
         eff = EFFICIENCY.get(f"{cls}@hopper") or EFFICIENCY[cls]
         return max(op.flops / (67e12 * eff.compute), op.bytes_accessed / (3.35e12 * eff.memory), GPU_LAUNCH_S)
 
+    from remat.costs.device_time import GPU_HOST
+    from remat.profile import cache
+
+    monkeypatch.setattr(cache, "host_work", lambda rec, where, measure: WORK)
     recordings, profiles = _recordings(monkeypatch)
     with torch.device("meta"):
         model = GPT(1024, 256, 256, 4, 4, 0.0)
@@ -264,18 +269,21 @@ def test_a_plan_for_gpus_shows_its_predicted_step_time_tokens_per_second_and_mfu
     recomputed = counter.get_total_flops() - flops
     assert plan.checkpointed and recomputed > 0
     assert plan.predicted_recompute_s >= recomputed / (67e12 * EFFICIENCY["matmul"].compute)
-    # the host (Note [Host time model]): 29.0 us per forward operator and per recomputed one, 18.7 per backward one
-    # (the H200's host); this small step's host work exceeds its GPU work, and each phase takes the longer
-    assert profile.forward_host_s == pytest.approx(len(rec.forward_ops) * 29.0e-6, rel=1e-12)
-    assert profile.backward_host_s == pytest.approx(len(rec.backward_ops) * 18.7e-6, rel=1e-12)
+    # the host (Note [Host time decomposed]): the model's own work (fixed here: 3 ms forward, 1 ms backward) and
+    # GPU_HOST's cost per operator; a checkpointed unit adds its bookkeeping to the forward (the fixture's 97 us a
+    # call, 10 us a saved tensor) and recomputes its operators at the model's and the device's cost each
+    op = GPU_HOST.forward_op_s
+    assert profile.forward_host_s == pytest.approx(3e-3 + WORK.forward_ops * op, rel=1e-12)
+    assert profile.backward_host_s == pytest.approx(1e-3 + WORK.backward_ops * GPU_HOST.backward_op_s, rel=1e-12)
     units = [profile.unit(u) for u in plan.checkpointed]
-    recomputed_ops = sum((u.recompute_end if u.recompute_end is not None else u.forward_end) - u.forward_start + 1
-                         for u in units)
-    assert profile.forward_host_s > profile.forward_s
+    for u in units:
+        recomputed = (u.recompute_end if u.recompute_end is not None else u.forward_end) - u.forward_start + 1
+        assert u.recompute_host_s == pytest.approx(recomputed * (3e-3 / WORK.forward_ops + op), rel=1e-12)
+        assert u.forward_host_s == pytest.approx(9.7e-5 + len(u.drops) * 1.0e-5, rel=1e-12)
     assert plan.predicted_step_time_s == pytest.approx(
-        profile.forward_host_s + max(profile.backward_s + sum(u.recompute_s for u in units),
-                                     profile.backward_host_s + recomputed_ops * 29.0e-6) + profile.optimizer_s,
-        rel=1e-12)
+        max(profile.forward_s, profile.forward_host_s + sum(u.forward_host_s for u in units))
+        + max(profile.backward_s + sum(u.recompute_s for u in units),
+              profile.backward_host_s + sum(u.recompute_host_s for u in units)) + profile.optimizer_s, rel=1e-12)
     # MFU: the plain step's FLOPs over the plan's predicted step at the H100's float32 peak
     assert plan.peak_flops_per_s == 67e12
     assert plan.predicted_mfu == pytest.approx(flops / plan.predicted_step_time_s / 67e12, rel=1e-12)
@@ -323,3 +331,53 @@ def test_the_optimizer_steps_time_on_sharded_parameters_leaves_out_dtensors_shar
                                         target=Target(device="h100-80gb", world=8, clip_grad_norm=1.0)).optimizer_s
                          for _ in range(2))
     assert first == second > 0
+
+
+#: the model's own host work in test_a_plan_for_gpus_shows_..., fixed (measured, it is this machine's)
+WORK = HostWork(forward_python_s=3e-3, backward_python_s=1e-3, forward_ops=400, backward_ops=600)
+
+
+class _Blocks(nn.Module):
+    """Four Linear + GELU blocks; ``pause_s``: host time the forward spends in its own Python before each block
+    (a model whose code does more per operator: logging, shape checks, a Python loop over heads)."""
+
+    def __init__(self, pause_s: float = 0.0) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4))
+        self.pause_s = pause_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        for block in self.blocks:
+            if self.pause_s:
+                time.sleep(self.pause_s)
+            x = block(x)
+        return x
+
+
+class _Chatty(_Blocks):
+    def __init__(self) -> None:
+        super().__init__(pause_s=0.005)
+
+
+def test_a_model_with_more_python_per_operator_is_predicted_more_host_time():
+    """Issue #60: the same operators, one model spending 5 ms of its own before each of its 4 blocks: its
+    predicted forward host time is larger by at least those 20 ms (the model's own work is measured on the model,
+    Note [Host time decomposed]), its backward's is not, and its plain step is predicted slower by as much; the
+    operators each dispatches are the same, and the device's cost per operator is GPU_HOST's for both."""
+    from remat.api.profiling import make_profile
+    from remat.costs.device_time import GPU_HOST
+
+    profiles = []
+    for model in (_Blocks(), _Chatty()):
+        x = torch.randn(8, 64)
+        profiles.append(make_profile(model, (x,), target=Target(device="h200")))
+    plain, chatty = profiles
+    assert [u.name for u in plain.units] == [u.name for u in chatty.units]
+    assert chatty.forward_host_s - plain.forward_host_s >= 4 * 0.005
+    assert abs(chatty.backward_host_s - plain.backward_host_s) < 4 * 0.005 / 2
+    assert chatty.step_time_s - plain.step_time_s >= 4 * 0.005 - (plain.forward_host_s - plain.forward_s)
+    # the notes say where each part came from
+    note = next(n for n in chatty.notes if n.startswith("host:"))
+    assert "fake tensors" in note and f"{GPU_HOST.forward_op_s * 1e6:.2f} us a forward operator" in note

@@ -59,7 +59,7 @@ class ProfilerSession:
     def __enter__(self) -> "ProfilerSession":
         from torch.profiler import record_function
 
-        with _stderr_silenced():  # kineto logs "profiler_start"/"profiler_stop" lines to fd 2 (torch 2.13)
+        with stderr_silenced():  # kineto logs "profiler_start"/"profiler_stop" lines to fd 2 (torch 2.13)
             self._prof.__enter__()
         with record_function("remat::owner"):  # names the thread that runs the work (Note [The step's threads])
             pass
@@ -86,7 +86,7 @@ class ProfilerSession:
         self._followed.append(weakref.ref(storage, freed))
 
     def __exit__(self, *exc) -> None:
-        with _stderr_silenced():
+        with stderr_silenced():
             self._prof.__exit__(*exc)
         self._followed.clear()  # frees after the session are not its
         tree, todo = [], list(self._prof.profiler.kineto_results.experimental_event_tree())
@@ -166,7 +166,7 @@ def profiler_memory_trace(work: Callable[[Callable[[str], None]], object] | Call
 
 
 @contextlib.contextmanager
-def _stderr_silenced() -> Iterator[None]:
+def stderr_silenced() -> Iterator[None]:
     """File descriptor 2 sent to /dev/null within the block (C++ logging that Python cannot turn off)."""
     import os
     import sys

@@ -26,7 +26,7 @@ def add_calibrate(sub) -> None:
     c = sub.add_parser("calibrate", help="on a CUDA GPU: measure it into a device spec file for --device FILE",
                        description="Measure the CUDA GPU here in a minute or less (products by dtype and size, "
                                    "elementwise and reduction bandwidth, attention, the optimizer's foreach "
-                                   "kernels, the host's cost per operator and under selective checkpointing, "
+                                   "kernels, the host's cost per operator below the model's own work, "
                                    "pinned and pageable copies each way, the memory torch sees) and write a device "
                                    "spec file: plan for this GPU, or a cluster of it, with --device FILE.")
     c.add_argument("--out", type=Path, default=None,
@@ -110,11 +110,11 @@ def measurements_table(m):
                 else f"{s.bytes_accessed / s.seconds / 1e9:.1f} GB/s")
         table.add_row(f"{s.op_class}: {s.label}", f"{s.seconds * 1e3:.3f} ms", rate)
     h = m.host
-    for what, v in (("host: a bare operator", h.op_s), ("host: a forward operator", h.forward_op_s),
-                    ("host: a backward operator", h.backward_op_s),
-                    ("host: selective checkpointing, forward, extra", h.selective_forward_op_s),
-                    ("host: selective checkpointing, recomputation, extra", h.selective_recompute_op_s)):
-        table.add_row(what, f"{v * 1e6:.2f} us", "")
+    for i, phase in enumerate(("forward", "backward")):
+        for what, v in ((f"host: the blocks' {phase}", h.wall_s[i]),
+                        ("host: of it the blocks' own work", h.python_s[i]),
+                        (f"host: a {phase} operator ({h.ops[i]})", (h.forward_op_s, h.backward_op_s)[i])):
+            table.add_row(what, f"{v * 1e6:.2f} us", "")
     if m.shortest_kernel_s is not None:
         table.add_row("the shortest kernel (CUDA graph replay)", f"{m.shortest_kernel_s * 1e6:.2f} us", "")
     for c in m.copies:
@@ -139,8 +139,7 @@ def fields_table(spec, base):
 
     for field in ("memory_bytes", "bf16_flops_per_s", "fp16_flops_per_s", "tf32_flops_per_s", "fp32_flops_per_s",
                   "hbm_bytes_per_s", "device_to_host_bytes_per_s", "host_to_device_bytes_per_s",
-                  "host_forward_op_s", "host_backward_op_s", "host_selective_forward_op_s",
-                  "host_selective_recompute_op_s", "shortest_kernel_s"):
+                  "host_forward_op_s", "host_backward_op_s", "shortest_kernel_s"):
         value = getattr(spec, field)
         if value is None:
             continue

@@ -36,16 +36,13 @@ Note [Host time model]
 ~~~~~~~~~~~~~~~~~~~~~~
 In eager mode the host dispatches every operator (Python, the dispatcher, autograd, the kernel's launch) while the
 GPU runs what it was given before: a phase (forward, backward) takes the longer of its GPU work and its host work,
-never their sum (the launch queue was never full in the H200's traces: no launch took over 56 µs).
-The host's work is counted per recorded operator (views included: each is dispatched), at :class:`HostCosts`
-measured on the H200's host from the traces' host events: the forward's host wall time over its recorded
-operators, the backward's (less the recomputations') over its, and for a selective unit
-(``torch.utils.checkpoint``'s selective policy runs a Python dispatch mode over every operator of the unit, in
-the forward and in the recomputation) the host wall of its dispatch mode's calls per unit over the unit's
-recorded operators, less a plain operator's. No figure was fitted to a step time. What it leaves out: the
-optimizer's host time (its foreach operators are few and long: GPU-bound), synchronisations (none in an eager
-step without ``.item()``), the queue's depth, and hosts other than the H200's (the figures are carried to every
-CUDA target unmeasured).
+never their sum (the launch queue was never full in the H200's traces: no launch took over 56 µs). The host's
+work is decomposed by what causes it (Note [Host time decomposed] in remat.costs.host_time): the model's own
+(its Python, modules, autograd: measured on the model being planned, on fake tensors, between its operators), the
+device's per operator (:class:`HostCosts`: the dispatcher, the operator's host code, the allocator, the launch),
+and what checkpointing adds (measured on the planning machine). No figure was fitted to a step time. What it
+leaves out: the optimizer's host time (its foreach operators are few and long: GPU-bound), synchronisations
+(none in an eager step without ``.item()``), the queue's depth.
 """
 
 from __future__ import annotations
@@ -133,29 +130,35 @@ _TRANSCENDENTAL = ("gelu", "silu", "sigmoid", "tanh", "exp", "log", "erf", "rsqr
 
 @dataclass(frozen=True)
 class HostCosts:
-    """Host seconds per recorded operator of an eager step (Note [Host time model]), and where they come from."""
+    """What one operator costs the device's host below the model's own work (Note [Host time decomposed] in
+    remat.costs.host_time), and where the figure comes from."""
 
-    #: an operator of the forward (the model's Python, the dispatcher, autograd's records, the launch); also an
-    #: operator of a whole unit's recomputation, which runs the same forward again
+    #: seconds per operator of the forward (and of a recomputation): the dispatcher, the operator's host code,
+    #: the caching allocator, the launch
     forward_op_s: float
-    #: an operator of the backward (autograd's engine, the launch)
+    #: seconds per operator of the backward: the same, and the autograd engine's work per node on the device
     backward_op_s: float
-    #: what a selective unit's dispatch mode adds to each of its operators in the forward
-    selective_forward_op_s: float
-    #: what it adds to each operator of its recomputation
-    selective_recompute_op_s: float
     source: str
+    #: what a selective unit's dispatch mode adds to each operator of its forward, and of its recomputation, on
+    #: this host; None: as measured on the planning machine (remat.costs.recording.CheckpointOverhead)
+    selective_forward_op_s: float | None = None
+    selective_recompute_op_s: float | None = None
 
 
-#: the H200's host (torch 2.11, 2026-12-04), from the host events of the traces ``benchmarks/gpu_traces.py``
-#: reads (--calibrate prints the derivation); carried to every CUDA target unmeasured
+#: the H200's host (torch 2.11, 2026-12-04): what its operators cost below the model's own work, derived from
+#: llama1b__1's profiled forward by ``python benchmarks/gpu_traces.py --host`` through
+#: remat.costs.host_time.op_s_from_phase (the function ``remat calibrate`` uses), the inputs measured on this
+#: project's CPU in tests/data/h200_host_inputs.json; no phase of the traces runs a backward without recomputing,
+#: so the backward's operators take the forward's figure. Carried to every CUDA target unmeasured
 GPU_HOST = HostCosts(
-    forward_op_s=29.0e-6, backward_op_s=18.7e-6, selective_forward_op_s=47.8e-6, selective_recompute_op_s=13.2e-6,
-    source="measured on the H200's host (torch 2.11, 2026-12-04): llama1b__1's forward, 35.35 ms of host wall for "
-           "1,220 recorded operators; llama1b__4's backward, 102.70 ms less its 16 recomputations' dispatch-mode "
-           "spans (50.27 ms) for 2,798; its selective units' dispatch-mode spans per unit (median: forward 5.68 ms, "
-           "recomputation 3.12 ms) over the unit's 74 recorded operators (the trace: 73 dispatch-mode calls in a "
-           "unit's forward), less a plain forward operator's")
+    forward_op_s=9.86e-6, backward_op_s=9.86e-6,
+    selective_forward_op_s=62.28e-6, selective_recompute_op_s=30.90e-6,
+    source="the H200's host (torch 2.11, 2026-12-04; benchmarks/gpu_traces.py --host): llama1b__1's profiled "
+           "forward, 35.35 ms of host wall, less the model's own work between its operators "
+           "(16.51 ms, measured on fake tensors on a 2-core x86-64 CPU), 16 checkpointed blocks' "
+           "bookkeeping (5.72 ms) and the profiler's 3,278 events (0.18 us each, "
+           "measured there), over its 1,270 operators; the selective figures from llama1b__4's forward "
+           "and backward (16 selective units) less what is known of them, over their operators")
 
 
 def op_class(name: str) -> str:

@@ -8,9 +8,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from remat.costs.device_time import HostCosts
+from remat.costs.host_time import HostWork
 from remat.costs.unit_names import is_selective
 
 if TYPE_CHECKING:
+    from remat.costs.recording import CheckpointOverhead
     from remat.costs.unit_costs import Profile, UnitCost
 
 __all__ = ["plan_step_time_s", "with_host_times"]
@@ -41,18 +43,29 @@ def plan_step_time_s(profile: Profile, units: Iterable[UnitCost]) -> float:
     return forward + backward + profile.optimizer_s
 
 
-def with_host_times(units: Iterable[UnitCost], host: HostCosts) -> tuple[UnitCost, ...]:
-    """``units`` with their host seconds (Note [Host time model] in remat.costs.device_time), from how many
-    recorded operators each runs: a recomputation its forward's (up to where it stops early), each at
-    ``host.forward_op_s``; a selective unit's dispatch mode adds ``selective_forward_op_s`` to every operator of
-    its forward and ``selective_recompute_op_s`` to every one of its recomputation."""
+def with_host_times(units: Iterable[UnitCost], host: HostCosts, work: HostWork,
+                    bookkeeping: CheckpointOverhead) -> tuple[UnitCost, ...]:
+    """``units`` with their host seconds (Note [Host time decomposed] in remat.costs.host_time): a recomputation
+    runs its forward's operators again (up to where it stops early), each at the model's own host work per
+    operator (``work``) and the device's (``host.forward_op_s``); checkpointing one adds its bookkeeping to the forward
+    (``bookkeeping``, measured on the planning machine: per call and per tensor it saves), and a selective unit's
+    dispatch mode ``host.selective_forward_op_s`` to every operator of its forward and
+    ``host.selective_recompute_op_s`` to every one of its recomputation (where the device's host gives them, else
+    ``bookkeeping``'s)."""
     out = []
+    per_op = work.forward_python_per_op_s + host.forward_op_s
     for u in units:
         first = (u.recompute_end if u.recompute_end is not None else u.forward_end) - u.forward_start + 1
         recomputed = first + sum(c.forward_end - c.forward_start + 1 for c in u.later_calls)
         forward = sum(e - s + 1 for s, e in u.spans)
-        selective = is_selective(u.name)
+        sel_forward = sel_recompute = 0.0
+        if is_selective(u.name):
+            here = bookkeeping.per_selective_op_s
+            sel_forward = here if host.selective_forward_op_s is None else host.selective_forward_op_s
+            sel_recompute = here if host.selective_recompute_op_s is None else host.selective_recompute_op_s
+        saved = sum(1 for _ in u.drops)
         out.append(dataclasses.replace(
-            u, recompute_host_s=recomputed * (host.forward_op_s + (host.selective_recompute_op_s if selective else 0.0)),
-            forward_host_s=forward * host.selective_forward_op_s if selective else 0.0))
+            u, recompute_host_s=recomputed * (per_op + sel_recompute),
+            forward_host_s=u.calls * bookkeeping.per_call_s + saved * bookkeeping.per_saved_tensor_s
+            + forward * sel_forward))
     return tuple(out)

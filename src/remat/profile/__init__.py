@@ -41,7 +41,6 @@ import torch
 from torch import nn
 
 from remat.capture import ModelGraph, quiet_loggers, unit_parent
-from remat.costs.step_time import with_host_times
 from remat.costs.unit_costs import Profile, UnitCost
 from remat.costs.effects import UnitSpec, largest_tensors, unit_costs
 from remat.errors import InvalidInputError
@@ -51,6 +50,7 @@ from remat.profile import cache
 from remat.profile.calibrate import LoggedOp, align_forward, calibrate_sizes, diverged, ops_summary, \
     plain_forward_ops, plain_step_fits
 from remat.profile.optimizer import OptimizerCost, optimizer_costs
+from remat.profile.host_work import modelled_host
 from remat.profile.recorder import record_step
 from remat.profile.modelled import Modelled, times_of_ops
 from remat.profile.timing import checkpoint_overhead, time_units
@@ -140,14 +140,14 @@ def profile_modelled(step: _Step, modelled: Modelled, notes: list[str]) -> Profi
                                     backward_s={u: s * ratio for u, s in times.forward_s.items()})
     buffer_bytes = {name: tensor_bytes([b], step.device) for name, b in step.model.named_buffers()}
     units = unit_costs(rec, specs, times=times, overhead=modelled.overhead, buffer_bytes=buffer_bytes)
-    host = modelled.host
-    if host is not None:  # Note [Host time model] in remat.costs.device_time
-        units = list(with_host_times(units, host))
+    host_s = None
+    if modelled.host is not None:  # Note [Host time decomposed] in remat.costs.host_time
+        units, host_s, note = modelled_host(rec, units, step, modelled.host, modelled.host_bookkeeping, modelled.note)
+        notes.append(note)
     profile = _assembled(step, rec, units, times.step_forward_s, times.step_backward_s, opt=modelled.optimizer,
                          recorded="fake", notes=notes)
-    if host is not None:
-        profile = dataclasses.replace(profile, forward_host_s=len(rec.forward_ops) * host.forward_op_s,
-                                      backward_host_s=len(rec.backward_ops) * host.backward_op_s)
+    if host_s is not None:
+        profile = dataclasses.replace(profile, forward_host_s=host_s[0], backward_host_s=host_s[1])
     return dataclasses.replace(profile, model_flops=flops) if flops else profile
 
 

@@ -27,6 +27,7 @@ or written is ignored: the cache never fails a call. The plan's notes say when t
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+from remat.costs.host_time import HostWork
 from remat.costs.recording import CheckpointOverhead, Recording, UnitTimes
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,9 @@ FORMAT = 2
 #: what :func:`device_rates` measures: 2 added the bfloat16 and float16 product rates, 4 times the class samples
 #: over 40 steps, three times
 RATES_VERSION = 4
+#: what :func:`overhead` measures: 2 measures it on one thread, the least of interleaved readings (issue #60: the
+#: median of 30 readings in a row on two loaded cores read a selective operator at 0 and at 124 us minutes apart)
+OVERHEAD_VERSION = 2
 
 
 def cache_dir() -> Path | None:
@@ -160,7 +165,7 @@ def store_times(key: str, times: UnitTimes, op_seconds: Mapping[int, float]) -> 
 def overhead(device: torch.device, measure: Callable[[], CheckpointOverhead]) -> CheckpointOverhead:
     """Checkpoint's bookkeeping on this machine (Note [Checkpoint overhead] in remat.profile.timing): cached
     like a step's times, since it costs every unit; ``measure()`` measures it."""
-    key = _digest({"format": FORMAT, "machine": machine(device)})
+    key = _digest({"format": FORMAT, "machine": machine(device), "overhead": OVERHEAD_VERSION})
     entry = _read("overhead", key)
     if entry is not None:
         try:
@@ -218,3 +223,24 @@ def load_paired(key: str) -> tuple[list[tuple[float, ...]], list[float | None], 
 def store_paired(key: str, times: Sequence[Sequence[float]], checked_s: Sequence[float | None] = ()) -> None:
     """Keep ``times`` (:func:`load_paired`'s) and each plan's checked step's seconds under ``key``."""
     _write("paired", key, {"times": [list(ts) for ts in times], "checked_s": list(checked_s)})
+
+
+def host_work(rec: Recording, where: str, measure: Callable[[], HostWork]) -> HostWork:
+    """The model's own host work in a step recorded for a modelled target (remat.profile.host_work), cached under
+    the recorded step and ``where`` (the target): a modelled plan depends on no measurement of this run, so the
+    same model, batch and target get the same plan again (Note [Timing cache]); ``measure()`` measures it."""
+    ops = [(op.name, [None if s is None else (rec.storages[s].nbytes, rec.storages[s].shape) for s in op.created])
+           for op in rec.forward_ops]
+    key = _digest({"format": FORMAT, "machine": machine(torch.device("cpu")), "ops": ops, "where": where,
+                   "backward_ops": [op.name for op in rec.backward_ops], "host_work": 1})
+    entry = _read("host", key)
+    if entry is not None:
+        try:
+            found = HostWork(**entry["work"])
+            return dataclasses.replace(found, source=f"{found.source}; read from remat's timing cache "
+                                                     f"({entry['path']}, measured {entry.get('measured_at', '?')})")
+        except (KeyError, TypeError):
+            pass
+    found = measure()
+    _write("host", key, {"work": dataclasses.asdict(found)})
+    return found

@@ -29,9 +29,12 @@ class Modelled:
     #: the plain step's (forward seconds, backward seconds, FLOPs) on the target from its recording (operators
     #: and communication, remat.target.timing); None: backward twice the forward, FLOPs unknown
     step_time: Callable[[Recording], tuple[float, float, int]] | None = None
-    #: the host's seconds per operator on the target (Note [Host time model] in remat.costs.device_time); None:
-    #: the host is not modelled
+    #: the device's host seconds per operator (Note [Host time decomposed] in remat.costs.host_time); None: the
+    #: host is not modelled
     host: HostCosts | None = None
+    #: what checkpointing adds to the host, measured on this machine (per call, per saved tensor, per operator of
+    #: a selective unit); given where ``host`` is
+    host_bookkeeping: CheckpointOverhead | None = None
 
 
 def times_of_ops(rec: Recording, units: list[str]) -> UnitTimes:

@@ -120,6 +120,19 @@ class Clock:
         return self.seconds(start, self.mark())
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one CPU thread within the block (the number set before, after): for timing tiny operators, whose
+    cost is the host's and not the arithmetic's; on a shared machine a busy core stalls every multithreaded kernel
+    (a checkpointed 8 x 8 function read 150 ms on two threads of two loaded cores, 0.4 ms on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def median_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     """Median of ``reps`` timings of ``fn()`` (seconds)."""
     clock = Clock(device)

@@ -19,12 +19,13 @@ reach here and writes each as the fraction of the spec's peak that gives the mea
   peak, over their measured time;
 * ``efficiency.{pointwise,transcendental,reduction,foreach}.memory``: each class's samples at a training step's
   sizes, the bytes the model counts for them (remat._compat.op_bytes) over the bandwidth peak, over their time;
-* ``host_forward_op_s``, ``host_backward_op_s``: a tiny model's forward and backward (8 blocks shaped as a
-  decoder's: RMS norm written out as Hugging Face writes it, gated MLP, residual; tensors of a few KiB, so the host
-  and not the GPU sets the time), wall time over the operators dispatched (views included, as the recorder counts
-  them); ``host_selective_*_op_s``: the same blocks under ``torch.utils.checkpoint`` with a selective policy
-  (products kept), the forward's and the backward's extra wall time over the forward's operators (the
-  recomputation's less a plain forward operator's), 0 where it read below 0; a bare operator in a loop is noted;
+* ``host_forward_op_s``, ``host_backward_op_s``: what one operator costs the host below the model's own work (the
+  dispatcher, the operator's host code, the allocator, the launch): decoder blocks (RMS norm written out as
+  Hugging Face writes it, gated MLP, residual) at the samples' width and tokens, bf16, forward and backward timed
+  on the host without waiting for the GPU, less the blocks' own work between their operators (measured as for a
+  planned model), over the operators, per phase
+  (remat.costs.host_time.op_s_from_phase, the function the built-in H200 figure is derived with); what
+  checkpointing adds to a host is measured where remat plans (Note [Host time decomposed]);
 * ``device_to_host_bytes_per_s``, ``host_to_device_bytes_per_s``: copies between device memory and pinned host
   memory; pageable copies are noted (the offloader never copies from pageable memory on a GPU);
 * ``shortest_kernel_s``: one-element additions captured in a CUDA graph and replayed (no host between them),
@@ -114,17 +115,16 @@ class ClassSample:
 
 @dataclass(frozen=True)
 class HostSample:
-    """Host wall seconds per operator (Note [Calibrated fields]); the selective figures as measured (may be < 0)."""
+    """The device host's seconds per operator (Note [Calibrated fields]) and what they were derived from."""
 
-    #: a bare operator (``x.add_(1)`` on a tiny tensor) in a loop
-    op_s: float
+    #: seconds per forward and per backward operator below the blocks' own work (op_s_from_phase)
     forward_op_s: float
     backward_op_s: float
-    selective_forward_op_s: float
-    selective_recompute_op_s: float
-    #: operators one forward and one backward of the tiny model dispatch
-    forward_ops: int
-    backward_ops: int
+    #: per phase ("forward", "backward"): the host's wall seconds (the least of the steps timed), of them the
+    #: blocks' own work between operators, and the operators dispatched
+    wall_s: tuple[float, float]
+    python_s: tuple[float, float]
+    ops: tuple[int, int]
     label: str = ""
 
 
@@ -168,7 +168,8 @@ class Measurements:
         return cls(environment=Environment(**env), gemm=tuple(GemmRate(**g) for g in d["gemm"]),
                    samples=tuple(ClassSample(**{**s, "operators": tuple(s.get("operators", ()))})
                                  for s in d["samples"]),
-                   host=HostSample(**d["host"]), copies=tuple(CopyRate(**c) for c in d["copies"]),
+                   host=HostSample(**{k: tuple(v) if isinstance(v, list) else v
+                                      for k, v in d["host"].items()}), copies=tuple(CopyRate(**c) for c in d["copies"]),
                    seconds=d.get("seconds", 0.0), quick=d.get("quick", False),
                    shortest_kernel_s=d.get("shortest_kernel_s"))
 
@@ -324,21 +325,13 @@ def _memory_classes(m: Measurements, base: Any, w: _Written) -> dict[str, dict[s
 
 
 def _host_and_copies(m: Measurements, w: _Written) -> None:
-    """The host's seconds per operator (plain and under selective checkpointing), the shortest kernel and the
-    copy rates each way."""
+    """The host's seconds per operator, the shortest kernel and the copy rates each way."""
     test, h = w.test, m.host
-    block = (f"a tiny decoder-shaped model ({h.label}): {h.forward_ops} operators a forward, {h.backward_ops} a "
-             f"backward")
-    w.put("host_forward_op_s", h.forward_op_s, f"{test}{block}: forward wall time over its operators; a bare "
-                                               f"operator in a loop takes {_us(h.op_s)}")
-    w.put("host_backward_op_s", h.backward_op_s, f"{test}{block}: backward wall time over its operators")
-    for field, value, what in (("host_selective_forward_op_s", h.selective_forward_op_s, "forward"),
-                               ("host_selective_recompute_op_s", h.selective_recompute_op_s, "recomputation")):
-        read = "" if value >= 0 else f" (read {_us(value)}: below the noise, taken as 0)"
-        w.put(field, max(0.0, value), f"{test}{block}, each block under torch.utils.checkpoint with a selective "
-                                      f"policy (products kept): the {what}'s extra wall time per forward operator"
-                                      + (", less a plain forward operator's" if what == "recomputation" else "")
-                                      + read)
+    for i, phase in enumerate(("forward", "backward")):
+        w.put(f"host_{phase}_op_s", (h.forward_op_s, h.backward_op_s)[i],
+              f"{test}{h.label}: the {phase} {_us(h.wall_s[i])} on the host, less the blocks' own work between "
+              f"operators {_us(h.python_s[i])}, over {h.ops[i]} operators (Note [Host time decomposed] in "
+              "remat.costs.host_time)")
     if m.shortest_kernel_s is not None:
         w.put("shortest_kernel_s", m.shortest_kernel_s,
               f"{test}one-element additions captured in a CUDA graph and replayed: GPU time per kernel, no host "

@@ -36,7 +36,8 @@ A device not in the table: give its spec, as ``DeviceSpec(name="my-gpu", memory_
 the same fields (only ``name`` and ``memory_bytes`` are required; a file may derive from a built-in device,
 ``"base": "h200"``, and give only what differs: remat.target.spec_file); ``device_spec("cpu")`` /
 :func:`cpu_spec` name this machine. ``remat calibrate`` measures the GPU here into such a file: the per-class
-``efficiency`` and the ``host_*_op_s`` fields, which the built-in specs leave to the time model's own figures.
+``efficiency`` and ``host_forward_op_s``, ``host_backward_op_s``, which the built-in specs leave to the time
+model's own figures.
 """
 
 from __future__ import annotations
@@ -117,12 +118,11 @@ class DeviceSpec:
     #: to reach here, ``(class, compute, memory)``, None for the time model's own figure (``remat calibrate``;
     #: JSON: ``{"matmul": {"compute": 0.8}}``); empty: the time model's table (remat.costs.device_time)
     efficiency: tuple[tuple[str, float | None, float | None], ...] = ()
-    #: host seconds per operator measured on this device's host (``remat calibrate``; the fields of
-    #: remat.costs.device_time.HostCosts); None: the time model's (the H200's host)
+    #: host seconds per forward and per backward operator below the model's own work, measured on this device's
+    #: host (``remat calibrate``; remat.costs.device_time.HostCosts, Note [Host time decomposed] in
+    #: remat.costs.host_time); None: the time model's (the H200's host)
     host_forward_op_s: float | None = None
     host_backward_op_s: float | None = None
-    host_selective_forward_op_s: float | None = None
-    host_selective_recompute_op_s: float | None = None
     #: seconds of the shortest kernel, the time model's floor for any operator (``remat calibrate``: one-element
     #: kernels replayed from a CUDA graph); None: the time model's (torchao's 2 us on an H100)
     shortest_kernel_s: float | None = None

@@ -9,7 +9,6 @@ Kernel time is read with CUDA events around a batch of calls (enough for about 2
 
 from __future__ import annotations
 
-import functools
 import platform
 import statistics
 import time
@@ -227,69 +226,54 @@ class _Block(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-def _keep_products(ctx, func, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    name = str(func)
-    return CheckpointPolicy.MUST_SAVE if name.startswith(("aten.mm", "aten.addmm")) else \
-        CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def host_costs(device: torch.device, repeats: int, *, blocks: int = 8, width: int = 64,
+def host_costs(device: torch.device, repeats: int, *, blocks: int = 4, width: int = 64,
                tokens: int = 8) -> HostSample:
-    """Host seconds per operator (Note [Calibrated fields] in remat.target.calibration): a bare operator in a loop,
-    a tiny model's forward and backward, and the same under selective checkpointing."""
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    """The device host's seconds per operator (Note [Calibrated fields] in remat.target.calibration; Note [Host
+    time decomposed] in remat.costs.host_time): ``blocks`` decoder blocks at a training step's width and tokens
+    (bfloat16 on a GPU), forward and backward timed on the host (synchronized before, not inside: the host runs
+    ahead of the GPU), less the blocks' own work between their operators (remat.profile.host_work, as for a planned
+    model), over the operators they dispatch."""
+    from remat.costs.host_time import op_s_from_phase
+    from remat.profile.host_work import measure_host_work
 
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    layers = nn.ModuleList(_Block(width) for _ in range(blocks)).to(device)
-    x = torch.randn(tokens, width, device=device, requires_grad=True)
-    context = functools.partial(create_selective_checkpoint_contexts, _keep_products)
+    layers = nn.Sequential(*(_Block(width) for _ in range(blocks))).to(device=device, dtype=dtype)
+    x = torch.randn(tokens, width, device=device, dtype=dtype)
+    params = list(layers.parameters())
 
-    def forward(selective: bool) -> torch.Tensor:
-        h = x
-        for block in layers:
-            h = checkpoint(block, h, use_reentrant=False, context_fn=context) if selective else block(h)
-        return h
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.float().square().mean()
+
+    def step() -> None:
+        loss_fn(layers(x)).backward()
 
     def clear() -> None:
-        x.grad = None
-        for p in layers.parameters():
+        for p in params:
             p.grad = None
 
-    g = torch.ones(tokens, width, device=device)
+    for _ in range(3):  # unread: the first calls (the engine's, the allocator's) run slow
+        clear(), step()
+    walls: tuple[list[float], list[float]] = ([], [])
+    for _ in range(max(10, 4 * repeats)):
+        clear()
+        _sync(device)
+        started = time.perf_counter()
+        loss = loss_fn(layers(x))
+        forward = time.perf_counter()
+        loss.backward()
+        walls[0].append(forward - started)
+        walls[1].append(time.perf_counter() - forward)
+        _sync(device)
     clear()
-    forward_ops = _counted(lambda: forward(False)).operators
-    y = forward(False)
-    backward_ops = _counted(lambda: y.backward(g)).operators
-    trials = max(10, 4 * repeats)
-    walls: dict[tuple[bool, str], list[float]] = {}
-    for _ in range(3):  # unread: the first calls (the policy's, the engine's) run slow
-        clear(), forward(True).backward(g), forward(False).backward(g)
-    for _ in range(trials):  # interleaved: a slow moment of the machine falls on both
-        for selective in (False, True):
-            clear()
-            held: list[torch.Tensor] = []
-            walls.setdefault((selective, "forward"), []).append(_wall(lambda: held.append(forward(selective)),
-                                                                      device))
-            walls.setdefault((selective, "backward"), []).append(_wall(lambda: held[0].backward(g), device))
-    wall = {k: statistics.median(v) for k, v in walls.items()}
-    forward_op_s = wall[(False, "forward")] / forward_ops
-    z = torch.zeros(8, device=device)
-    loop = 1000
-
-    def bare() -> None:
-        for _ in range(loop):
-            z.add_(1)
-
-    bare()
-    op_s = statistics.median(_wall(bare, device) for _ in range(max(3, repeats))) / loop
-    return HostSample(
-        op_s=op_s, forward_op_s=forward_op_s, backward_op_s=wall[(False, "backward")] / backward_ops,
-        selective_forward_op_s=(wall[(True, "forward")] - wall[(False, "forward")]) / forward_ops,
-        selective_recompute_op_s=(wall[(True, "backward")] - wall[(False, "backward")]) / forward_ops - forward_op_s,
-        forward_ops=forward_ops, backward_ops=backward_ops,
-        label=f"{blocks} blocks, width {width}, {tokens} tokens, float32; median of {trials}")
+    work = measure_host_work(layers, (x,), {}, loss_fn, output_alive=False, targets=params)
+    wall = (min(walls[0]), min(walls[1]))
+    python = (work.forward_python_s, work.backward_python_s)
+    ops = (work.forward_ops, work.backward_ops)
+    return HostSample(forward_op_s=op_s_from_phase(wall[0], python[0], ops[0]),
+                      backward_op_s=op_s_from_phase(wall[1], python[1], ops[1]), wall_s=wall, python_s=python,
+                      ops=ops, label=f"{blocks} decoder blocks, width {width}, {tokens} tokens, "
+                                     f"{str(dtype).removeprefix('torch.')}; the least of {len(walls[0])} steps")
 
 
 def copy_rates(device: torch.device, nbytes: int, repeats: int) -> tuple[CopyRate, ...]:
@@ -378,7 +362,7 @@ def _measure(device: torch.device, sizes: Sizes, quick: bool,
     say("the optimizer's foreach kernels")
     samples += foreach_samples(device, *sizes.foreach, sizes.repeats)
     say("the host's cost per operator")
-    host = host_costs(device, sizes.repeats)
+    host = host_costs(device, sizes.repeats, width=sizes.width, tokens=sizes.tokens)
     say("the shortest kernel")
     shortest = shortest_kernel(device, sizes.repeats)
     say("copies to and from host memory")
@@ -388,3 +372,4 @@ def _measure(device: torch.device, sizes: Sizes, quick: bool,
         torch.cuda.empty_cache()
     return Measurements(env, gemm, samples, host, copies, seconds=time.perf_counter() - started, quick=quick,
                         shortest_kernel_s=shortest)
+

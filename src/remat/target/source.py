@@ -111,7 +111,8 @@ class ModelledTarget:
             opt = optimizer_cost(req.optimizer, req.model, fake, mode, self.target)
             modelled = Modelled(optimizer=opt, op_seconds=lambda op: operator_seconds(op, rates, self.target),
                                 overhead=self._overhead(), counted=self._counted, note=self._note(rates),
-                                step_time=lambda rec: self._step_time(rec, rates), host=rates.host)
+                                step_time=lambda rec: self._step_time(rec, rates), host=rates.host,
+                                host_bookkeeping=self._host_bookkeeping() if rates.host is not None else None)
             wrapping, graph = wrapping_of(fake), graphs[0]
             with mode:
                 profile = _make_profile(fake, args, kwargs, loss_fn=req.loss_fn, optimizer=None,
@@ -141,11 +142,15 @@ class ModelledTarget:
         return st.forward_s, st.backward_s, st.flops
 
     def _overhead(self) -> CheckpointOverhead:
-        """Checkpoint's bookkeeping on the target: on a GPU none (the host's bookkeeping runs ahead of the GPU,
-        and the saved RNG states live in host memory); on this machine's CPU, as measured here (the same
-        measurement, cached, the measured path uses)."""
-        if self.target.is_cuda:
-            return CheckpointOverhead(0.0, 0.0, 0.0)
+        """Checkpoint's bookkeeping on the target's device: on a GPU none (the host's bookkeeping runs ahead of the
+        GPU: it is the host's, :meth:`_host_bookkeeping`, and the saved RNG states live in host memory); on this
+        machine's CPU, as measured here."""
+        return CheckpointOverhead(0.0, 0.0, 0.0) if self.target.is_cuda else self._host_bookkeeping()
+
+    @staticmethod
+    def _host_bookkeeping() -> CheckpointOverhead:
+        """What checkpointing adds to a host, measured on this machine's CPU (Note [Host time decomposed] in
+        remat.costs.host_time; the same measurement, cached, the measured path uses)."""
         from remat.profile import cache
         from remat.profile.timing import checkpoint_overhead
 

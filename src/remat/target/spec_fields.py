@@ -30,9 +30,8 @@ def check_whole(name: str, field: str, value: Any) -> int | None:
 
 #: the operator classes of the time model's efficiency table (remat.costs.device_time.op_class)
 EFFICIENCY_CLASSES = ("matmul", "conv", "attention", "pointwise", "transcendental", "reduction", "foreach")
-#: host seconds per operator (remat.costs.device_time.HostCosts): the selective ones may be 0
-HOST_SECONDS = ("host_forward_op_s", "host_backward_op_s", "host_selective_forward_op_s",
-                "host_selective_recompute_op_s")
+#: host seconds per operator (remat.costs.device_time.HostCosts)
+HOST_SECONDS = ("host_forward_op_s", "host_backward_op_s")
 #: every field in seconds
 SECONDS = HOST_SECONDS + ("shortest_kernel_s",)
 
@@ -72,10 +71,9 @@ def check_efficiency(name: str, value: Any) -> tuple[tuple[str, float | None, fl
 def check_seconds(name: str, field: str, value: Any) -> float | None:
     if value is None:
         return None
-    least = 0.0 if "selective" in field else None
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or value < 0 or (least is None and value == 0)):
-        raise InvalidInputError(f"device {name!r}: {field} must be a {'non-negative' if least == 0 else 'positive'} "
+            or value <= 0):
+        raise InvalidInputError(f"device {name!r}: {field} must be a positive "
                                 f"number of seconds{' per operator' if 'op_s' in field else ''} (e.g. 2.47e-05), got "
                                 f"{value!r}, or None for the time model's figure")
     return float(value)

@@ -124,16 +124,18 @@ def efficiency_table(spec: Any) -> Any:
 
 
 def host_costs_of(spec: Any, default: Any = None) -> Any:
-    """The host's seconds per operator for ``spec``: its ``host_*_op_s`` fields (measured by ``remat calibrate``)
-    where given, ``default``'s (remat.costs.device_time.GPU_HOST, the H200's host) for any it leaves None."""
+    """The device host's seconds per operator for ``spec``: its ``host_forward_op_s`` and ``host_backward_op_s``
+    (measured by ``remat calibrate``) where given, ``default``'s (remat.costs.device_time.GPU_HOST, the H200's
+    host) for one it leaves None."""
     from remat.costs.device_time import GPU_HOST, HostCosts
 
     default = GPU_HOST if default is None else default
-    given = {f: getattr(spec, f"host_{f}") for f in ("forward_op_s", "backward_op_s", "selective_forward_op_s",
-                                                     "selective_recompute_op_s")}
+    given = {f: getattr(spec, f"host_{f}") for f in ("forward_op_s", "backward_op_s")}
     if all(v is None for v in given.values()):
         return default
-    notes = spec.sources_of("host_forward_op_s")
+    notes = spec.sources_of("host_forward_op_s") or spec.sources_of("host_backward_op_s")
     return HostCosts(**{f: getattr(default, f) if v is None else v for f, v in given.items()},
+                     selective_forward_op_s=default.selective_forward_op_s,
+                     selective_recompute_op_s=default.selective_recompute_op_s,
                      source=(f"measured for {spec.name}: {notes[0][0]}" if notes else f"given in the spec {spec.name}")
-                     + ("" if all(v is not None for v in given.values()) else f"; the rest: {default.source}"))
+                     + f"; the rest: {default.source}")
