@@ -15,7 +15,7 @@
 # PARTS, in this order by default:
 #   env               torch, the GPU, the driver, PuLP and its CBC (always run first)
 #   calibrate         remat calibrate: this GPU measured into a device spec file, h200-calibrated.json (issue #56;
-#                     under a minute), for --device FILE
+#                     under a minute), for --device FILE; then its host figures beside the built-in ones (#60)
 #   accuracy-gpt      remat accuracy on the built-in GPT at the size the shared tradeoff ran (12 layers, width 1024,
 #                     batch 8 x 1024 tokens): predicted for this GPU (matched in the table) beside the real steps
 #   accuracy-llama1b  remat accuracy on the Llama 3.2 1B-shaped Hugging Face model (benchmarks/gpu_targets.py:
@@ -98,7 +98,17 @@ for p in "${PARTS[@]}"; do
   case $p in
     env) ;;
     calibrate)
-      part calibrate 180 "$PY" -m remat calibrate --out "$OUT/h200-calibrated.json" ;;
+      part calibrate 180 "$PY" -m remat calibrate --out "$OUT/h200-calibrated.json"
+      # issue #60: the host's figures measured here beside the built-in ones (derived from the shared traces)
+      part host-figures 60 "$PY" -c "
+import sys
+from remat import Target
+from remat.costs.device_time import GPU_HOST
+spec = Target(device=sys.argv[1]).spec
+for f in ('forward_op_s', 'backward_op_s'):
+    print(f'host {f}: measured here {getattr(spec, \"host_\" + f) * 1e6:.2f} us (calibrate), built in '
+          f'{getattr(GPU_HOST, f) * 1e6:.2f} us (derived from the H200 traces, not measured here)')
+" "$OUT/h200-calibrated.json" ;;
     accuracy-gpt)
       part accuracy-gpt 240 "$PY" -m remat accuracy gpt --layers 12 --d-model 1024 --seq-len 1024 --batch-size 8 \
         --json "$OUT/accuracy_gpt.json" ;;

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from remat.errors import InvalidInputError
+
 __all__ = ["HostWork", "op_s_from_phase", "phase_host_s"]
 
 
@@ -68,13 +70,17 @@ def op_s_from_phase(wall_s: float, python_s: float, ops: int, *, bookkeeping_s: 
     """The device's host seconds per operator (Note [Host time decomposed]) from one phase's host wall time:
     ``wall_s`` less the model's own work (``python_s``), checkpointing's bookkeeping and the profiler's cost
     (``profiler_events`` at ``profiler_event_s`` each, where the phase was profiled), over its ``ops``
-    operators. Raises ValueError where nothing is left for the operators (the inputs do not describe one step)."""
+    operators. Raises InvalidInputError where nothing is left for the operators (the inputs do not describe one
+    step)."""
     if ops <= 0:
-        raise ValueError(f"a phase of {ops} operators has no cost per operator")
+        raise InvalidInputError(f"a phase of {ops} operators has no cost per operator: give the operators the "
+                                "phase dispatched (the measuring mode's count)")
     left = wall_s - python_s - bookkeeping_s - profiler_events * profiler_event_s
     if left <= 0:
-        raise ValueError(f"the phase's wall time {wall_s * 1e3:.3f} ms is no more than the model's own work "
-                         f"({python_s * 1e3:.3f} ms), checkpointing's bookkeeping ({bookkeeping_s * 1e3:.3f} ms) "
-                         f"and the profiler's ({profiler_events} events x {profiler_event_s * 1e6:.2f} us): "
-                         "nothing is left for its operators")
+        raise InvalidInputError(
+            f"the phase's wall time {wall_s * 1e3:.3f} ms is no more than the model's own work "
+            f"({python_s * 1e3:.3f} ms), checkpointing's bookkeeping ({bookkeeping_s * 1e3:.3f} ms) and the "
+            f"profiler's ({profiler_events} events x {profiler_event_s * 1e6:.2f} us): nothing is left for its "
+            "operators: the figures describe different steps (measure the model's own work on the step whose wall "
+            "was timed)")
     return left / ops

@@ -18,6 +18,7 @@ from typing import Any
 
 from remat.costs.device_time import HostCosts
 from remat.costs.host_time import op_s_from_phase
+from remat.errors import InvalidInputError
 
 __all__ = ["HOST_CATEGORIES", "PhaseHost", "TraceEvents", "host_phases", "host_costs_from_traces"]
 
@@ -53,8 +54,8 @@ class TraceEvents:
         events = tuple(e for e in data["traceEvents"] if e.get("ph") == "X")
         host = [e for e in events if e.get("cat") in HOST_CATEGORIES]
         if not host:
-            raise ValueError(f"{path}: no host events ({', '.join(HOST_CATEGORIES)}): not a torch.profiler trace "
-                             "recorded with CPU activity")
+            raise InvalidInputError(f"{path}: no host events ({', '.join(HOST_CATEGORIES)}): not a torch.profiler "
+                                    "trace recorded with CPU activity (record one with ProfilerActivity.CPU)")
         return cls(os.path.basename(path).split(".")[0], events, min(host, key=lambda e: e["ts"])["tid"])
 
     def of(self, *categories: str) -> list[dict]:
