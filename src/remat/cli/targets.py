@@ -9,7 +9,9 @@ TARGET is one of:
   --world N``, ``(model, example_inputs, loss_fn, parallelize)`` (``parallelize(model, mesh)`` applies the run's
   FSDP2/TP). See ``examples/custom_target.py``;
 * a Hugging Face ``config.json`` (or a folder holding one): the model built from it on the meta device by
-  ``AutoModelForCausalLM.from_config`` (no weights, no download), a batch of ``input_ids`` and ``labels``.
+  ``AutoModelForCausalLM.from_config`` (no weights, no download), a batch of ``input_ids`` and ``labels``;
+* ``torchtitan:NAME:FLAVOR`` (``torchtitan:llama3:8B``): torchtitan's model from the installed package's registry
+  (``remat.integrations.torchtitan.models``), its loss, and its own FSDP2 wrapping for ``--world``.
 """
 
 from __future__ import annotations
@@ -83,7 +85,9 @@ def resolve_target(target: str, *, device: torch.device, options: dict[str, Any]
     ``options`` are the size options of a built-in example (layers, batch_size, seq_len, ...), also passed to a
     function target that takes them; unset (None) ones keep the defaults."""
     options = {k: v for k, v in (options or {}).items() if v is not None}
-    if _hf_config(target) is not None:
+    if target.startswith(TORCHTITAN):
+        built = _torchtitan(target, device, options)
+    elif _hf_config(target) is not None:
         built = (*hf_from_config(_hf_config(target), device, options), None)
     elif target in EXAMPLES:
         make = EXAMPLES[target]
@@ -94,6 +98,26 @@ def resolve_target(target: str, *, device: torch.device, options: dict[str, Any]
     else:
         built = _from_function(target, device, options)
     return built if with_parallelize else built[:4]
+
+
+#: the prefix of a torchtitan model target: ``torchtitan:NAME:FLAVOR``
+TORCHTITAN = "torchtitan:"
+
+
+def _torchtitan(target: str, device: torch.device, options: dict[str, Any]) -> tuple:
+    """torchtitan's model NAME in FLAVOR (the installed package's registry), batch ``batch_size`` x ``seq_len``
+    (default 1 x 2048)."""
+    parts = target.split(":")
+    if len(parts) != 3 or not all(parts[1:]):
+        raise InvalidInputError(f"a torchtitan target is torchtitan:NAME:FLAVOR (e.g. torchtitan:llama3:8B), got "
+                                f"{target!r}")
+    try:
+        from remat.integrations.torchtitan.models import titan_target
+    except ImportError as e:
+        from remat.errors import MissingDependencyError
+        raise MissingDependencyError(f"{target} needs torchtitan: pip install 'remat[torchtitan]' ({e})") from e
+    return titan_target(parts[1], parts[2], device=device, batch_size=options.get("batch_size") or 1,
+                        seq_len=options.get("seq_len") or 2048)
 
 
 def _from_function(target: str, device: torch.device, options: dict[str, Any]) -> tuple:
