@@ -28,7 +28,7 @@ import torchtitan_llama3 as tt  # noqa: E402
 
 import remat  # noqa: E402
 from remat.costs.offload import HostLink, link_from_spec  # noqa: E402
-from remat.target.devices import device_spec  # noqa: E402
+from remat.target.spec_file import device_spec  # noqa: E402
 from remat.solve import Planner  # noqa: E402
 from remat.target import Target  # noqa: E402
 from remat.target.source import predict_peaks  # noqa: E402

@@ -18,7 +18,7 @@ import torch
 
 import remat
 from remat.examples import make_gpt
-from remat.target.devices import device_spec
+from remat.target.spec_file import device_spec
 
 
 def step(model, idx, targets, opt):

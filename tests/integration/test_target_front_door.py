@@ -14,7 +14,7 @@ from helpers import needs_fake_world_floor
 from remat.costs.allocator import AllocatorConfig
 from remat.examples import GPT, make_gpt
 from remat.target import Target
-from remat.target.devices import device_spec
+from remat.target.spec_file import device_spec
 from remat.target.source import predict_peaks
 from remat.target.tradeoff import predicted_tradeoff
 from remat.target.world import repeated_blocks, wrapping_assumed

@@ -15,7 +15,8 @@ import pytest
 
 from remat.errors import InvalidInputError
 from remat.target import devices
-from remat.target.devices import KNOWN, NUMBERS, DeviceSpec, cpu_spec, device_spec
+from remat.target.devices import KNOWN, NUMBERS, DeviceSpec, cpu_spec
+from remat.target.spec_file import device_spec
 
 ASKED = ("a100-40gb", "a100-80gb", "h100-80gb", "h100-96gb", "h100-pcie", "h200", "b200", "l4", "mi300x")
 
@@ -174,9 +175,16 @@ def test_the_h200s_memory_is_what_torch_reported_on_one():
     two was called one that does not fit the device. The table holds the measured figure, and its one source
     says measured, where and when."""
     h200 = KNOWN["h200"]
-    assert h200.memory_bytes == 150_109_880_320 and str(h200).endswith("(139.8 GiB)")
     ((doc, note),) = h200.sources_of("memory_bytes")
     assert note.startswith("Measured on an H200 by remat on 2026-12-04") and "remat's measurement" in doc
+    # the figure is the one its source quotes from torch (issue #62: it was held against a literal of itself), and
+    # the public printout the source cites (143,156 MiB) agrees to 64 KiB, as the note says
+    quoted = int(re.search(r"total_memory = (\d+) bytes", note).group(1))
+    assert h200.memory_bytes == quoted and str(h200).endswith(f"({quoted / 2**30:.1f} GiB)")
+    printed_mib = int(re.search(r"total_memory=(\d+)MB", note).group(1))
+    assert abs(h200.memory_bytes - printed_mib * 2**20) <= 64 * 2**10 and "agrees to 64 KiB" in note
+    # the marketed figure it replaced is 6% below
+    assert h200.memory_bytes / 141e9 == pytest.approx(1.0646, abs=1e-3)
     assert "torch 2.11.0+cu130" in note and "driver 580.159.04" in note and "total_memory" in note
     assert writes(note, "memory_bytes", 150_109_880_320)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from remat.target.devices import device_spec
+from remat.target.spec_file import device_spec
 
 TRACE = Path(__file__).parent.parent / "data" / "titan4_off__0.trace.json.gz"
 

@@ -12,7 +12,7 @@ from remat.errors import InvalidInputError
 from remat.solve import Planner
 from remat.solve.plan import Plan
 from remat.solve.synthetic import chain_profile, random_chain_profile
-from remat.target.devices import device_spec
+from remat.target.spec_file import device_spec
 
 FAST = HostLink(1e12, 1e12)
 SLOW = HostLink(1e6, 1e6)

@@ -42,7 +42,7 @@ def host_link(offload: Any, *, device: torch.device, target: Any = None, compile
                "where they are (Note [Offloaded units] in remat.rewrite.offload); plan with offload=False")
     spec = getattr(target, "spec", None)
     if why is None and spec is None and device.type == "cuda":
-        from remat.target.devices import device_spec
+        from remat.target.spec_file import device_spec
 
         try:
             spec = device_spec(torch.cuda.get_device_name(device))

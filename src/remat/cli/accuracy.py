@@ -42,7 +42,7 @@ def add_accuracy(sub, common: argparse.ArgumentParser) -> None:
 def _spec(args):
     """The spec to predict for and how it was chosen (None, "cuda" or "cuda:N": this GPU's)."""
     from remat.target.this_gpu import spec_here
-    from remat.target.devices import device_spec
+    from remat.target.spec_file import device_spec
 
     device = args.device
     if device is None or device == "cuda" or device.startswith("cuda:"):
@@ -74,7 +74,7 @@ def cmd_accuracy(args, out, err) -> int:
     if measure_on.type == "cpu":
         if args.device in (None, "cuda") or args.device.startswith("cuda:"):
             raise UsageError("--measure-on cpu (a test) needs the spec to predict for: --device GPU")
-        from remat.target.devices import device_spec
+        from remat.target.spec_file import device_spec
 
         spec, how = device_spec(args.device), "given with --device"
     else:

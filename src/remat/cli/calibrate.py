@@ -46,15 +46,15 @@ def add_calibrate(sub) -> None:
 
 def _base(args, gpu_name: str | None):
     """The built-in spec the file derives from and how it was chosen, or (None, why)."""
-    from remat.target.devices import _ALIASES, KNOWN, _key
+    from remat.target.devices import ALIASES, KNOWN, spec_key
 
     if args.base is not None:
         if args.base.lower() == "none":
             return None, "--base none: every peak measured"
-        if _key(args.base) not in _ALIASES:
+        if spec_key(args.base) not in ALIASES:
             raise UsageError(f"--base {args.base}: not a built-in device; the built-in ones: {', '.join(KNOWN)} "
                              f"(or --base none)")
-        return KNOWN[_ALIASES[_key(args.base)]], "given with --base"
+        return KNOWN[ALIASES[spec_key(args.base)]], "given with --base"
     if gpu_name is None:
         return None, "no base (the CPU test run)"
     found = named_in_table(gpu_name)

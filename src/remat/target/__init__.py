@@ -15,7 +15,8 @@ In: a Target and the user's model (on the meta device or anywhere; never changed
 a Profile and Plans, every figure predicted for the target, not measured.
 """
 
-from remat.target.devices import KNOWN, DeviceSpec, device_spec
+from remat.target.devices import KNOWN, DeviceSpec
+from remat.target.spec_file import device_spec
 from remat.target.source import ModelledTarget
 from remat.target.world import Target
 

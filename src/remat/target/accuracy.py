@@ -46,7 +46,8 @@ from torch import nn
 
 from remat.errors import InfeasibleBudgetError, InvalidInputError, RematError
 from remat.solve.plan import GiB, Plan
-from remat.target.devices import DeviceSpec, device_spec
+from remat.target.devices import DeviceSpec
+from remat.target.spec_file import device_spec
 from remat.target.this_gpu import cuda_required, describe_device, spec_here
 
 #: ``build(device)`` -> ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``: the target built on

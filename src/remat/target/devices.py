@@ -50,7 +50,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -59,7 +58,7 @@ from remat.target.spec_fields import (  # noqa: F401 (the constants are read fro
     EFFICIENCY_CLASSES, SECONDS, check_capability, check_efficiency, check_seconds, check_whole,
 )
 
-__all__ = ["DeviceSpec", "KNOWN", "device_spec", "cpu_spec", "generation_of"]
+__all__ = ["DeviceSpec", "KNOWN", "ALIASES", "spec_key", "builtin_documents", "how_to", "cpu_spec", "generation_of"]
 
 #: the rates, each ``None`` where unknown: FLOP/s per dtype (dense), then bytes/s
 RATES = ("fp32_flops_per_s", "tf32_flops_per_s", "bf16_flops_per_s", "fp16_flops_per_s", "fp8_flops_per_s",
@@ -178,7 +177,7 @@ class DeviceSpec:
         ``{"field", "source", "note"}`` objects."""
         if not isinstance(d, Mapping):
             raise InvalidInputError(f"a device spec must be a mapping of its fields, got {type(d).__name__}.\n"
-                                    + _how_to())
+                                    + how_to())
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(str(k) for k in d if k not in known)
         if unknown:
@@ -187,7 +186,7 @@ class DeviceSpec:
         missing = [k for k in ("name", "memory_bytes") if d.get(k) is None]
         if missing:
             raise InvalidInputError(f"device spec {d.get('name', '?')!r} lacks {' and '.join(missing)}.\n"
-                                    + _how_to())
+                                    + how_to())
         return cls(**dict(d))
 
 
@@ -206,12 +205,14 @@ def _sources(name: str, sources: Any) -> tuple[tuple[str, str, str], ...]:
     return tuple(out)
 
 
-def _how_to() -> str:
+def how_to() -> str:
+    """How to describe a device that is not built in (for error messages)."""
     fields = [f.name for f in dataclasses.fields(DeviceSpec) if f.name not in ("name", "memory_bytes")]
     return _HOW_TO.replace("{fields}", ", ".join(fields))
 
 
-def _key(name: str) -> str:
+def spec_key(name: str) -> str:
+    """A device name as the table's aliases are keyed: lower case, ``_`` and spaces as ``-``."""
     return re.sub(r"[\s_]+", "-", name.strip().lower())
 
 
@@ -228,75 +229,24 @@ def _load_builtin() -> tuple[dict[str, DeviceSpec], dict[str, str]]:
     for entry in data["devices"]:
         entry = dict(entry)
         for alias in [entry["name"], *entry.pop("aliases", ())]:
-            aliases[_key(alias)] = entry["name"]
+            aliases[spec_key(alias)] = entry["name"]
         entry["sources"] = [[f, expand(doc), expand(note)] for f, doc, note in entry["sources"]]
         table[entry["name"]] = DeviceSpec.from_dict(entry)
     return table, aliases
 
 
 _TABLE, _ALIASES = _load_builtin()
+#: every built-in name and alias (keyed by :func:`spec_key`) to its name in the table
+ALIASES: Mapping[str, str] = MappingProxyType(_ALIASES)
 
 
-def _load_builtin_documents() -> dict[str, str]:
+def builtin_documents() -> dict[str, str]:
     """The built-in table's documents by key (what its sources' ``doc:KEY`` name)."""
     return dict(json.loads(resources.files(__package__).joinpath("devices.json").read_text(encoding="utf-8"))
                 ["documents"])
 
 #: the built-in specs by name, in the table's order
 KNOWN: Mapping[str, DeviceSpec] = MappingProxyType(_TABLE)
-
-
-def device_spec(name_or_spec: DeviceSpec | str | os.PathLike | Mapping[str, Any]) -> DeviceSpec:
-    """The spec meant: a :class:`DeviceSpec` as it is; a built-in name or alias (any case; ``_`` or spaces for
-    ``-``; torch's device names such as "NVIDIA H100 80GB HBM3" among the aliases); ``"cpu"``: this machine
-    (:func:`cpu_spec`); a path to a JSON file of the fields; a mapping of the fields. An unknown name raises
-    :class:`InvalidInputError` listing the known names and how to define a device."""
-    if isinstance(name_or_spec, DeviceSpec):
-        return name_or_spec
-    if isinstance(name_or_spec, Mapping):
-        return DeviceSpec.from_dict(name_or_spec)
-    if isinstance(name_or_spec, os.PathLike):
-        return _load_file(Path(name_or_spec))
-    if not isinstance(name_or_spec, str):
-        raise InvalidInputError(f"a device is a name (e.g. \"h100-80gb\"), a JSON file's path or a DeviceSpec, "
-                                f"got {type(name_or_spec).__name__}: {name_or_spec!r}")
-    key = _key(name_or_spec)
-    if key == "cpu":
-        return cpu_spec()
-    if key in _ALIASES:
-        return _TABLE[_ALIASES[key]]
-    if name_or_spec.strip().lower().endswith(".json") or os.sep in name_or_spec or Path(name_or_spec).is_file():
-        return _load_file(Path(name_or_spec))
-    by_name: dict[str, list[str]] = {}
-    for alias, name in _ALIASES.items():
-        if alias != name:
-            by_name.setdefault(name, []).append(alias)
-    listing = "\n".join(f"    {n:<10} {KNOWN[n].describe()}; also {', '.join(by_name.get(n, []))}" for n in KNOWN)
-    raise InvalidInputError(f"unknown device {name_or_spec!r}. The known devices (names are case-insensitive):\n"
-                            f"{listing}\n    cpu        this machine (cpu_spec)\n" + _how_to())
-
-
-def _load_file(path: Path) -> DeviceSpec:
-    # a file may derive from a built-in ("base"), carry documents and the calibration's record: remat.target.spec_file
-    from remat.target.spec_file import load_spec_file
-
-    return load_spec_file(path)
-
-
-def _read_file(path: Path) -> dict[str, Any]:
-    """The JSON object in the spec file ``path``, or :class:`InvalidInputError` saying why not."""
-    if not path.is_file():
-        raise InvalidInputError(f"no device spec file at {path}: give a path to a JSON file of the spec's fields, "
-                                f"or a built-in name ({', '.join(KNOWN)}).\n" + _how_to())
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidInputError(f"cannot read the device spec {path}: {e}. It must be one JSON object of the "
-                                f"spec's fields.\n" + _how_to()) from e
-    if not isinstance(data, dict):
-        raise InvalidInputError(f"{path}: a device spec file holds one JSON object of the spec's fields, got "
-                                f"{type(data).__name__}.\n" + _how_to())
-    return data
 
 
 #: the architecture of the built-in devices by name prefix: it selects "attention@<generation>" in the time

@@ -16,7 +16,8 @@ import subprocess
 import torch
 
 from remat.errors import InvalidInputError, UnsupportedError
-from remat.target.devices import KNOWN, DeviceSpec, device_spec
+from remat.target.devices import ALIASES, KNOWN, DeviceSpec
+from remat.target.spec_file import device_spec
 
 #: a table device whose rates stand for a GPU of this compute capability when its name is not in the table
 BY_CAPABILITY = {(8, 0): "a100-80gb", (9, 0): "h100-80gb", (10, 0): "b200", (8, 9): "l4"}
@@ -35,18 +36,16 @@ def named_in_table(gpu_name: str) -> tuple[DeviceSpec, str] | None:
     """The table's entry torch's name of a GPU is (a name or alias), else the one whose name or alias is the
     longest part of it ("NVIDIA H200 NVL" holds "h200"), and how it was found; None for neither (never by compute
     capability alone here: an RTX 4090 is no L4)."""
-    from remat.target.devices import _ALIASES
-
     try:
         spec = device_spec(gpu_name)
         return spec, f"torch's name {gpu_name!r} is the table's {spec.name}"
     except InvalidInputError:
         pass
     key = re.sub(r"[\s_]+", "-", gpu_name.strip().lower())
-    inside = sorted((a for a in _ALIASES if re.search(rf"(^|-){re.escape(a)}($|-)", key)), key=len, reverse=True)
+    inside = sorted((a for a in ALIASES if re.search(rf"(^|-){re.escape(a)}($|-)", key)), key=len, reverse=True)
     if not inside:
         return None
-    spec = KNOWN[_ALIASES[inside[0]]]
+    spec = KNOWN[ALIASES[inside[0]]]
     return spec, f"torch's name {gpu_name!r} holds the table's {spec.name} ({inside[0]!r})"
 
 

@@ -37,7 +37,8 @@ from remat._compat import FAKE_WORLD_FLOOR, FAKE_WORLD_FLOOR_WHY, batch_layout, 
     fake_mode, fake_store, masks_decided_for, meshes_built_for_real, require_torch, tree_map
 from remat.costs.allocator import AllocatorConfig
 from remat.errors import InternalError, InvalidInputError, RematError, UnsupportedError
-from remat.target.devices import DeviceSpec, device_spec
+from remat.target.devices import DeviceSpec
+from remat.target.spec_file import device_spec
 
 #: ``parallelize(model, mesh)``: applies the run's FSDP2 / tensor parallelism to ``model`` in place
 Parallelize = Callable[[nn.Module, Any], Any]
