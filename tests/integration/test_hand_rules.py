@@ -130,10 +130,9 @@ def test_a_decided_rule_drops_out_while_another_is_timed(planner):
     assert hand_rules.still_undecided([plan, decided]) == [0]
 
 
-def test_checked_steps_that_confirm_the_model_time_nothing(planner, monkeypatch):
-    """Where the plan's and the rule's checked steps confirm the model's ranking (confirmed: the predicted difference
-    at least FLOOR_MARGIN of the rule's step and at least half of it measured), nothing is timed and the note says
-    so; confirmed itself is held to hand-written figures."""
+def test_confirmed_holds_the_model_to_a_measured_pair(planner):
+    """confirmed: the predicted difference at least FLOOR_MARGIN of the rule's step and at least half of it measured
+    (the figures are set here)."""
     every, second = planner.every_nth_block(1), planner.every_nth_block(2)
     rule = dataclasses.replace(every, predicted_step_time_s=1.1)
     near = dataclasses.replace(second, predicted_step_time_s=1.0)
@@ -141,17 +140,32 @@ def test_checked_steps_that_confirm_the_model_time_nothing(planner, monkeypatch)
     assert confirmed(near, rule, 0.90, 0.96, optimizer_s=0.1)  # 60 ms of the predicted 100 measured
     assert not confirmed(near, rule, 0.90, 0.94, optimizer_s=0.1)  # 40 ms: under half
     assert not confirmed(near, rule, 0.96, 0.90, optimizer_s=0.1)  # the rule measured faster
-    assert not confirmed(near, rule, None, 0.96, optimizer_s=0.1)  # a checked step not timed here
+    assert not confirmed(near, rule, None, 0.96, optimizer_s=0.1)  # not measured
     assert not confirmed(dataclasses.replace(near, predicted_step_time_s=1.075), rule, 0.0, 1.0, optimizer_s=0.1)
-    monkeypatch.setattr(hand_rules, "confirmed", lambda *a, **k: True)
-    monkeypatch.setattr(hand_rules, "time_plans_in_place", lambda *a, **k: pytest.fail("timed"))
+
+
+def test_on_a_cpu_the_first_pair_that_confirms_the_model_ends_the_comparison(planner, monkeypatch):
+    """On a CPU the checked steps' times are not offered (the dispatch-level meter slows a checkpointed step): the
+    first timed pair is the confirmation, and a rule it confirms is timed no more (one round, not ROUNDS_MIN); the
+    note says so and the plan counts the passes."""
+    offered = []
+
+    def confirms(plan, rule, plan_s, rule_s, optimizer_s):
+        offered.append((plan_s, rule_s))
+        return plan_s is not None and rule_s is not None and rule_s - plan_s >= 0.05
+
+    monkeypatch.setattr(hand_rules, "confirmed", confirms)
+    calls = []
+    monkeypatch.setattr(hand_rules, "time_plans_in_place", fake_timings(lambda r, i: 1.0 if i == 0 else 1.1, calls))
     monkeypatch.setattr(hand_rules, "TIMED_MARGIN", 1.0)
+    every = planner.every_nth_block(1)
     model, inputs, _ = gpt()
     plan = remat.optimize_checkpointing(model, every.predicted_peak_bytes * 1.02 / 2**30, inputs,
                                         optimizer=torch.optim.AdamW(model.parameters()))
+    assert len(calls) == 1 and plan.rules_timing_passes == len(calls[0]) and plan.choices != every.choices
+    assert all(p is None and r is None for p, r in offered[:len(calls[0]) - 1])  # the checked steps: not offered
     note = next(n for n in plan.notes if "compared with the hand rules" in n)
-    assert "the model's ranking confirmed, not timed" in note and plan.rules_timing_passes == 0
-    assert plan.choices != every.choices
+    assert "1 paired step, which confirmed the model: timed no more" in note
 
 
 def test_plan_checked_checks_and_does_not_race(planner, monkeypatch):
@@ -287,3 +301,31 @@ def test_the_tradeoff_tables_remat_row_is_raced_by_the_tables_own_rounds(planner
     assert len(ours) == 2 and all(r.checkpointed == every.checkpointed for r in ours)
     assert all("every block, measured faster than the ILP's plan at this budget in this table's rounds" in r.note
                for r in ours)
+
+
+def test_max_batch_races_in_its_timed_rows_not_at_every_size_tried(monkeypatch):
+    """issue #60: max_batch checks a plan at every size it tries (plan_checked: no race there) and compares the plans
+    with the hand rules only in the rows it times anyway, in the same rounds; the rule measured faster (given here)
+    is the row's plan, and the notes say which sizes were compared and what it cost."""
+    import remat.sweeps.search as search
+
+    small = dict(layers=2, d_model=64, heads=4, seq_len=32, vocab=256)
+    monkeypatch.setattr(hand_rules, "time_plans_in_place", lambda *a, **k: pytest.fail("raced at a size tried"))
+    monkeypatch.setattr(hand_rules, "TIMED_MARGIN", 1.0)
+    raced = []
+
+    def rows_timed(model, plans, *args, rounds, **kwargs):
+        raced.append(len(plans))
+        return [(1.0,) * rounds] + [(0.9,) * rounds] * (len(plans) - 1)
+
+    monkeypatch.setattr(search, "time_plans_in_place", rows_timed)
+    model, _, _ = make_gpt(batch_size=2, **small)
+    report = remat.max_batch(model, 10 * 2**20 / 2**30, lambda n: make_gpt(batch_size=n, **small)[1],
+                             optimizer=torch.optim.AdamW(model.parameters()), repeats=1)
+    timed_rows = [r for r in report.rows if r.measured_samples_per_s is not None]
+    compared = [n for n in report.notes if "timed beside" in n]
+    assert len(raced) == len(timed_rows) and len(compared) == sum(k > 1 for k in raced)
+    assert all("measured faster in the median of 1 pairs" in n for n in compared)
+    for row in timed_rows:
+        if f"size {row.size}: timed beside" in " ".join(compared):
+            assert row.plan.strategy.startswith("every_") and row.plan.checked_peak_bytes <= report.budget_bytes

@@ -164,13 +164,16 @@ def faster_of(plan_times: tuple[float, ...], timed: list[tuple[Plan, tuple[float
     return sorted(out, key=lambda t: (-t.paired_s, -t.paired_low_s))
 
 
-def still_undecided(times: list[list[float]], minimum: int = ROUNDS_MIN) -> list[int]:
+def still_undecided(times: list[list[float]], minimum: int = ROUNDS_MIN,
+                    first_confirms: Callable[[int, float, float], bool] | None = None) -> list[int]:
     """The plans the next round times (``times[0]``: the plan's, the others a rule's each, in rounds): the plan and
-    every rule timed in every round so far whose pairs do not decide yet (all of them before ``minimum`` rounds);
-    only the plan (nothing more to time) once every rule is decided."""
+    every rule timed in every round so far whose pairs do not decide yet (all of them before ``minimum`` rounds, but
+    a rule whose first pair confirms the model: ``first_confirms(i, plan_s, rule_s)``); only the plan (nothing more
+    to time) once every rule is decided."""
     done = len(times[0])
-    return [0] + [i for i, ts in enumerate(times[1:], 1) if len(ts) == done and (done < minimum or _undecided(
-        [p - r for p, r in zip(times[0], ts)]))]
+    return [0] + [i for i, ts in enumerate(times[1:], 1) if len(ts) == done and not (
+        done == 1 and first_confirms is not None and first_confirms(i, times[0][0], ts[0])) and (
+        done < minimum or _undecided([p - r for p, r in zip(times[0], ts)]))]
 
 
 def _undecided(pairs: list[float]) -> bool:
@@ -222,29 +225,32 @@ def race_hand_rules(
     if hit is not None and len(hit[0]) == len(plans) and len(hit[1]) == len(plans):
         times, steps_s, where = hit
     else:
-        steps_s = [check_s.get(p.choices) for p in plans]
+        # the checked steps are a fair first pair where the allocator meters them (CUDA); on a CPU the dispatch-level
+        # meter slows a checkpointed step (Note [Plans timed beside the hand rules]): the first timed pair instead
+        steps_s = [check_s.get(p.choices) if device.type == "cuda" else None for p in plans]
         sure = [confirmed(plan, r, steps_s[0], s, planner.profile.optimizer_s) for r, s in zip(candidates, steps_s[1:])]
         times, where = [[] for _ in plans], "measured now"
         if not all(sure):
             most = LONG_ROUNDS_MAX if planner.profile.step_time_s >= LONG_STEP_S else ROUNDS_MAX
             racing = [plan, *(r for r, ok in zip(candidates, sure) if not ok)]
-            raced = time_plans_in_place(model, racing, args, kwargs, loss_fn, device, output_alive=output_alive,
-                                        rounds=most, warmup=0, still=still_undecided)
+            raced = time_plans_in_place(
+                model, racing, args, kwargs, loss_fn, device, output_alive=output_alive, rounds=most, warmup=0,
+                still=lambda ts: still_undecided(ts, first_confirms=lambda i, plan_s, rule_s: confirmed(
+                    plan, racing[i], plan_s, rule_s, planner.profile.optimizer_s)))
             it = iter(raced[1:])
             times = [list(raced[0])] + [[] if ok else list(next(it)) for ok in sure]
         cache.store_paired(key, times, steps_s)
     passes = sum(len(t) for t in times) if where == "measured now" else 0
-    race = _decided(plan, candidates, times, steps_s, planner.profile.optimizer_s, check, where)
+    race = _decided(plan, budget_bytes, candidates, times, steps_s, check, where)
     return dataclasses.replace(race, passes=passes, seconds=time.perf_counter() - started,
                                note=race.note + f"; timing beside the hand rules: {passes} forward and backward "
                                f"passes, {time.perf_counter() - started:.1f} s with the rules' checked steps "
                                "(measured)")
 
 
-def _decided(plan: Plan, candidates: list[Plan], times: list, steps_s: list, optimizer_s: float,
+def _decided(plan: Plan, budget_bytes: int, candidates: list[Plan], times: list, steps_s: list,
              check: Callable[[Plan], int], where: str) -> Race:
     """The race's outcome from the checked steps' times and the pairs, and its note."""
-    budget_bytes = plan.budget_bytes
     sure = tuple(r for r, ts in zip(candidates, times[1:]) if not ts)
     results = faster_of(tuple(times[0]), [(r, tuple(ts)) for r, ts in zip(candidates, times[1:]) if ts]) \
         if times[0] else []
@@ -253,7 +259,7 @@ def _decided(plan: Plan, candidates: list[Plan], times: list, steps_s: list, opt
             f"backward, one step each under the memory meter): the model's ranking confirmed, not timed"
             for r, s in zip(candidates, steps_s[1:]) if r in sure]
     said += [f"{_name(t.rule)} {t.rule_s * 1e3:,.1f} ms against this plan's {t.plan_s * 1e3:,.1f} ms, {t.rounds} "
-             f"paired steps (predicted {(t.rule.predicted_step_time_s - plan.predicted_step_time_s) * 1e3:,.1f} ms a "
+             f"paired step{'s' if t.rounds > 1 else ', which confirmed the model: timed no more'} (predicted {(t.rule.predicted_step_time_s - plan.predicted_step_time_s) * 1e3:,.1f} ms a "
              f"step slower than this plan; checked {check(t.rule):,} bytes; this plan less it, in the pairs: median "
              f"{t.paired_s * 1e3:+,.1f} ms, lower quartile {t.paired_low_s * 1e3:+,.1f} ms)" for t in results]
     head = (f"compared with the hand rules that meet the budget and that the model predicts within {TIMED_MARGIN:.0%} "
@@ -261,8 +267,8 @@ def _decided(plan: Plan, candidates: list[Plan], times: list, steps_s: list, opt
             + "; ".join(said))
     best = results[0] if results else None
     if best is None or not best.rule_faster:
-        return Race(plan, head + ("; no rule measured faster" if results else "") + ": this plan kept", confirmed=sure,
-                    timed=tuple(results))
+        return Race(plan, head + ("; no rule measured faster" if results else "") + ": this plan kept",
+                    confirmed=sure + tuple(t.rule for t in results if t.rounds == 1), timed=tuple(results))
     rule = dataclasses.replace(best.rule, budget_bytes=budget_bytes)
     return Race(rule, head + f"; {_name(rule)} measured faster in the median of the pairs, so it is the plan returned "
                 f"in place of the ILP's ({len(plan.checkpointed)} units: {', '.join(plan.checkpointed)})",

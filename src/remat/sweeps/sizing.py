@@ -14,7 +14,9 @@ by size] in remat.costs.extrapolate), plan every size predicted, and confirm wit
    *measured* peak over the budget); when a real check disagrees with the prediction, the search goes
    on with real checks only (doubling, then bisecting) until two neighbouring sizes disagree;
 3. time real steps with each size's plan (one size per doubling, and the largest): the size with the
-   most measured samples per second is the best size.
+   most measured samples per second is the best size. A plan is compared with the hand rules the model
+   cannot tell from it in these same rounds, not at every size tried (Note [Plans timed beside the hand
+   rules] in remat.api.hand_rules): the rule measured faster is the row's plan, and the notes say so.
 
 Nothing is applied: the model, its checkpointing, gradients, buffers and the RNG state are as they were,
 and the user applies the plan they choose with ``apply_plan``.
