@@ -12,23 +12,28 @@ measured at 1.3x every block's overhead on a CPU (issue #56), and on the H200 a 
 
 Where a hand rule meets the budget by its prediction and the chosen plan is predicted faster than it by less than
 TIMED_MARGIN of the rule's predicted step, the rule's peak is checked on a real step like the plan's (Note [Checked
-plans] in remat.api.checking; every block's is often checked already, Note [Least peak is a promise]). Those two
-checked steps are a first comparison that costs nothing more: each is one forward and backward of its plan, timed
-while the meter reads its peak. The predicted difference d (the rule's predicted forward and backward less the
-plan's) is held to the measured one m (the rule's checked step less the plan's): the model's error on this pair,
-on this device, measured. Where m >= CONFIRMED x d and d >= FLOOR_MARGIN of the rule's predicted step, the model's
-ranking stands (its error is under half the difference it predicts) and nothing is timed. The meter adds the same
-dispatch cost per operator to both steps, so it cancels in m but for the operators one plan recomputes more; the
-floor is the noise of one pair of steps on a shared CPU (a few percent: docs/results.md), below which one pair
-cannot confirm anything. issue #60: at a budget 1-5% above every block's peak the GPT-2-small plan was predicted
-474-621 ms a step faster than every block and measured 650 ms faster, yet 11 more plain steps' time went into
-timing it; benchmarks/planning_cost.py measures the cost now.
+plans] in remat.api.checking; every block's is often checked already, Note [Least peak is a promise]). Then the
+model is held to a measured pair of the two: the predicted difference d (the rule's predicted step less the plan's)
+against the measured one m (the rule's forward and backward less the plan's). Where m >= CONFIRMED x d and d >=
+FLOOR_MARGIN of the rule's predicted forward and backward, the model's error on this pair, on this device, is under
+half the difference it predicts: its ranking stands and the rule is timed no more. The floor is the noise of one
+pair of steps (a few percent on a shared CPU, docs/results.md), below which one pair confirms nothing. The pair:
+- on CUDA, the two checked steps, timed while the allocator reads their peaks: they cost nothing more;
+- on a CPU, the first pair of the timed rounds below. The checked steps are metered there by a dispatch mode, which
+  slows a checkpointed step and not a plain one: on GPT-2 small (benchmarks/gpt2_small.py's, 2-core CPU) every
+  block's checked step took 12.8-13.9 s against 6.6-8.0 s unmetered, a plain step 5.7-6.3 s either way, and the
+  checked steps measured every block 7.9 and 10.5 s slower than the ILP's plans where the model predicted 0.3 and 1.0:
+  not a measure of the plans.
+issue #60: at a budget 1-5% above every block's peak the GPT-2-small plan was predicted 474-621 ms a step faster
+than every block and measured 650 ms faster, yet 11 more plain steps' time went into timing it (a warm-up round and 3
+rounds of three passes); benchmarks/planning_cost.py measures the cost now.
 
-Elsewhere (not confirmed, or a step whose checked time is unknown: checked by another call) the two are timed on
+Elsewhere (not confirmed by the checked steps: a CPU, or a step checked by another call) the two are timed on
 the model itself: rounds of one forward and backward each in a shuffled order, every round a paired comparison (Note
 [Interleaved timing] in remat.sweeps.report), no warm-up round (each plan's checked step, just run, warmed its
-configuration). The comparison is sequential: from ROUNDS_MIN rounds on, a rule whose pairs decide (their quartiles
-on one side of 0; with 3 pairs, all three alike) is timed no more, and the rounds end when every rule is decided, or
+configuration). The comparison is sequential: a rule whose first pair confirms the model is timed no more; from
+ROUNDS_MIN rounds on, nor one whose pairs decide (their quartiles on one side of 0; with 3 pairs, all three alike),
+and the rounds end when every rule is decided, or
 at ROUNDS_MAX (LONG_ROUNDS_MAX for a step of LONG_STEP_S or more). The rule is returned in the plan's place where it
 was faster in the median of the pairs: the plan returned is the one measured faster. A first version kept the plan
 unless the rule was faster beyond the noise after 3 rounds of a long step; on benchmarks/ranking.py's 16 MLP blocks
@@ -41,7 +46,8 @@ profile read its times from the cache reads the same figures, so it decides alik
 (docs/plans.md#reproducible-plans; ``REMAT_CACHE=0`` measures them again).
 
 What it costs: where it applies, one real step for each rule's peak not checked already; where the checked steps
-confirm the model, nothing more; else at least ROUNDS_MIN x (1 + rules) forward and backward passes, at most
+confirm the model (CUDA), nothing more; where the first pair does, 1 + rules forward and backward passes; else at
+least ROUNDS_MIN x (1 + rules), at most
 ROUNDS_MAX x (1 + rules) (LONG_ROUNDS_MAX for a long step); nothing where the model's margin is wide or no rule meets
 the budget. ``tradeoff`` and ``max_batch`` do not race here: they time their plans anyway, and decide their rows
 from those same rounds (:func:`faster_of`; remat.sweeps). Not done for distributed plans (each rank would time its
