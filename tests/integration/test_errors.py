@@ -193,7 +193,7 @@ def test_inputs_the_model_rejects_say_so_with_the_users_exception():
 
 
 @pytest.mark.parametrize("stage, target", [
-    ("profile", "remat.profile.record_step"),
+    ("profile", "remat.profile.step.record_step"),
     ("profile", "remat.profile.time_units"),
     ("check", "remat.api.checking.measure_checked_peak"),
 ])

@@ -1,6 +1,6 @@
 """Profile: measure one training step of the model on its device, per unit.
 
-The stage in six parts, one module each:
+The stage in parts, one module each:
 
 * ``recorder``: one step recorded (fake tensors when possible) into an immutable
   :class:`remat.costs.recording.Recording` (Note [Timeline]);
@@ -8,9 +8,11 @@ The stage in six parts, one module each:
 * ``units``: the candidate units (modules, Note [Segments], Note [Regions], Note [Policy menus]);
 * ``timing``: real timed steps per unit and checkpoint's own bookkeeping (Note [Checkpoint overhead]);
 * ``optimizer``: the optimizer's state and step, on shadow copies (Note [Never call the user's optimizer]);
-* ``cache``: the times of a step already measured on this machine, kept on disk (Note [Timing cache]).
+* ``cache``: the times of a step already measured on this machine, kept on disk (Note [Timing cache]);
+* ``host_work``: the model's own host work, for a modelled target (Note [Time between operators]);
+* ``step``: the step measured, one recording of it with its units, and the Profile assembled from them.
 
-``profile_model`` puts them together; ``remat.costs.effects.unit_costs`` turns the recording and the times
+``profile_model`` puts them together (``profile_modelled`` for a modelled target: ``modelled``); ``remat.costs.effects.unit_costs`` turns the recording and the times
 into a :class:`remat.costs.unit_costs.UnitCost` per unit.
 
 Note [Loop style]
@@ -34,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -42,19 +43,18 @@ from torch import nn
 
 from remat.capture import ModelGraph, quiet_loggers, unit_parent
 from remat.costs.unit_costs import Profile, UnitCost
-from remat.costs.effects import UnitSpec, largest_tensors, unit_costs
+from remat.costs.effects import UnitSpec, unit_costs
 from remat.errors import InvalidInputError
-from remat.runtime.measure import LossFn, input_tensors, tensor_bytes, trainable_parameters
+from remat.runtime.measure import LossFn, input_tensors, tensor_bytes
 from remat.runtime.meters import CudaAllocator
 from remat.profile import cache
 from remat.profile.calibrate import LoggedOp, align_forward, calibrate_sizes, diverged, ops_summary, \
     plain_forward_ops, plain_step_fits
-from remat.profile.optimizer import OptimizerCost, optimizer_costs
-from remat.profile.host_work import modelled_host
-from remat.profile.recorder import record_step
+from remat.profile.optimizer import optimizer_costs
+from remat.profile.host_work import code_of, modelled_host, step_host_work
+from remat.profile.step import ProfiledStep, Recorded, assembled, with_selective_specs
 from remat.profile.modelled import Modelled, times_of_ops
 from remat.profile.timing import checkpoint_overhead, time_units
-from remat.profile.units import module_and_segment_specs, region_specs, selective_specs
 from remat.costs.recording import CheckpointOverhead, Recording, UnitTimes, shared_by_twins
 from remat.runtime.state import preserved
 
@@ -89,12 +89,12 @@ def profile_model(
     ends profiling. ``modelled``: the model and inputs are already fake, for a device that is not here
     (remat.target): the step is recorded on them and nothing runs for real (Note [Where costs come from])."""
     notes: list[str] = []
-    step = _Step.of(model, args, kwargs, loss_fn, device, graph, output_alive, sharded, world_size, wrapping)
+    step = ProfiledStep.of(model, args, kwargs, loss_fn, device, graph, output_alive, sharded, world_size, wrapping)
     if modelled is not None:
         return profile_modelled(step, modelled, notes)
     recorded = _record(step, record_real, notes)
     recorded, plain, changed = _check_against_real_forward(step, recorded, notes)
-    specs = _with_selective_specs(step, recorded, notes)
+    specs = with_selective_specs(step, recorded, notes)
     opt = optimizer_costs(optimizer, device)
     if optimizer is None:
         notes.append("no optimizer given: optimizer state and step are not counted")
@@ -102,7 +102,7 @@ def profile_model(
     # the BLAS workspaces the step holds all along (Note [The budget on CUDA is absolute] in
     # remat.costs.allocator_reading): measured, as the check measures them
     workspaces = CudaAllocator(device).workspace_bytes() if device.type == "cuda" else 0
-    assembled = functools.partial(_assembled, step, opt=opt, recorded=recorded.how, notes=notes,
+    assemble = functools.partial(assembled, step, opt=opt, recorded=recorded.how, notes=notes,
                                   workspace_bytes=workspaces)
 
     rec, ran, memory = recorded.rec, recorded.ran, recorded.memory
@@ -112,22 +112,22 @@ def profile_model(
     # (also memory: the RNG state each checkpoint holds on CPU)
     overhead = cache.overhead(device, lambda: checkpoint_overhead(device))
     if memory_known is not None and changed is not None:
-        memory_known(assembled(rec, _memory_alone(step, rec, specs, timed, changed, overhead, buffer_bytes),
+        memory_known(assemble(rec, _memory_alone(step, rec, specs, timed, changed, overhead, buffer_bytes),
                                0.0, 0.0))
 
     rec, times = _timed(step, recorded, timed, top, plain, timing_steps, record_real is not None, notes)
     units = unit_costs(rec, specs, times=times, overhead=overhead, buffer_bytes=buffer_bytes)
-    return assembled(rec, units, times.step_forward_s, _backward_s(units, times, top))
+    return assemble(rec, units, times.step_forward_s, _backward_s(units, times, top))
 
 
-def profile_modelled(step: _Step, modelled: Modelled, notes: list[str]) -> Profile:
+def profile_modelled(step: ProfiledStep, modelled: Modelled, notes: list[str]) -> Profile:
     """The profile of a step recorded on fake tensors for a modelled target: no real forward to calibrate
     against, no timed step; times from ``modelled.op_seconds``."""
     rec, ran, specs = step.record(fake=False)  # the model's tensors are fake already
     if step.world_size > 1:  # FSDP2's lazy initialisation in the first step, as _record
         rec, ran, specs = step.record(fake=False)
-    recorded = _Recorded.of(modelled.counted(rec), ran, specs, "fake")
-    specs = _with_selective_specs(step, recorded, notes)
+    recorded = Recorded.of(modelled.counted(rec), ran, specs, "fake")
+    specs = with_selective_specs(step, recorded, notes)
     notes.append(modelled.note)
     rec = recorded.rec.with_op_seconds({i: modelled.op_seconds(op) for i, op in enumerate(recorded.rec.forward_ops)})
     timed = list(dict.fromkeys([*ran, *(c for c in step.extra if c in rec.spans)]))
@@ -142,81 +142,17 @@ def profile_modelled(step: _Step, modelled: Modelled, notes: list[str]) -> Profi
     units = unit_costs(rec, specs, times=times, overhead=modelled.overhead, buffer_bytes=buffer_bytes)
     host_s = None
     if modelled.host is not None:  # Note [Host time decomposed] in remat.costs.host_time
-        units, host_s, note = modelled_host(rec, units, step, modelled.host, modelled.host_bookkeeping, modelled.note)
+        work = cache.host_work(rec, f"{modelled.note}; {code_of(step.model)}", lambda: step_host_work(step))
+        units, host_s, note = modelled_host(units, work, modelled.host, modelled.host_bookkeeping)
         notes.append(note)
-    profile = _assembled(step, rec, units, times.step_forward_s, times.step_backward_s, opt=modelled.optimizer,
+    profile = assembled(step, rec, units, times.step_forward_s, times.step_backward_s, opt=modelled.optimizer,
                          recorded="fake", notes=notes)
     if host_s is not None:
         profile = dataclasses.replace(profile, forward_host_s=host_s[0], backward_host_s=host_s[1])
     return dataclasses.replace(profile, model_flops=flops) if flops else profile
 
 
-@dataclass(frozen=True)
-class _Step:
-    """The training step profile_model measures, and the modules its recordings hook: what its steps share."""
-
-    model: nn.Module
-    args: tuple
-    kwargs: dict
-    loss_fn: LossFn
-    device: torch.device
-    graph: ModelGraph
-    output_alive: bool
-    sharded: tuple[str, ...]
-    world_size: int
-    wrapping: str
-    sequentials: dict[str, list[str]]
-    extra: list[str]
-    hooked: list[str]
-
-    @staticmethod
-    def of(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, graph: ModelGraph,
-           output_alive: bool, sharded: tuple[str, ...], world_size: int, wrapping: str) -> _Step:
-        mods = dict(model.named_modules())
-        sequentials = {
-            name: [f"{name}.{k}" if name else k for k in m._modules]
-            for name, m in mods.items() if isinstance(m, nn.Sequential) and len(m) >= 2
-        }
-        extra = [c for children in sequentials.values() for c in children] + [c for c in sequentials if c]
-        # the submodules regions start at and run (Note [Regions] in remat.capture): hooked for their spans only
-        # (a region's time is its operators', its buffers its module's)
-        region_calls = [c for calls in graph.region_calls.values() for c in calls]
-        hooked = list(dict.fromkeys([*graph.units, *extra, *region_calls]))
-        return _Step(model, args, kwargs, loss_fn, device, graph, output_alive, sharded, world_size, wrapping,
-                     sequentials, extra, hooked)
-
-    def record(self, fake: bool) -> tuple[Recording, list[str], list[UnitSpec]]:
-        """One step recorded (``record_step``, looked up in this module), the units that ran and their specs."""
-        graph, sharded = self.graph, self.sharded
-        with preserved(self.model):
-            rec = record_step(self.model, self.args, self.kwargs, self.loss_fn, self.device, self.hooked, fake=fake,
-                              output_alive=self.output_alive)
-        # the units that ran, in forward order: by each unit's first operator
-        ran = sorted((u for u in graph.units if u in rec.spans and not _contains(u, (u,), sharded)),
-                     key=lambda u: (rec.first_span(u)[0], -rec.first_span(u)[1]))
-        specs = [s for s in [*module_and_segment_specs(rec, ran, self.sequentials),
-                             *region_specs(rec, ran, graph.cuts, graph.region_calls)]
-                 if not _contains(s.name, s.members, sharded)]
-        return rec, ran, specs
-
-
-@dataclass(frozen=True)
-class _Recorded:
-    """A recording of the step, the units that ran in it (forward order), their specs, how memory was recorded
-    (``"fake"`` or ``"real"``) and the units' memory costs (no times)."""
-
-    rec: Recording
-    ran: list[str]
-    specs: list[UnitSpec]
-    how: str
-    memory: dict[str, UnitCost]
-
-    @staticmethod
-    def of(rec: Recording, ran: list[str], specs: list[UnitSpec], how: str) -> _Recorded:
-        return _Recorded(rec, ran, specs, how, {c.name: c for c in unit_costs(rec, specs[:len(ran)])})
-
-
-def _record(step: _Step, record_real: str | None, notes: list[str]) -> _Recorded:
+def _record(step: ProfiledStep, record_real: str | None, notes: list[str]) -> Recorded:
     """Record one step: on fake tensors when possible, else (or when ``record_real`` says why not) a real one."""
     reason = record_real
     if reason is None and _autocast_enabled(step.device):
@@ -241,12 +177,12 @@ def _record(step: _Step, record_real: str | None, notes: list[str]) -> _Recorded
             # initialisation, the process group's first buffers): record the second step, as training runs
             rec, ran, specs = step.record(fake=False)
         recorded = "real"
-    return _Recorded.of(rec, ran, specs, recorded)
+    return Recorded.of(rec, ran, specs, recorded)
 
 
 def _check_against_real_forward(
-    step: _Step, recorded: _Recorded, notes: list[str],
-) -> tuple[_Recorded, tuple[LoggedOp, ...], frozenset[str] | None]:
+    step: ProfiledStep, recorded: Recorded, notes: list[str],
+) -> tuple[Recorded, tuple[LoggedOp, ...], frozenset[str] | None]:
     """A fake recording checked against a real plain forward: recorded again for real if the step took another
     path (Note [Fake paths]), its sizes corrected from the real kernels' (Note [Fake sizes]). Also returns the
     plain forward's operators and the buffers it changed (none and None after a real recording)."""
@@ -262,7 +198,7 @@ def _check_against_real_forward(
     elif paths:  # Note [Fake paths]
         notes.append(f"the step took another path on fake tensors than on real ones ({ops_summary(paths)}): "
                      "memory recorded on a real step; profiling needed the plain step's peak")
-        recorded = _Recorded.of(*step.record(fake=False), "real")
+        recorded = Recorded.of(*step.record(fake=False), "real")
     if recorded.how == "fake":
         # sizes from the plain forward (the same operators as the recording, one for one, when it took the
         # same path), not from a timed one, whose checkpoint and buffer-snapshot clones can shift the
@@ -275,7 +211,7 @@ def _check_against_real_forward(
     if recorded.how == "fake" and step.device.type == "cuda" and plain_step_fits(recorded.rec, step.device):
         # Note [In-operator transients] in remat.costs.recording: what an operator allocates inside itself (cuDNN's
         # and cuBLASLt's workspaces) only the allocator sees, on a real step; the plain step fits, so it is recorded
-        recorded = _Recorded.of(*step.record(fake=False), "real")
+        recorded = Recorded.of(*step.record(fake=False), "real")
         held = recorded.rec.transient_bytes
         notes.append("memory recorded on a real CUDA step (it fits the device), with what each operator allocates "
                      f"inside itself as the allocator reads it: {len(held)} operators, at most "
@@ -283,25 +219,7 @@ def _check_against_real_forward(
     return recorded, plain, changed
 
 
-def _with_selective_specs(step: _Step, recorded: _Recorded, notes: list[str]) -> list[UnitSpec]:
-    """Every candidate's spec: the module and segment units', then the selective (op-level) options', then the
-    regions'."""
-    specs, ran = recorded.specs, recorded.ran
-    if step.graph.capture_path == "hooks":
-        # a policy names operators by their position in the unit's forward, which must not depend on
-        # the data (Note [Selective checkpointing]); without a captured graph that is not known
-        selective = []
-        notes.append("no selective (op-level) options: the model could not be captured as a graph (its "
-                     "operator sequence may depend on the data), so policies naming operators by position "
-                     "are not offered (" + "; ".join(step.graph.failures) + ")")
-    else:
-        # the module units' spans, exclusions and drops do not depend on the sizes calibrated above, and
-        # the menus are ranked by FLOPs and bytes, not times (Note [Policy menus])
-        selective = selective_specs(recorded.rec, list(recorded.memory.values()))
-    return specs[:len(ran)] + selective + specs[len(ran):]
-
-
-def _memory_alone(step: _Step, rec: Recording, specs: list[UnitSpec], timed: list[str], changed: frozenset[str],
+def _memory_alone(step: ProfiledStep, rec: Recording, specs: list[UnitSpec], timed: list[str], changed: frozenset[str],
                   overhead: CheckpointOverhead, buffer_bytes: dict[str, int]) -> list[UnitCost]:
     """For ``memory_known``: the units' costs before any timed step."""
     # Note [Memory before time] in remat.api: the profile as memory alone gives it (every time 0 s), with
@@ -315,7 +233,7 @@ def _memory_alone(step: _Step, rec: Recording, specs: list[UnitSpec], timed: lis
     return unit_costs(rec, specs, times=none, overhead=overhead, buffer_bytes=buffer_bytes)
 
 
-def _timed(step: _Step, recorded: _Recorded, timed: list[str], top: list[str], plain: tuple[LoggedOp, ...],
+def _timed(step: ProfiledStep, recorded: Recorded, timed: list[str], top: list[str], plain: tuple[LoggedOp, ...],
            timing_steps: int, distributed: bool, notes: list[str]) -> tuple[Recording, UnitTimes]:
     """The units' times (``time_units``, looked up in this module), and the recording with each forward
     operator's time."""
@@ -349,51 +267,6 @@ def _backward_s(units: list[UnitCost], times: UnitTimes, top: list[str]) -> floa
     by_name = {u.name: u for u in units}
     return max(times.step_backward_s - sum(times.recompute_s.get(u, 0.0) + by_name[u].overhead_s
                                            for u in top), sum(times.backward_s.get(u, 0.0) for u in top), 0.0)
-
-
-def _assembled(step: _Step, rec: Recording, units: list[UnitCost], forward_s: float, backward_s: float, *,
-               opt: OptimizerCost, recorded: str, notes: list[str], workspace_bytes: int = 0) -> Profile:
-    """The Profile: the recording's timelines, the units, the step's sizes and times, the notes so far."""
-    model, args, kwargs, device = step.model, step.args, step.kwargs, step.device
-
-    def state_bytes(tensors: list, on: torch.device | None = None) -> int:  # as the check meters it (CUDA: blocks)
-        return CudaAllocator(device).state_bytes(tensors) if device.type == "cuda" and torch.cuda.is_available() \
-            else tensor_bytes(tensors, on)
-    return Profile(
-        units=units,
-        live_bytes=rec.timeline(),
-        before_bytes=rec.before_bytes(),
-        after_backward_bytes=rec.after_backward_bytes,
-        output_alive=step.output_alive,
-        grad_bytes=rec.grad_timeline(),
-        saved_bytes=rec.saved_timeline(),
-        backward_start=rec.backward_start,
-        # on CUDA as the allocator counts their blocks, as the check does (Note [The budget on CUDA is absolute])
-        params_bytes=state_bytes(list(model.parameters())),
-        grads_bytes=tensor_bytes(trainable_parameters(model)),
-        buffers_bytes=state_bytes(list(model.buffers())),
-        inputs_bytes=state_bytes(input_tensors(args, kwargs), device),
-        world_size=step.world_size,
-        wrapping=step.wrapping,
-        optimizer_state_bytes=opt.state_bytes,
-        optimizer_step_bytes=opt.step_bytes,
-        forward_s=forward_s,
-        backward_s=backward_s,
-        optimizer_s=opt.step_s,
-        device=str(device),
-        capture_path=step.graph.capture_path,
-        memory_recorded_with=recorded,
-        optimizer=opt.label,
-        notes=tuple(notes),
-        tensors=largest_tensors(rec),
-        parameter_shapes=tuple((n, tuple(q.shape)) for n, q in model.named_parameters() if q.requires_grad),
-        workspace_bytes=workspace_bytes,
-    )
-
-
-def _contains(name: str, members: tuple[str, ...], sharded: tuple[str, ...]) -> bool:
-    """Whether a unit (``members``: its modules) contains an FSDP2-managed module other than itself."""
-    return any(m != name and any(m == x or m.startswith(x + ".") for x in members) for m in sharded if m)
 
 
 def _autocast_enabled(device: torch.device) -> bool:

@@ -27,13 +27,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.costs.device_time import HostCosts
 from remat.costs.host_time import HostWork, phase_host_s
-from remat.costs.recording import CheckpointOverhead, Recording
+from remat.costs.recording import CheckpointOverhead
 from remat.costs.step_time import with_host_times
 from remat.costs.unit_costs import UnitCost
 from remat.runtime.measure import LossFn, one_thread, run_step
 from remat.runtime.state import fresh_grads, preserved
 
-__all__ = ["measure_host_work", "call_s", "code_of", "modelled_host"]
+__all__ = ["measure_host_work", "call_s", "code_of", "step_host_work", "modelled_host"]
 
 #: passes read after the unread first one (Note [Time between operators])
 PASSES = 3
@@ -147,20 +147,19 @@ def code_of(model: torch.nn.Module) -> str:
     return ";".join(parts)
 
 
-def modelled_host(rec: Recording, units: list[UnitCost], step: Any, host: HostCosts, bookkeeping: CheckpointOverhead,
-                  where: str) -> tuple[list[UnitCost], tuple[float, float], str]:
-    """A modelled target's host (Note [Host time decomposed] in remat.costs.host_time): ``step``'s own work measured
-    on its (fake) model, or read from the timing cache under the recording, ``where`` (the target) and the model's
-    code; ``units`` with their host seconds; the plain step's forward and backward host seconds; a note."""
-    from remat.profile import cache
+def step_host_work(step: Any) -> HostWork:
+    """The own host work of ``step`` (a remat.profile.step.ProfiledStep) on the tensors its model holds."""
     from remat.profile.recorder import grad_targets
 
-    def measure() -> HostWork:
-        trainable = [p for p in step.model.parameters() if p.requires_grad]
-        return measure_host_work(step.model, step.args, step.kwargs, step.loss_fn, output_alive=step.output_alive,
-                                 targets=grad_targets(trainable, (step.args, step.kwargs)))
+    trainable = [p for p in step.model.parameters() if p.requires_grad]
+    return measure_host_work(step.model, step.args, step.kwargs, step.loss_fn, output_alive=step.output_alive,
+                             targets=grad_targets(trainable, (step.args, step.kwargs)))
 
-    work = cache.host_work(rec, f"{where}; {code_of(step.model)}", measure)
+
+def modelled_host(units: list[UnitCost], work: HostWork, host: HostCosts,
+                  bookkeeping: CheckpointOverhead) -> tuple[list[UnitCost], tuple[float, float], str]:
+    """A modelled target's host (Note [Host time decomposed] in remat.costs.host_time) from the model's own work:
+    ``units`` with their host seconds; the plain step's forward and backward host seconds; a note."""
     note = (f"host: the model's own work {work.forward_python_s * 1e3:.1f} ms forward, "
             f"{work.backward_python_s * 1e3:.1f} ms backward ({work.source}); the device's "
             f"{host.forward_op_s * 1e6:.2f} us a forward operator, {host.backward_op_s * 1e6:.2f} us a backward one "
