@@ -16,7 +16,8 @@ one step per plan in a shuffled order after a warm-up (remat.check.steps.measure
 paired comparison.
 
 Columns: the budget; what remat returned (its units, and whether a hand rule replaced the ILP's plan: Note [Plans
-timed beside the hand rules] in remat.api.hand_rules); its measured peak; predicted and measured step (median);
+timed beside the hand rules] in remat.api.hand_rules, with the passes and seconds the comparison timed,
+``Plan.rules_timing_passes`` and ``rules_timing_s``); its measured peak; predicted and measured step (median);
 overhead over no checkpointing, measured, for it and for every block; the paired difference remat less every block,
 median and quartiles. "slower" only where even the lower quartile is above 0 (benchmarks/selective.py's test).
 Also each plan's predicted step time against its measured one.
@@ -145,8 +146,8 @@ def run(name: str, repeats: int, say, device: str = "cpu") -> None:
     for label, b in budgets:
         m = copy.deepcopy(model)
         plan = remat.optimize_checkpointing(m, b / 2**30, x, loss_fn=loss, optimizer=adamw(m.parameters()))
-        replaced = any("so it is the plan returned in place of the ILP's" in n for n in plan.notes)
-        timed = any("timed beside the hand rules" in n for n in plan.notes)
+        timed = plan.rules_timing_passes > 0  # Note [Plans timed beside the hand rules]: passes run beside a rule
+        replaced = timed and plan.strategy not in ("ilp", "ilp-op")
         returned.append((label, b, plan, replaced, timed))
     plans = {p.choices: p for _, _, p, _, _ in returned}
     plans.setdefault(every.choices, every)
@@ -165,8 +166,9 @@ def run(name: str, repeats: int, say, device: str = "cpu") -> None:
         pairs = [a - e for a, e in zip(r.step_times_s, ev.step_times_s)]
         q1, _, q3 = statistics.quantiles(pairs, n=4)
         what = (f"{plan.strategy}, {len(plan.checkpointed)} units" +
-                (" (every block in place of the ILP's plan, timed)" if replaced else
-                 " (timed beside every block: kept)" if timed else ""))
+                (" (every block in place of the ILP's plan, timed" if replaced else
+                 " (timed beside every block: kept" if timed else "") +
+                (f", {plan.rules_timing_passes} passes, {plan.rules_timing_s:.1f} s)" if timed else ""))
         verdict = "slower" if q1 > 0 else "same plan" if plan.choices == every.choices else ""
         say(f"| {label} | {b / 2**20:.1f} | {what} | {r.peak_bytes / 2**20:.1f} | "
             f"{plan.predicted_step_time_s * 1e3:.0f} / {r.step_time_s * 1e3:.0f} | "

@@ -28,6 +28,7 @@ def test_tradeoff_table_json_and_plot(capsys, tmp_path):
     assert code == 0, err
     for label in ("every_block", "every_2nd_block", "remat", "predicted", "measured"):
         assert label in out
+    assert "timing: " in out and "each plan once however many budgets" in out  # issue #60: what its timing took
     data = json.loads((tmp_path / "rows.json").read_text())
     assert data["meta"]["target"].startswith("gpt") and data["meta"]["torch"] == torch.__version__
     rows = data["rows"]
