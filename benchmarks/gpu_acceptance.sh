@@ -27,6 +27,10 @@
 #   cuda-tests        pytest tests/integration/test_cuda.py tests/integration/test_accuracy_command.py
 #                     tests/integration/test_calibrate.py
 #   suite             the whole suite, pytest -n 14
+#   torchtitan        (issue #61; not in the default list, not run yet) torchtitan's parallelize_llama with remat's
+#                     RematAC on its debug model, FlexAttention, 1 GPU, at 2 GiB (benchmarks/torchtitan_gpu.py): needs
+#                     torchtitan 0.3's wheels carried in TORCHTITAN_WHEELS (pip download torchtitan==0.3.0 tyro
+#                     spmd_types torch_checkpointing torchdata datasets ... -d .whl/titan, carry [".whl"])
 #
 # Everything goes under $OUT (default ./gpu-acceptance; at most 8 files come back from a device call):
 #   acceptance.log    all output;  summary.txt   one line per part: exit status and seconds
@@ -45,7 +49,7 @@ ALL=(calibrate accuracy-gpt accuracy-llama1b budget ranking cuda-tests suite)
 PARTS=("$@")
 [ ${#PARTS[@]} -gt 0 ] || PARTS=("${ALL[@]}")
 for p in "${PARTS[@]}"; do
-  case " env ${ALL[*]} " in *" $p "*) ;; *) echo "gpu_acceptance.sh: unknown part $p (parts: env ${ALL[*]})" >&2; exit 2 ;; esac
+  case " env torchtitan ${ALL[*]} " in *" $p "*) ;; *) echo "gpu_acceptance.sh: unknown part $p (parts: env ${ALL[*]})" >&2; exit 2 ;; esac
 done
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -90,7 +94,7 @@ else:
 print("pulp", pulp.__version__, "solvers", pulp.listSolvers(onlyAvailable=True))
 assert "PULP_CBC_CMD" in pulp.listSolvers(onlyAvailable=True), "PuLP's bundled CBC is not runnable"
 import remat
-from remat.target.accuracy import check_prediction
+from remat.sweeps.accuracy import check_prediction
 print("remat", remat.__version__, "from", remat.__file__)
 EOF
 
@@ -124,6 +128,10 @@ for f in ('forward_op_s', 'backward_op_s'):
       part cuda-tests 300 bash -c "set -o pipefail; '$PY' -m pytest -q -p no:cacheprovider -rfEs \
         tests/integration/test_cuda.py tests/integration/test_accuracy_command.py tests/integration/test_calibrate.py \
         2>&1 | tee '$OUT/cuda_tests.log'" ;;
+    torchtitan)
+      part torchtitan 300 bash -c "'$PY' -m pip install -q --no-index --find-links '${TORCHTITAN_WHEELS:-.whl/titan}' \
+        --target '$SITE' torchtitan==0.3.0 && '$PY' benchmarks/torchtitan_gpu.py --budget 2.0 \
+        --json '$OUT/torchtitan_gpu.json'" ;;
     suite)
       part suite 420 bash -c "set -o pipefail; '$PY' -m pytest -q -p no:cacheprovider -rfE -n 14 2>&1 \
         | tee '$OUT/suite.log'" ;;

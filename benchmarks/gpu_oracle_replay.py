@@ -31,7 +31,7 @@ def main(argv: list[str]) -> None:
     import gpu_models as gm  # noqa: E402 - the shared steps
 
     import remat
-    from remat.target.source import predict_peaks
+    from remat.api.predict import predict_peaks
 
     measured = [r for r in json.load(open(os.path.join(run_dir, "oracle.json")))
                 if (r["config"] in rows or r.get("plan") in rows) and r.get("plan") and "error" not in r]

@@ -31,7 +31,7 @@ from remat.costs.offload import HostLink, link_from_spec  # noqa: E402
 from remat.target.spec_file import device_spec  # noqa: E402
 from remat.solve import Planner  # noqa: E402
 from remat.target import Target  # noqa: E402
-from remat.target.source import predict_peaks  # noqa: E402
+from remat.api.predict import predict_peaks  # noqa: E402
 
 GiB = 2**30
 FRACTIONS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)

@@ -32,7 +32,7 @@ def main(argv: list[str]) -> None:
 
     import remat
     import remat.target.attention as ta
-    from remat.target.source import predict_peaks
+    from remat.api.predict import predict_peaks
 
     measured = {(r["config"], r["plan"]): r for r in json.load(open(os.path.join(run, "oracle.json")))}
     as_gpu = ta.attention_as_on

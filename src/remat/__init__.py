@@ -58,7 +58,7 @@ from remat.sweeps.sizing import BatchSizeReport, SizeRow, max_batch
 from remat.solve import Planner
 from remat.check.verify import EquivalenceReport, assert_equivalent, check_equivalence
 from remat.target import DeviceSpec, Target
-from remat.target.accuracy import AccuracyRow, PredictionCheck, check_prediction
+from remat.sweeps.accuracy import AccuracyRow, PredictionCheck, check_prediction
 
 from remat._compat.versions import REMAT_VERSION as __version__  # noqa: E402
 

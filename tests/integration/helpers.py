@@ -12,7 +12,7 @@ from torch import nn
 
 import remat
 from remat.api import make_profile, split_inputs
-from remat.api.profiling import _make_profile
+from remat.api.source import profile_step
 from remat.costs.unit_costs import Profile, parse_region
 from remat.rewrite import parse_unit
 from remat.solve import Planner
@@ -47,7 +47,7 @@ def case(name: str) -> Case:
     model, inputs, loss_fn = factory()
     args, kwargs = split_inputs(inputs)
     memory: list[Profile] = []
-    profile = _make_profile(model, args, kwargs, loss_fn=loss_fn or remat.default_loss,
+    profile = profile_step(model, args, kwargs, loss_fn=loss_fn or remat.default_loss,
                             optimizer=adam(model.parameters()), device=torch.device("cpu"),
                             memory_known=memory.append)
     return Case(name, factory, profile, Planner(profile), memory[0] if memory else None)

@@ -14,7 +14,7 @@ import torch
 import remat
 from helpers import run_cli
 from remat.errors import InvalidInputError, UnsupportedError
-from remat.target.accuracy import check_prediction, measure_plans
+from remat.sweeps.accuracy import check_prediction, measure_plans_here
 from remat.target.this_gpu import match_spec
 from remat.target.devices import KNOWN
 
@@ -85,7 +85,7 @@ class _RunsOutOnStep2(torch.nn.Module):
 
 def test_a_row_that_runs_out_of_memory_is_a_row_with_its_error_and_the_random_state_is_given_back():
     before = torch.random.get_rng_state()
-    rows = measure_plans(lambda device: (_RunsOutOnStep2().to(device), torch.ones(2, 4, device=device)), [None, None],
+    rows = measure_plans_here(lambda device: (_RunsOutOnStep2().to(device), torch.ones(2, 4, device=device)), [None, None],
                          "cpu", optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1), steps=3)
     assert torch.equal(torch.random.get_rng_state(), before)
     for r in rows:  # each row its own fresh model: both ran one step, then ran out

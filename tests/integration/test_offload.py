@@ -182,7 +182,7 @@ def test_auto_plans_a_cpu_step_without_offloading_and_says_why():
 
 
 def _replayed(target, plan):
-    from remat.target.source import predict_peaks
+    from remat.api.predict import predict_peaks
 
     model, idx, targets = _gpt()
     return predict_peaks(model, idx, target, loss_fn=_loss(targets), plan=plan).allocated_peak_bytes

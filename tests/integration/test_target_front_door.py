@@ -15,8 +15,8 @@ from remat.costs.allocator import AllocatorConfig
 from remat.examples import GPT, make_gpt
 from remat.target import Target
 from remat.target.spec_file import device_spec
-from remat.target.source import predict_peaks
-from remat.target.tradeoff import predicted_tradeoff
+from remat.api.predict import predict_peaks
+from remat.sweeps.predicted import predicted_tradeoff
 from remat.target.world import repeated_blocks, wrapping_assumed
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))

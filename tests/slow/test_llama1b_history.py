@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra: pip ins
 
 import remat  # noqa: E402
 from remat.costs.allocator import Alloc, replay, round_size  # noqa: E402
-from remat.target.source import modelled_request  # noqa: E402
+from remat.api.predict import modelled_request  # noqa: E402
 
 DATA = pathlib.Path(__file__).parent.parent / "data"
 #: measured on the H200: torch's allocated_bytes.all.peak and reserved_bytes.all.peak (oracle.json)

@@ -29,7 +29,8 @@ from remat.api.checking import (
 from remat.api.hand_rules import fastest_checked, remats_row
 from remat.api.inputs import model_signature, stage, validate
 from remat.api.optimize import optimize_checkpointing
-from remat.api.profiling import make_profile, prepare_hf_for_training
+from remat.api.hf import prepare_hf_for_training
+from remat.api.profiling import make_profile
 from remat.runtime.measure import split_inputs
 
 __all__ = ["apply_plan", "checked_plan", "make_profile", "optimize_checkpointing"]

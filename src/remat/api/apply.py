@@ -11,7 +11,7 @@ from torch import nn
 
 from remat._compat import uncompiled
 from remat.api.inputs import model_signature
-from remat.api.profiling import prepare_hf_for_training
+from remat.api.hf import prepare_hf_for_training
 from remat.errors import PlanMismatchError
 from remat.rewrite import check_units, checkpoint_plan, remove_checkpointing
 from remat.runtime.distributed import wrapping_of

@@ -17,7 +17,7 @@ from torch import nn
 
 from remat._compat import inductor_programs, profiler_memory_trace, random_numbers, uncompiled
 from remat.api.inputs import validate
-from remat.api.profiling import prepare_hf_for_training
+from remat.api.hf import prepare_hf_for_training
 from remat.check.compiled import CompiledComparison, check_compiled_plan
 from remat.costs.compiled_memory import composed_step_bytes, eager_blocks, step_program_bytes
 from remat.costs.unit_costs import Profile

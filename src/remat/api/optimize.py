@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from remat.api.inputs import loop_grads, model_signature, stage
-from remat.api.profiling import forwards_counted, prepare_hf_for_training
+from remat.api.hf import prepare_hf_for_training
+from remat.api.profiling import forwards_counted
 from remat.api.request import Request, request
 from remat.costs.unit_costs import Profile
 from remat.rewrite import checkpoint_plan, remove_checkpointing

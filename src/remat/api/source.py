@@ -17,15 +17,20 @@ In: a :class:`~remat.api.request.Request`. Out: a Profile, then a Plan with its 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import torch
+from torch import nn
 
 from remat.api.checking import _ranks_reading, checked_reading, least_checked, proved_compiled
 from remat.api.hand_rules import fastest_checked
 from remat.api.inputs import loop_grads, stage
-from remat.api.profiling import _make_profile
 from remat.check.compiled import CompiledComparison
+from remat.capture import ModelGraph
 from remat.costs.unit_costs import Profile
-from remat.runtime.distributed import steps_checked
+from remat.profile import captured_profile
+from remat.runtime.distributed import Wrapping, steps_checked
+from remat.runtime.measure import LossFn
 from remat.solve import Planner
 from remat.solve.calibrated import plan_compiled
 from remat.solve.plan import Plan
@@ -50,6 +55,19 @@ class CostSource(Protocol):
         ...
 
 
+def profile_step(
+    model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
+    device: torch.device, output_alive: bool = True, wrapping: Wrapping | None = None,
+    graph: ModelGraph | None = None, memory_known: Callable[[Profile], None] | None = None,
+) -> Profile:
+    """The step captured and profiled on this machine (:func:`remat.profile.captured_profile`), an exception sorted
+    into the user's failure or remat's (Note [Whose failure] in remat.api.inputs)."""
+    return captured_profile(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, device=device,
+                            output_alive=output_alive, wrapping=wrapping, graph=graph, memory_known=memory_known,
+                            staged=lambda: stage("profile", model, args, kwargs, loss_fn))
+
+
+
 class MeasuredHere:
     """The step recorded, timed and checked on this machine: what remat has always done. Made once per call
     (it keeps the peaks checked while profiling, Note [Memory before time])."""
@@ -62,7 +80,7 @@ class MeasuredHere:
 
     def profile(self, req: Request) -> Profile:
         self.first = _MemoryFirst(req)
-        return _make_profile(req.model, req.args, req.kwargs, loss_fn=req.loss_fn, optimizer=req.optimizer,
+        return profile_step(req.model, req.args, req.kwargs, loss_fn=req.loss_fn, optimizer=req.optimizer,
                              device=req.device, output_alive=req.output_alive, wrapping=req.wrapping,
                              memory_known=self.first if req.loop is None else None)
 

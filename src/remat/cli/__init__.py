@@ -174,7 +174,7 @@ def cmd_tradeoff(args, out, err) -> int:
 def _modelled_tradeoff(args, out, err, model, inputs, loss_fn) -> int:
     """``remat tradeoff --device GPU``: the table predicted for a target that is not here (nothing measured)."""
     from remat.cli.render import _predicted_table
-    from remat.target.tradeoff import predicted_tradeoff
+    from remat.sweeps.predicted import predicted_tradeoff
 
     if _compile_setting(args):
         raise UsageError("--compile with --device GPU: a compiled step cannot be modelled for a target yet")

@@ -3,7 +3,7 @@
 In: the parsed command line (TARGET, ``--device`` the spec to predict for, default this GPU's; ``--budget``,
 ``--steps``, ``--json``, the loop's flags as the other commands take them). Out: a table of predicted and
 measured allocated and reserved peaks and step times per plan, a caption saying which figures are which, and the
-rows as JSON. The work is :func:`remat.target.accuracy.check_prediction`'s; this module parses and prints."""
+rows as JSON. The work is :func:`remat.sweeps.accuracy.check_prediction`'s; this module parses and prints."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def add_accuracy(sub, common: argparse.ArgumentParser) -> None:
     a.add_argument("--steps", type=int, default=4,
                    help="real training steps per plan (default 4; peaks and median step time over steps 2..N)")
     a.add_argument("--json", type=Path, help="write every row with all fields to this file")
-    # Note [What the check measures] in remat.target.accuracy: tests run the command with the measuring half on
+    # Note [What the check measures] in remat.sweeps.accuracy: tests run the command with the measuring half on
     # a CPU; its figures are remat's CPU meter's, labelled so, never a GPU's
     a.add_argument("--measure-on", default=None, help=argparse.SUPPRESS)
 
@@ -55,7 +55,7 @@ def _spec(args):
 
 def cmd_accuracy(args, out, err) -> int:
     from remat.cli.targets import resolve_target
-    from remat.target.accuracy import check_prediction
+    from remat.sweeps.accuracy import check_prediction
     from remat.target.this_gpu import cuda_required
 
     if args.world != 1 or args.tp != 1 or args.fsdp not in (None,):

@@ -33,6 +33,7 @@ Nothing here mutates the model, its gradients, its buffers or the optimizer; RNG
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -41,11 +42,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from remat.capture import ModelGraph, quiet_loggers, unit_parent
+from remat.capture import ModelGraph, capture, quiet_loggers, unit_parent
 from remat.costs.unit_costs import Profile, UnitCost
 from remat.costs.effects import UnitSpec, unit_costs
 from remat.errors import InvalidInputError
-from remat.runtime.measure import LossFn, input_tensors, tensor_bytes
+from remat.rewrite import remove_checkpointing
+from remat.runtime.distributed import Wrapping
+from remat.runtime.measure import LossFn, found_storages_are_fresh, input_tensors, tensor_bytes
 from remat.runtime.meters import CudaAllocator
 from remat.profile import cache
 from remat.profile.calibrate import LoggedOp, align_forward, calibrate_sizes, diverged, ops_summary, \
@@ -59,6 +62,44 @@ from remat.costs.recording import CheckpointOverhead, Recording, UnitTimes, shar
 from remat.runtime.state import preserved
 
 log = logging.getLogger(__name__)
+
+
+def captured_profile(
+    model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None,
+    device: torch.device, output_alive: bool = True, wrapping: Wrapping | None = None,
+    graph: ModelGraph | None = None, memory_known: Callable[[Profile], None] | None = None,
+    modelled: Modelled | None = None, staged: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> Profile:
+    """The model captured (unless ``graph``, its capture on another batch of the same model: its units do not depend
+    on the batch) and profiled, remat's own checkpointing taken off while it runs and the model as it was after.
+    ``memory_known``, ``modelled``: see :func:`profile_model`; ``staged``: a context the capture and the profile
+    run in (the front doors' sorting of whose failure an exception is: Note [Whose failure] in remat.api.inputs)."""
+    wrapping = wrapping or Wrapping()
+    wrapped = None if wrapping.kind == "none" else f"the model is wrapped by {wrapping}"
+    with preserved(model), found_storages_are_fresh(wrapping.kind == "fsdp2"):
+        remove_checkpointing(model)
+        with (staged or contextlib.nullcontext)():
+            # Note [Tracing without module hooks]: torch.fx traces on proxies, running no kernel and no
+            # collective, and here without module hooks (capture's _WithoutModuleHooks): what it sees is the
+            # Python of the forwards, which is what decides whether the operator sequence can depend on the data
+            # (Note [Selective checkpointing]). The hooks parallelize_module installs redistribute DTensors by
+            # their placements, not their values (SequenceParallel's refuses a proxy: traced with hooks, a
+            # sequence-parallel model failed); FSDP2's gather and free parameters, and hold state that running
+            # them on proxies or fake tensors breaks: left out, they are not run at all. So a model wrapped by
+            # tensor parallelism (sequence parallel or not) or FSDP2, 2-D included, is traced when its own
+            # forwards trace, and gets selective options named by position in the real step's operators,
+            # collectives included (ranks agree: Note [One plan for every rank]). torch.export is not tried: it
+            # would run the hooks on fake tensors. DDP's wrapper does its bookkeeping in its own forward, not in
+            # hooks: it is never traced
+            traced = wrapping.kind in ("tp", "fsdp2")
+            graph = graph or capture(model, args, kwargs, untraceable=None if traced else wrapped,
+                                     no_export=wrapped if traced else None)
+            return profile_model(model, args, kwargs, loss_fn=loss_fn, optimizer=optimizer, graph=graph,
+                                 device=device, output_alive=output_alive, record_real=wrapped,
+                                 world_size=wrapping.world_size,
+                                 wrapping=str(wrapping) if wrapping.world_size > 1 else "",
+                                 sharded=tuple(name for name, _ in wrapping.fsdp), memory_known=memory_known,
+                                 modelled=modelled)
 
 
 def profile_model(

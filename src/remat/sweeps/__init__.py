@@ -1,8 +1,11 @@
-"""Features built on the pipeline that plan and measure many steps: the CLI's tradeoff table and the largest batch.
+"""Features built on the pipeline that plan and measure many steps: the CLI's tradeoff tables, the largest batch and
+the accuracy check.
 
 - ``report``  model + budgets -> TradeoffReport: hand rules and remat's plan per budget, each measured
 - ``sizing``  budget + make_batch(n) -> BatchSizeReport: the largest and the fastest batch (or sequence) size
   under a budget, confirmed on real steps
 - ``search``  the sizes searched on fitted profiles (SizeRow, BatchSizeReport)
 - ``render``  the tables as JSON and plots
+- ``predicted`` model + Target -> PredictedRow per plan: the tradeoff table for a target that is not here
+- ``accuracy``  the prediction for the GPU here beside the same plans run on it (``remat accuracy``)
 """

@@ -7,7 +7,7 @@ Two halves, each usable alone:
 - :func:`predict_plans` (any machine): the hand rules (no checkpointing, every block, every second block) and
   remat's plans at the least and the halfway budget and at those given, each predicted for ``Target(device=spec,
   world=1)`` exactly as ``../shared/gpu/oracle/gpu_oracle_predict.py`` did -> :class:`PlanPrediction` rows;
-- :func:`measure_plans` (the device): each plan applied to a fresh model built on the device, ``steps`` real
+- :func:`measure_plans_here` (the device): each plan applied to a fresh model built on the device, ``steps`` real
   training steps, the allocator's peaks over steps 2..N from parameters and batch on, the median step time
   -> :class:`PlanMeasurement` rows.
 
@@ -184,11 +184,11 @@ def predict_plans(model: nn.Module, example_inputs: Any, spec: DeviceSpec | str,
     """The prediction half: the hand rules and remat's plans at the least budget (``least_memory``), halfway
     between it and no checkpointing's peak, and at ``budgets_bytes``, each predicted for ``Target(device=spec,
     world=1)`` (the profile and the plans from the step recorded on fake tensors; each plan's peaks by replaying
-    the CUDA caching allocator over two recorded steps: :func:`remat.target.source.predict_peaks`). ``model`` may
+    the CUDA caching allocator over two recorded steps: :func:`remat.api.predict.predict_peaks`). ``model`` may
     be on the meta device. Returns the rows (a plan asked for twice once) and notes on plans not in them."""
     from remat.api.profiling import make_profile
     from remat.solve import Planner
-    from remat.target.source import predict_peaks
+    from remat.api.predict import predict_peaks
     from remat.target.world import Target
 
     target = Target(device=device_spec(spec), world=1)
@@ -244,7 +244,7 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure_plans(build: Build, plans: Sequence[Plan | None], device: torch.device | str, *,
+def measure_plans_here(build: Build, plans: Sequence[Plan | None], device: torch.device | str, *,
                   optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None = None, loss_fn: Any = None,
                   output_alive: bool = True, steps: int = 4, seed: int = 0,
                   progress: Callable[[str], None] | None = None) -> list[PlanMeasurement]:
@@ -277,7 +277,7 @@ def measure_plans(build: Build, plans: Sequence[Plan | None], device: torch.devi
 
 def _measure_one(build: Build, plan: Plan | None, device: torch.device, optimizer_factory: Any, loss_fn: Any,
                  output_alive: bool, steps: int) -> PlanMeasurement:
-    """One row of :func:`measure_plans`: built, planned, ``steps`` steps, read."""
+    """One row of :func:`measure_plans_here`: built, planned, ``steps`` steps, read."""
     from remat.api import apply_plan
     from remat.rewrite import checkpointed_modules
     from remat.runtime.measure import default_loss, input_tensors, run_step, split_inputs
@@ -340,7 +340,7 @@ def check_prediction(build: Build, *, device: DeviceSpec | str | None = None,
     """remat's prediction for the GPU here, checked on it: the target built on the meta device by
     ``build(device)`` (returning ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``), its hand
     rules and remat's plans (least, halfway, ``budgets_gb`` in GiB) predicted for ``device`` as for a GPU that is
-    not here (:func:`predict_plans`), then each plan run for real on this GPU (:func:`measure_plans`, ``steps``
+    not here (:func:`predict_plans`), then each plan run for real on this GPU (:func:`measure_plans_here`, ``steps``
     steps, peaks and the median step time over steps 2..N): predicted and measured allocated and reserved peaks
     and step times side by side, so the error of remat's model on your own step shows on one GPU before you plan
     many. A 1B model takes a few minutes.
@@ -374,7 +374,7 @@ def check_prediction(build: Build, *, device: DeviceSpec | str | None = None,
         output_alive=output_alive, budgets_bytes=[int(b * GiB) for b in budgets_gb], time_limit_s=time_limit_s)
     del meta_model, meta_inputs
     # (each row's own loss function, from its own build: one built for the meta device may hold meta tensors)
-    measured = measure_plans(build, [p.plan for p in predictions], where, optimizer_factory=optimizer_factory,
+    measured = measure_plans_here(build, [p.plan for p in predictions], where, optimizer_factory=optimizer_factory,
                              loss_fn=loss_fn, output_alive=output_alive, steps=steps, progress=progress)
     rows = tuple(AccuracyRow(p.label, p.plan.checkpointed, p.budget_bytes, p.predicted_allocated_peak_bytes,
                              p.predicted_reserved_peak_bytes, p.predicted_step_time_s, p.predicted_oom,

@@ -17,7 +17,7 @@ from torch import nn
 from remat.errors import InfeasibleBudgetError
 from remat.solve import Planner
 from remat.solve.plan import Plan
-from remat.target.source import predict_peaks
+from remat.api.predict import predict_peaks
 from remat.target.world import Target, as_target
 
 

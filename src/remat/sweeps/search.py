@@ -20,7 +20,7 @@ from torch import nn
 
 from remat.api import peak_with_plan, plan_checked, stage
 from remat.api.hand_rules import faster_of, rules_to_time, timing_off
-from remat.api.profiling import _make_profile
+from remat.api.source import profile_step
 from remat.capture import ModelGraph, capture
 from remat.costs.unit_costs import Profile, is_selective
 from remat.errors import InfeasibleBudgetError, InvalidInputError, RematError, UnsupportedError
@@ -147,7 +147,7 @@ class _Search:
             if self.graph is None:  # one capture for every size: the units do not depend on the batch
                 with stage("profile", self.model, args, kwargs, loss_fn):
                     self.graph = capture(self.model, args, kwargs)
-            self.profiles[n] = _make_profile(self.model, args, kwargs, loss_fn=loss_fn, optimizer=self.optimizer,
+            self.profiles[n] = profile_step(self.model, args, kwargs, loss_fn=loss_fn, optimizer=self.optimizer,
                                              device=self.device, output_alive=self.output_alive, graph=self.graph)
         return self.profiles[n]
 

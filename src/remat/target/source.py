@@ -82,8 +82,8 @@ class ModelledTarget:
 
     # -- the profile -------------------------------------------------------------------------------------
     def profile(self, req: Request) -> Profile:
-        from remat.api.profiling import _make_profile
         from remat.capture import capture
+        from remat.profile import captured_profile
         from remat.runtime.distributed import wrapping_of
 
         _refuse_autocast(self.target)
@@ -115,7 +115,7 @@ class ModelledTarget:
                                 host_bookkeeping=self._host_bookkeeping() if rates.host is not None else None)
             wrapping, graph = wrapping_of(fake), graphs[0]
             with mode:
-                profile = _make_profile(fake, args, kwargs, loss_fn=req.loss_fn, optimizer=None,
+                profile = captured_profile(fake, args, kwargs, loss_fn=req.loss_fn, optimizer=None,
                                         device=torch.device("cpu"), output_alive=req.output_alive,
                                         wrapping=wrapping, graph=graph, modelled=modelled)
                 optimizer_s = optimizer_seconds(req.optimizer, req.model, fake, self.target, rates)
@@ -265,30 +265,6 @@ class ModelledTarget:
             streams = [r.stream for r in tracker.records]
         return before + [Alloc(e.handle + len(before), e.nbytes, streams[e.handle]) if isinstance(e, Alloc)
                          else Free(e.handle + len(before)) for e in events_of(recorded)]
-
-
-def predict_peaks(model: nn.Module, example_inputs: Any, target: Target, *, loss_fn: Any = None,
-                  optimizer: torch.optim.Optimizer | None = None, output_alive: bool = True,
-                  plan: Plan | None = None) -> AllocatorPeaks:
-    """The peaks the target's CUDA caching allocator is predicted to reach over two training steps of ``model``
-    (with ``plan`` applied, or as it is: its own checkpointing included), recorded on fake tensors in the
-    target's world: predicted, not measured. Changes nothing of the user's."""
-    req = modelled_request(model, example_inputs, target, loss_fn=loss_fn, optimizer=optimizer,
-                           output_alive=output_alive)
-    return req.source.replay(req, plan)
-
-
-def modelled_request(model: nn.Module, example_inputs: Any, target: Target, *, loss_fn: Any, optimizer: Any,
-                     output_alive: bool, grad_accumulation: bool = False,
-                     zero_grad_after_forward: bool = False) -> Request:
-    """The checked arguments of a step planned for ``target`` outside :func:`remat.optimize_checkpointing` (no
-    budget: profiles and replays), its source a fresh :class:`ModelledTarget`."""
-    from remat.api.request import request
-
-    return request(model, 1.0, example_inputs, loss_fn=loss_fn, optimizer=optimizer, time_limit_s=None, check=False,
-                   granularity="op", output_alive=output_alive, grad_accumulation=grad_accumulation,
-                   zero_grad_after_forward=zero_grad_after_forward, timeout_s=None, compile=False,
-                   source=ModelledTarget(target))
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype | None:

@@ -1,4 +1,4 @@
-"""The GPU here as remat's device table knows it, for checking a prediction on it (:mod:`remat.target.accuracy`):
+"""The GPU here as remat's device table knows it, for checking a prediction on it (:mod:`remat.sweeps.accuracy`):
 its spec (torch's name of it matched against the table's names and aliases, else its compute capability; its
 memory as torch reports it), a line naming it with torch, CUDA and the driver, and the error for a machine without
 CUDA.
