@@ -102,8 +102,8 @@ def test_undecided_pairs_are_timed_again_up_to_the_most(planner, monkeypatch):
 def test_a_comparison_stops_as_soon_as_the_pairs_decide(planner, monkeypatch):
     """issue #60: a rule whose pairs decide is timed no more: here every pair says the plan is faster by 0.1 s, so
     the comparison ends after the first 3 rounds (the fewest that decide: all three pairs alike), where 5 were timed
-    before whatever they said; 3 x 2 passes, no warm-up round (the plans' checked steps warmed them). The plan's
-    fields and its printout count the passes and the seconds."""
+    before whatever they said. The plan's fields and its printout count the passes (the warm-up round's too, on a
+    CPU) and the seconds."""
     calls = []
     monkeypatch.setattr(hand_rules, "time_plans_in_place", fake_timings(lambda r, i: 1.0 if i == 0 else 1.1, calls))
     monkeypatch.setattr(hand_rules, "TIMED_MARGIN", 1.0)
@@ -112,7 +112,7 @@ def test_a_comparison_stops_as_soon_as_the_pairs_decide(planner, monkeypatch):
     plan = remat.optimize_checkpointing(model, every.predicted_peak_bytes * 1.02 / 2**30, inputs,
                                         optimizer=torch.optim.AdamW(model.parameters()))
     assert len(calls) == 3 and plan.choices != every.choices
-    assert plan.rules_timing_passes == sum(len(live) for live in calls) == 3 * len(calls[0])
+    assert plan.rules_timing_passes == sum(len(live) for live in calls) + len(calls[0]) == 4 * len(calls[0])
     assert plan.rules_timing_s > 0
     assert f"timed beside hand rules: {plan.rules_timing_passes} forward and backward passes" in str(plan)
     note = next(n for n in plan.notes if "compared with the hand rules" in n)
@@ -162,7 +162,7 @@ def test_on_a_cpu_the_first_pair_that_confirms_the_model_ends_the_comparison(pla
     model, inputs, _ = gpt()
     plan = remat.optimize_checkpointing(model, every.predicted_peak_bytes * 1.02 / 2**30, inputs,
                                         optimizer=torch.optim.AdamW(model.parameters()))
-    assert len(calls) == 1 and plan.rules_timing_passes == len(calls[0]) and plan.choices != every.choices
+    assert len(calls) == 1 and plan.rules_timing_passes == 2 * len(calls[0]) and plan.choices != every.choices
     assert all(p is None and r is None for p, r in offered[:len(calls[0]) - 1])  # the checked steps: not offered
     note = next(n for n in plan.notes if "compared with the hand rules" in n)
     assert "1 paired step, which confirmed the model: timed no more" in note

@@ -30,8 +30,10 @@ rounds of three passes); benchmarks/planning_cost.py measures the cost now.
 
 Elsewhere (not confirmed by the checked steps: a CPU, or a step checked by another call) the two are timed on
 the model itself: rounds of one forward and backward each in a shuffled order, every round a paired comparison (Note
-[Interleaved timing] in remat.sweeps.report), no warm-up round (each plan's checked step, just run, warmed its
-configuration). The comparison is sequential: a rule whose first pair confirms the model is timed no more; from
+[Interleaved timing] in remat.sweeps.report), after a warm-up round on a CPU (the checked steps ran under the meter's
+dispatch mode: not the step as it runs, and on GPT-2 small the first unmetered pass after them measured every 2nd
+block 11.4 s against the plan's 5.5, predicted 0.26 s apart), none on CUDA (each plan's checked step, the step as it
+runs, warmed its configuration). The comparison is sequential: a rule whose first pair confirms the model is timed no more; from
 ROUNDS_MIN rounds on, nor one whose pairs decide (their quartiles on one side of 0; with 3 pairs, all three alike),
 and the rounds end when every rule is decided, or
 at ROUNDS_MAX (LONG_ROUNDS_MAX for a step of LONG_STEP_S or more). The rule is returned in the plan's place where it
@@ -46,8 +48,8 @@ profile read its times from the cache reads the same figures, so it decides alik
 (docs/plans.md#reproducible-plans; ``REMAT_CACHE=0`` measures them again).
 
 What it costs: where it applies, one real step for each rule's peak not checked already; where the checked steps
-confirm the model (CUDA), nothing more; where the first pair does, 1 + rules forward and backward passes; else at
-least ROUNDS_MIN x (1 + rules), at most
+confirm the model (CUDA), nothing more; where the first pair does, 2 x (1 + rules) forward and backward passes with
+the warm-up round; else at least (ROUNDS_MIN + 1) x (1 + rules), at most
 ROUNDS_MAX x (1 + rules) (LONG_ROUNDS_MAX for a long step); nothing where the model's margin is wide or no rule meets
 the budget. ``tradeoff`` and ``max_batch`` do not race here: they time their plans anyway, and decide their rows
 from those same rounds (:func:`faster_of`; remat.sweeps). Not done for distributed plans (each rank would time its
@@ -235,18 +237,20 @@ def race_hand_rules(
         # meter slows a checkpointed step (Note [Plans timed beside the hand rules]): the first timed pair instead
         steps_s = [check_s.get(p.choices) if device.type == "cuda" else None for p in plans]
         sure = [confirmed(plan, r, steps_s[0], s, planner.profile.optimizer_s) for r, s in zip(candidates, steps_s[1:])]
-        times, where = [[] for _ in plans], "measured now"
+        times, where, warm = [[] for _ in plans], "measured now", 0
         if not all(sure):
             most = LONG_ROUNDS_MAX if planner.profile.step_time_s >= LONG_STEP_S else ROUNDS_MAX
             racing = [plan, *(r for r, ok in zip(candidates, sure) if not ok)]
             raced = time_plans_in_place(
-                model, racing, args, kwargs, loss_fn, device, output_alive=output_alive, rounds=most, warmup=0,
+                model, racing, args, kwargs, loss_fn, device, output_alive=output_alive, rounds=most,
+                warmup=0 if device.type == "cuda" else 1,
                 still=lambda ts: still_undecided(ts, first_confirms=lambda i, plan_s, rule_s: confirmed(
                     plan, racing[i], plan_s, rule_s, planner.profile.optimizer_s)))
+            warm = 0 if device.type == "cuda" else len(racing)
             it = iter(raced[1:])
             times = [list(raced[0])] + [[] if ok else list(next(it)) for ok in sure]
         cache.store_paired(key, times, steps_s)
-    passes = sum(len(t) for t in times) if where == "measured now" else 0
+    passes = sum(len(t) for t in times) + warm if where == "measured now" else 0
     race = _decided(plan, budget_bytes, candidates, times, steps_s, check, where)
     return dataclasses.replace(race, passes=passes, seconds=time.perf_counter() - started,
                                note=race.note + f"; timing beside the hand rules: {passes} forward and backward "
