@@ -25,6 +25,7 @@ import remat
 from helpers import case
 from remat.examples import make_gpt
 from remat.rewrite import checkpoint_modules
+from remat.runtime.compiled import left_eager
 from helpers import needs_compiled_floor
 
 STEPS = 3
@@ -472,4 +473,4 @@ def test_a_failure_after_the_rewrite_gives_the_compiled_calls_back(monkeypatch):
     with pytest.raises(remat.InternalError, match="rewrite"):
         remat.optimize_checkpointing(model, budget / 2**30, inputs, loss_fn=loss_fn, granularity="block", check=False)
     assert [block._compiled_call_impl for block in model[:2]] == impls
-    assert remat.checkpointed_modules(model) == [] and remat.rewrite.left_eager(model) == []
+    assert remat.checkpointed_modules(model) == [] and left_eager(model) == []

@@ -92,23 +92,38 @@ def test_no_module_imports_a_package_above_it():
     assert up == []
 
 
-def test_no_import_cycle_between_modules():
-    """The module-level imports of remat's modules form no cycle (imports inside functions and for type checkers
-    aside: they run after every module is loaded)."""
+def _modules() -> dict[str, Path]:
     modules = {}
     for p in _python_files():
         rel = p.relative_to(SRC.parent).with_suffix("")
         modules[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = p
+    return modules
+
+
+def _imports(p: Path) -> list[ast.ImportFrom | ast.Import]:
+    """Every import of a module, at its top or inside a function (issue #62: a cycle hidden in a function is a
+    cycle), but those for type checkers only, which never run."""
+    tree = ast.parse(p.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING" for n in ast.walk(block)}
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in typing_only]
+
+
+def _graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     graph = {}
     for name, p in modules.items():
         deps = set()
-        for node in ast.parse(p.read_text()).body:
+        for node in _imports(p):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("remat"):
-                deps.add(node.module)
-                deps |= {f"{node.module}.{a.name}" for a in node.names}
+                named = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
+                deps |= named or {node.module}
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names}
         graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}
     cycles = []
 
@@ -124,7 +139,63 @@ def test_no_import_cycle_between_modules():
     for u in sorted(graph):
         if u not in state:
             visit(u, [u])
-    assert cycles == []
+    return cycles
+
+
+def test_no_import_cycle_between_modules():
+    """The imports of remat's modules, those inside functions included, form no cycle (a module may import a
+    module of its own package that does not import it back: a package's ``__init__`` counts as its own module)."""
+    assert _cycles(_graph(_modules())) == []
+
+
+def test_the_cycle_check_finds_a_cycle_hidden_in_a_function():
+    assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+#: the layers, lowest first: a module imports only from its own layer's package or a lower layer's (issue #62).
+#: The torch-free models of numbers at the bottom (what the design keeps free of torch: costs, then the solver
+#: over them), then the shared ground that touches torch (private APIs, the step and its meters), the stages in
+#: the pipeline's order, the modelled target (a source of costs beside the measured one, which lives in api), the
+#: front doors, the features built on them, and the CLI over everything
+LAYERS = (("remat.errors",), ("remat.costs",), ("remat.solve",), ("remat._compat",), ("remat.runtime",),
+          ("remat.capture",), ("remat.rewrite",), ("remat.profile",), ("remat.check",), ("remat.target",),
+          ("remat.examples", "remat.api"), ("remat.sweeps",), ("remat.integrations",), ("remat.cli",),
+          ("remat", "remat.__main__"))
+
+
+def _layer(module: str) -> int:
+    package = ".".join(module.split(".")[:2])
+    return next(i for i, names in enumerate(LAYERS) if package in names or module in names)
+
+
+def _upward(modules: dict[str, Path]) -> list[tuple[str, str]]:
+    return sorted((name, dep) for name, deps in _graph(modules).items() for dep in deps
+                  if _layer(dep) > _layer(name))
+
+
+def test_every_import_goes_down_the_layers():
+    """No module imports from a higher layer than its own (imports inside functions included)."""
+    assert _upward(_modules()) == []
+
+
+def test_the_layer_check_finds_an_import_up(tmp_path):
+    (tmp_path / "costs.py").write_text("def f():\n    from remat.api import x\n")
+    (tmp_path / "api.py").write_text("")
+    assert _upward({"remat.costs.thing": tmp_path / "costs.py", "remat.api": tmp_path / "api.py"}) == \
+        [("remat.costs.thing", "remat.api")]
+
+
+def test_no_private_name_is_taken_from_another_package():
+    """``from remat.X import _name`` only within package X (remat._compat's names are private to torch's, not to
+    remat: they are the one place private torch APIs live, and public to remat)."""
+    taken = []
+    for name, p in _modules().items():
+        for node in _imports(p):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("remat") \
+                    and ".".join(node.module.split(".")[:2]) != ".".join(name.split(".")[:2]):
+                taken += [(name, node.module, a.name) for a in node.names if a.name.startswith("_")]
+    assert taken == []
 
 
 def test_the_examples_and_benchmarks_import_what_exists():

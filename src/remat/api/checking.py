@@ -23,7 +23,8 @@ from remat.costs.compiled_memory import composed_step_bytes, eager_blocks, step_
 from remat.costs.unit_costs import Profile
 from remat.errors import EquivalenceError
 from remat.rewrite import checkpoint_plan, remove_checkpointing
-from remat.runtime.compiled import CompiledLoop, eager_submodules
+from remat.rewrite import eager_submodules
+from remat.runtime.compiled import CompiledLoop
 from remat.runtime.distributed import Ranks, steps_checked, wrapping_of
 from remat.runtime.measure import (
     Clock,

@@ -21,7 +21,7 @@ from remat.api.profiling import forwards_counted
 from remat.api.request import Request, request
 from remat.costs.unit_costs import Profile
 from remat.rewrite import checkpoint_plan, remove_checkpointing
-from remat.runtime.compiled import compiled_nothing_note, eager_submodules
+from remat.rewrite import compiled_nothing_note, eager_submodules
 from remat.runtime.measure import LossFn
 from remat.runtime.state import preserved
 from remat.solve.plan import Plan

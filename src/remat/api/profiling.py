@@ -18,7 +18,7 @@ from remat.api.hf import prepare_hf_for_training
 from remat.api.inputs import loop_grads, validate
 from remat.api.source import profile_step
 from remat.costs.unit_costs import Profile
-from remat.runtime.compiled import eager_submodules
+from remat.rewrite import eager_submodules
 from remat.runtime.distributed import wrapping_of
 from remat.runtime.measure import LossFn, default_loss
 

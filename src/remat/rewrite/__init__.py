@@ -19,7 +19,8 @@ The package, stage by stage (each Note lives with the code it describes):
 - :mod:`~remat.rewrite.forwards`: the ``forward`` callables remat installs (Note [Checkpoint the forward,
   not the module]);
 - :mod:`~remat.rewrite.eager`: the blocks ``Module.compile()`` leaves eager (Note [Blocks Module.compile()
-  leaves eager]);
+  leaves eager] in remat.runtime.compiled, which holds their compiled calls), and the eager call profiles and
+  checks make of a model's compiled submodules;
 - :mod:`~remat.rewrite.offload`: offloaded units, their saved activations moved to host memory and back (Note
   [Offloaded units]; the GPU's side stream in :mod:`remat.runtime.host_copies`);
 - :mod:`~remat.rewrite.install`: unit names parsed and checked, ``checkpoint_modules``, ``checkpoint_plan``
@@ -34,7 +35,7 @@ that defines them. A name is looked up in the module that uses it: to replace on
 from __future__ import annotations
 
 from remat.rewrite import call, eager, forwards, install, policy  # noqa: F401
-from remat.rewrite.eager import keep_compiled_nothing_eager, left_eager, restore_set_aside, set_aside  # noqa: F401
+from remat.rewrite.eager import compiled_nothing_note, eager_submodules  # noqa: F401
 from remat.rewrite.install import (check_units, checkpoint_modules, checkpoint_plan, checkpointed_modules,  # noqa: F401
                                    parse_unit, remove_checkpointing)
 from remat.rewrite.policy import PolicyNames, draws_random, keep_ops, keep_ops_contexts  # noqa: F401

@@ -7,12 +7,13 @@ from typing import Iterable
 
 from torch import nn
 
-from remat._compat import set_compiled_call, uncompiled
+from remat._compat import uncompiled
 from remat.costs.unit_costs import SELECTIVE, is_selective, parse_region, parse_segment, region_name, segment_name
 from remat.errors import InvalidInputError, PlanMismatchError
-from remat.rewrite.eager import _LEFT_EAGER, keep_compiled_nothing_eager
+from remat.rewrite.eager import keep_compiled_nothing_eager
 from remat.rewrite.forwards import CheckpointedForward, RegionForward, SegmentedForward, _RematForward, is_checkpointed
 from remat.rewrite.offload import OffloadedForward, offload_modules
+from remat.runtime.compiled import give_back
 from remat.solve.plan import Plan
 
 
@@ -166,6 +167,5 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
                 del m.forward
             undone += f.unit_names(name)
             f = m.__dict__.get("forward")
-        if m in _LEFT_EAGER:
-            set_compiled_call(m, _LEFT_EAGER.pop(m))
+        give_back(m)
     return undone

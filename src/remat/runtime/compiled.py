@@ -8,6 +8,7 @@ module says which compiled step that is and runs it.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -15,10 +16,9 @@ from typing import Any, Callable
 from torch import nn
 
 from remat._compat import (COMPILED_FLOOR, COMPILED_FLOOR_WHY, compile_fn, compile_settings, compiled_call, module_call,
-                           require_torch, compiled_submodules, module_compile_compiles_nothing,
-                           submodules_called)
+                           require_torch, compiled_submodules, module_compile_compiles_nothing, set_compiled_call,
+                           submodules_called, uncompiled)
 from remat.errors import InvalidInputError
-from remat.rewrite import keep_compiled_nothing_eager, left_eager
 
 #: the torch.compile arguments a ``compile={...}`` dict may set
 COMPILE_KEYS = ("backend", "mode", "options", "fullgraph", "dynamic")
@@ -121,35 +121,45 @@ def _compiled_loop(model: nn.Module, inner: nn.Module, compile: bool | dict | De
     return CompiledLoop(blocks=blocks, settings=tuple(settings.items()), source=source)
 
 
-def compiled_nothing(model: nn.Module) -> list[str]:
-    """The submodules of ``model`` (qualified names) on which ``Module.compile()`` was called but compiles nothing
-    in this torch (Note [Blocks Module.compile() leaves eager] in remat.rewrite), set aside by remat or not."""
-    mods = dict(model.named_modules())
-    return sorted(set(left_eager(model)) | {b for b in compiled_submodules(model)
-                                            if module_compile_compiles_nothing(mods[b])})
+#: Note [Blocks Module.compile() leaves eager]
+#: ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+#: ``Module.compile()`` on one of torch.nn's own modules (an ``nn.Sequential`` of layers, an
+#: ``nn.TransformerEncoderLayer``) compiles nothing in torch 2.13: Dynamo skips ``Module._call_impl`` and those
+#: forwards (pytorch#150915), so the loop runs the block eagerly. The forward remat installs is code Dynamo does
+#: capture: a checkpointed unit inside such a block would start compiling, and the step would be another program
+#: than the one planned (and than the user's). So while remat's forwards are installed under such a block, its
+#: compiled call is set aside (``_compiled_call_impl`` None: the eager call it was in effect) and given back by
+#: remove_checkpointing (remat.rewrite.eager decides which blocks). Kept here by module, weakly: the user's compiled
+#: call of each block set aside, the one state of it a snapshot (remat.runtime.state) takes and gives back.
+_LEFT_EAGER: "weakref.WeakKeyDictionary[nn.Module, Callable]" = weakref.WeakKeyDictionary()
 
 
-def compiled_nothing_note(model: nn.Module) -> str | None:
-    """The plan's note on the blocks ``Module.compile()`` compiles nothing for, or None where there are none."""
-    names = compiled_nothing(model)
-    if not names:
-        return None
-    kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n in names})
-    return (f"Module.compile() was called on {', '.join(repr(n) for n in names[:4])}{' ...' if len(names) > 4 else ''} "
-            f"({', '.join(kinds)}), but in this torch it compiles nothing for them: Dynamo skips Module._call_impl "
-            "and torch.nn's own forwards (pytorch#150915), so they run eagerly, and are planned for the eager step; "
-            "remat's checkpointing keeps them eager (Note [Blocks Module.compile() leaves eager] in remat.rewrite). "
-            "To compile such a block, compile a module of your own class around it, or the whole model")
+def hold_aside(m: nn.Module) -> None:
+    """Set ``m``'s compiled call aside (the block then runs its eager call) until :func:`give_back`."""
+    if m not in _LEFT_EAGER and compiled_call(m) is not None:
+        _LEFT_EAGER[m] = compiled_call(m)
+        set_compiled_call(m, None)
 
 
-@contextlib.contextmanager
-def eager_submodules(model: nn.Module) -> Iterator[None]:
-    """Within the block, ``model``'s submodules compiled in place (``Module.compile()``) run eagerly: remat's
-    recorder is a dispatch mode, which compiled code bypasses, so profiling and eager checks run them
-    eagerly, whether or not the plan is made for the compiled step; their compiled calls are back afterwards
-    (those of blocks that compile nothing set aside again where remat's forwards are under them)."""
-    try:
-        with submodules_called(model, compiled_submodules(model), None):
-            yield
-    finally:
-        keep_compiled_nothing_eager(model)
+def give_back(m: nn.Module) -> None:
+    """Give ``m`` the compiled call set aside for it, if any."""
+    if m in _LEFT_EAGER:
+        set_compiled_call(m, _LEFT_EAGER.pop(m))
+
+
+def set_aside(m: nn.Module) -> Callable | None:
+    """The compiled call remat set aside for module ``m``, None where none (for a snapshot: remat.runtime.state)."""
+    return _LEFT_EAGER.get(m)
+
+
+def restore_set_aside(m: nn.Module, impl: Callable | None) -> None:
+    """Make ``impl`` the compiled call remat holds set aside for ``m`` (None: none), as a snapshot had it."""
+    if impl is None:
+        _LEFT_EAGER.pop(m, None)
+    else:
+        _LEFT_EAGER[m] = impl
+
+
+def left_eager(model: nn.Module) -> list[str]:
+    """The blocks of ``model`` whose compiled call remat has set aside (qualified names)."""
+    return [name for name, m in uncompiled(model).named_modules() if m in _LEFT_EAGER]

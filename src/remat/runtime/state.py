@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from remat._compat import compiled_call, set_compiled_call
+from remat.runtime.compiled import restore_set_aside, set_aside
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -24,14 +25,12 @@ class Snapshot:
     grads: list[tuple[nn.Parameter, torch.Tensor | None]]
     forwards: list[tuple[nn.Module, object]]
     #: each module's compiled call (``Module.compile()``) and the one remat set aside for it, if any (Note
-    #: [Blocks Module.compile() leaves eager] in remat.rewrite)
+    #: [Blocks Module.compile() leaves eager] in remat.runtime.compiled)
     compiled_calls: list[tuple[nn.Module, object, object]]
 
 
 def take_snapshot(model: nn.Module) -> Snapshot:
     """Copies of the RNG states and buffers, references to the gradients, forward overrides and compiled calls."""
-    from remat.rewrite import set_aside
-
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return Snapshot(
         cpu_rng=torch.get_rng_state(),
@@ -45,8 +44,6 @@ def take_snapshot(model: nn.Module) -> Snapshot:
 
 def restore(snap: Snapshot) -> None:
     """Put the model's buffers (in place, same objects), gradients, forwards, compiled calls and the RNG back."""
-    from remat.rewrite import restore_set_aside
-
     with torch.no_grad():
         for b, v in snap.buffers:
             b.copy_(v)
