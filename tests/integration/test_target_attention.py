@@ -166,3 +166,50 @@ def test_a_target_names_the_torch_its_run_uses():
     for release, kernel in (("2.8", "flash"), ("2.11", "cudnn")):
         calls = _recorded_calls(config, "bfloat16", Target(device="h100-80gb", torch_version=release))
         assert calls and {c.choice.kernel for c in calls} == {kernel}, release
+
+
+def test_the_targets_sdp_settings_are_decided_when_it_is_made_and_can_be_given():
+    """Issue #62: the run's SDP switches are a field of the Target, read from this process when the Target is made
+    and fixed then (a switch the process turns later changes no target made before), or given: a run with only
+    the math kernel on is recorded with the math kernel."""
+    import dataclasses
+
+    target = Target(device="h100-80gb")
+    before = target.sdpa
+    assert before == settings_here() and "flash" in before.enabled
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        assert target.sdpa == before and "flash" not in Target(device="h100-80gb").sdpa.enabled
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+    math_only = Target(device="h100-80gb", sdpa=dataclasses.replace(before, enabled=frozenset({MATH})))
+    calls = _recorded_calls(_tiny("Llama"), "bfloat16", math_only)
+    assert calls and all(c.choice.kernel == MATH for c in calls)
+    with pytest.raises(remat.InvalidInputError, match="Target.sdpa takes"):
+        Target(device="h100-80gb", sdpa="flash")
+
+
+def test_attention_on_another_thread_is_torchs_own_while_a_step_is_recorded():
+    """Issue #62: while a target's step is recorded, F.scaled_dot_product_attention is replaced only for the
+    context that records (remat._compat.attention.sdpa_replaced): a thread of the user's process calling it
+    meanwhile runs torch's own function, and the replacement is gone after."""
+    import threading
+
+    import torch.nn.functional as F
+
+    from remat._compat.attention import sdpa_replaced
+
+    q = torch.randn(1, 2, 8, 16)
+    expected = F.scaled_dot_product_attention(q, q, q)
+    chosen: list[str] = []
+    other: dict[str, torch.Tensor] = {}
+    original = F.scaled_dot_product_attention
+    with sdpa_replaced(lambda a: chosen.append("asked") or MATH, lambda a, kernel, kept: None):
+        assert F.scaled_dot_product_attention is not original
+        worker = threading.Thread(target=lambda: other.update(out=F.scaled_dot_product_attention(q, q, q)))
+        worker.start()
+        worker.join()
+        assert chosen == []  # the other thread's call was not replaced
+        F.scaled_dot_product_attention(q, q, q)
+        assert chosen == ["asked"]  # this context's is
+    assert torch.equal(other["out"], expected) and F.scaled_dot_product_attention is original

@@ -11,12 +11,16 @@ asked: :func:`torch_choice_on_cuda` asks them where a GPU is (the GPU image's 2.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+#: set in the context that replaced the function (sdpa_replaced): another thread's calls are not replaced
+_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_sdpa_replaced", default=False)
 
 #: ``torch.nn.attention.SDPBackend`` values (``torch._C._SDPBackend``; checked on 2.13) by remat's kernel names
 _BACKEND_NAMES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
@@ -109,7 +113,9 @@ def sdpa_replaced(choose: Callable[[dict], str], seen: Callable[[dict, str, dict
     read as ``F.scaled_dot_product_attention``) runs, for dense 4-D tensors, the kernel ``choose(arguments)`` names
     through its CUDA operator (:func:`run_kernel`), and ``seen(arguments, kernel, kept)`` is told; other calls run
     as they are. Where the operator cannot run on fake tensors in this torch (a meta kernel missing), the CPU's
-    kernel runs, as before, and ``seen`` is told ``"cpu (why)"``. Restored after, also on error.
+    kernel runs, as before, and ``seen`` is told ``"cpu (why)"``. Restored after, also on error. The replacement
+    acts only in the context that entered the block (a context variable: another thread calling attention
+    meanwhile, whose context does not have it, gets torch's own function).
 
     Why the attribute and not a ``TorchFunctionMode``: a mode's handler runs the function with the mode off, so
     ``loss.backward()`` called under it recomputes checkpointed attention without it (the CPU's operator, which
@@ -117,8 +123,11 @@ def sdpa_replaced(choose: Callable[[dict], str], seen: Callable[[dict, str, dict
     before (``from torch.nn.functional import scaled_dot_product_attention``) is not reached: its calls run the
     CPU's kernel, as before."""
     original = F.scaled_dot_product_attention
+    token = _RECORDING.set(True)
 
     def replacement(*args: Any, **kwargs: Any) -> Any:
+        if not _RECORDING.get():  # another thread, or a context the recording did not start: torch's own
+            return original(*args, **kwargs)
         a = _bound(*args, **kwargs)
         if not all(isinstance(a[n], torch.Tensor) and a[n].dim() == 4 and not a[n].is_nested
                    for n in ("query", "key", "value")):
@@ -138,6 +147,7 @@ def sdpa_replaced(choose: Callable[[dict], str], seen: Callable[[dict, str, dict
         yield
     finally:
         F.scaled_dot_product_attention = original
+        _RECORDING.reset(token)
 
 
 def torch_choice_on_cuda(batch: int, q_heads: int, kv_heads: int, seq_q: int, seq_kv: int, head_dim_qk: int,

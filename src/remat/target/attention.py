@@ -21,8 +21,12 @@ the recording holds that kernel's saved tensors, times it by its own operator na
 names CUDA's kernels is asked about the one the run calls. The release is this process's torch (the planning
 process runs the release the target will, unless ``Target(torch_version=...)`` names the run's), the cuDNN the
 default wheel of that release brings, and
-this process's SDP switches (``torch.backends.cuda.enable_*_sdp``, an order set with ``sdpa_kernel(...,
-set_priority=True)``) and environment (``TORCH_CUDNN_SDPA_PREFERRED``, ``TORCH_CUDNN_SDPA_DEPRIORITIZED``).
+the run's SDP switches (``torch.backends.cuda.enable_*_sdp``, an order set with ``sdpa_kernel(...,
+set_priority=True)``) and environment (``TORCH_CUDNN_SDPA_PREFERRED``, ``TORCH_CUDNN_SDPA_DEPRIORITIZED``): the
+target's ``sdpa`` (a typed value: ``Target(sdpa=SdpaSettings(...))`` for a run set otherwise), this process's when
+the Target is made without one, and fixed then. The kernels run through a replacement of
+``F.scaled_dot_product_attention`` that acts only in the context that recorded (remat._compat.attention:
+``sdpa_replaced``): another thread of the process calling attention meanwhile gets torch's own.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ def attention_as_on(target: Target, calls: list[AttentionCall] | None = None) ->
     from remat._compat.attention import sdpa_replaced
 
     vendor, capability = gpu_of(target)
-    settings = settings_here(target.torch_version)
+    settings = target.sdpa
     choices: dict[SdpaCall, Choice] = {}
 
     def choose(a: dict) -> str:

@@ -4,8 +4,9 @@ A planner that predicts a step's memory (and later its time) on, say, eight H100
 needs the target's numbers: how much memory the framework can use, how fast it computes in each dtype, how fast
 it reads its own memory and talks to its neighbours. :class:`DeviceSpec` holds them, :data:`KNOWN` holds the
 built-in ones (A100 40/80GB, H100 SXM 80GB, the 96GB HBM2e H100 of torchtitan's benchmarks, H100 PCIe, H200,
-B200, L4, MI300X), and :func:`device_spec` turns a name, an alias, a JSON file or a spec into one. Stdlib only:
-no torch, so torch-free code can read it.
+B200, L4, MI300X); :func:`remat.target.spec_file.device_spec` turns a name, an alias, a JSON file or a spec into
+one. No torch: it imports the standard library, remat.errors and the field checks of remat.target.spec_fields, so
+torch-free code can read it.
 
 Where the figures come from. Each number carries its sources, ``(field, document, note)``: the vendor's
 datasheet, confirmed against a stored copy of it or of a page quoting it where one was found, and a note that

@@ -37,6 +37,8 @@ from remat._compat import FAKE_WORLD_FLOOR, FAKE_WORLD_FLOOR_WHY, batch_layout, 
     fake_mode, fake_store, masks_decided_for, meshes_built_for_real, require_torch, tree_map
 from remat.costs.allocator import AllocatorConfig
 from remat.errors import InternalError, InvalidInputError, RematError, UnsupportedError
+from remat.costs.attention_kernels import SdpaSettings
+from remat.target.attention import settings_here
 from remat.target.devices import DeviceSpec
 from remat.target.spec_file import device_spec
 
@@ -84,6 +86,10 @@ class Target:
     #: host memory one rank may fill with offloaded activations (bytes; the server's, not the GPU's: e.g. a DGX H100's
     #: 2 TB over 8 GPUs, less what the run itself uses); None: not limited (Note [Offload in the memory model])
     host_memory_bytes: int | None = None
+    #: the run's SDP switches, priority order and cuDNN environment, which decide its attention kernel (Note
+    #: [Attention on the target] in remat.target.attention); None: this process's, read when the Target is made
+    #: (and fixed then: a switch the process changes later does not change the target)
+    sdpa: SdpaSettings | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, (DeviceSpec, str)):
@@ -119,6 +125,11 @@ class Target:
                                                    and re.match(r"^\d+\.\d+", self.torch_version)):
             raise InvalidInputError(f"Target.torch_version takes a release such as '2.11' or None (this process's "
                                     f"torch), got {self.torch_version!r}")
+        if self.sdpa is None:
+            object.__setattr__(self, "sdpa", settings_here(self.torch_version))
+        elif not isinstance(self.sdpa, SdpaSettings):
+            raise InvalidInputError(f"Target.sdpa takes remat.costs.attention_kernels.SdpaSettings or None (this "
+                                    f"process's switches), got {type(self.sdpa).__name__} {self.sdpa!r}")
         if self.parallelize is not None and not callable(self.parallelize):
             raise InvalidInputError(f"Target.parallelize takes a function fn(model, mesh), got {self.parallelize!r}")
         allocator = self.allocator
