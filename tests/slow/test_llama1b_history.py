@@ -1,5 +1,5 @@
 """remat's prediction of the 1B Hugging Face Llama's step for an H200 (recorded on fake tensors on this CPU, the CUDA
-caching allocator replayed: ``predict_peaks``' events) against what the H200 ran (tests/data/llama1b_*.snapshot.
+caching allocator replayed: ``predict_peaks``' events) against what the H200 ran (benchmarks/h200/data/llama1b_*.snapshot.
 pickle.gz: torch's allocator history of the step, torch 2.11.0+cu130, 2026-12-04; peaks measured in ``oracle.json``
 of ../shared/gpu/h200-2026-12-04/). The blocks alive at the two peaks are compared by size, and the peaks held
 within 2% of the measured ones. Before Note [Masks decided on values] (remat._compat.transformers) the recording
@@ -23,10 +23,10 @@ import remat  # noqa: E402
 from remat.costs.allocator import Alloc, replay, round_size  # noqa: E402
 from remat.api.predict import modelled_request  # noqa: E402
 
-DATA = pathlib.Path(__file__).parent.parent / "data"
+DATA = pathlib.Path(__file__).parents[2] / "benchmarks" / "h200" / "data"
 #: measured on the H200: torch's allocated_bytes.all.peak and reserved_bytes.all.peak (oracle.json)
 MEASURED = {"none": (34_470_885_376, 36_035_362_816), "least": (20_128_430_080, 26_308_771_840)}
-PLANS = {"none": None, "least": DATA / "llama1b_least.plan.json"}  # least: `model` nested with 4 layers
+PLANS = {"none": None, "least": DATA / "plans" / "llama1b__3.plan.json"}  # least: `model` nested with 4 layers
 
 
 def _llama1b():

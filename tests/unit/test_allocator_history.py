@@ -1,5 +1,5 @@
 """remat's CUDA caching allocator model (remat.costs.allocator) against the real allocator: the H200's own histories
-of the 1B Hugging Face Llama's four training steps (tests/data/llama1b_{none,least}.snapshot.pickle.gz, from
+of the 1B Hugging Face Llama's four training steps (benchmarks/h200/data/llama1b_{none,least}.snapshot.pickle.gz, from
 ../shared/gpu/h200-2026-12-04/: ``torch.cuda.memory._snapshot()`` over ``gpu_oracle_run.run_row``, torch
 2.11.0+cu130, 2026-12-04) replayed through :func:`replay`, from the first step on, the blocks alive then allocated
 first. The allocated peak the replay reaches is the one torch measured (``oracle.json``) to the byte, the reserved
@@ -17,7 +17,7 @@ import pytest
 
 from remat.costs.allocator import Alloc, Free, replay
 
-DATA = pathlib.Path(__file__).parent.parent / "data"
+DATA = pathlib.Path(__file__).parents[2] / "benchmarks" / "h200" / "data"
 #: measured on the H200 (oracle.json, torch's allocated_bytes.all.peak; reserved_bytes.all.peak of the history)
 MEASURED = {"none": (34_470_885_376, 36_001_808_384), "least": (20_128_430_080, 26_220_691_456)}
 #: the two cuBLAS workspaces (32 MiB each) the process held before the least step's history began

@@ -1,6 +1,6 @@
 """The CUDA meter's reading of the allocator (Note [The budget on CUDA is absolute] in remat.costs.allocator_reading),
 on a CPU: the allocator's history of the plain U-Net's ``measure_step`` recorded on the H200
-(tests/data/unet_plain.snapshot.pickle.gz, from ../shared/gpu/h200-2026-12-04/) replayed into the meter, and
+(benchmarks/h200/data/unet_plain.snapshot.pickle.gz, from ../shared/gpu/h200-2026-12-04/) replayed into the meter, and
 readings written by hand."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from remat.costs.allocator_reading import (
     step_peak_bytes)
 from remat.runtime.meters import StepMeter, measure_peak
 
-DATA = pathlib.Path(__file__).parent.parent / "data" / "unet_plain.snapshot.pickle.gz"
+DATA = pathlib.Path(__file__).parents[2] / "benchmarks" / "h200" / "data" / "unet_plain.snapshot.pickle.gz"
 MiB = 2**20
 #: cuDNN's convolution workspace at the plain U-Net's peak (allocated on autograd's thread, no Python frame)
 CUDNN_BLOCK = 7_059_355
@@ -186,7 +186,7 @@ def test_the_h200_llama_65_mib_are_two_cublas_workspaces_and_an_unsplit_mebibyte
     """The 1B Llama's training steps after optimize_checkpointing on the H200 peaked 68,157,440 bytes (65 MiB) over
     the checked peak (25,796,031,488 against 25,727,874,048: ../shared/gpu/h200-2026-12-04/
     optimize_checkpointing_llama1b_24gib.json), what the old meter's ``_base`` left out. The allocator's history of
-    the same model's plain steps (tests/data/llama1b_none.snapshot.pickle.gz) holds what: exactly two blocks alive
+    the same model's plain steps (benchmarks/h200/data/llama1b_none.snapshot.pickle.gz) holds what: exactly two blocks alive
     from their first product to the end, 32 MiB each (cuBLAS's workspaces: the forward's on the step's thread, the
     backward's on autograd's, no Python frame), and the tied embedding (525,336,576 bytes) alone in a segment of
     526,385,152, whose 1 MiB is not split off (the allocator splits a large block only when more than 1 MiB

@@ -59,7 +59,7 @@ def test_the_roofline_on_an_h100_gives_the_times_worked_out_by_hand_from_the_sou
 
 def test_each_efficiency_is_its_sources_figure_and_says_where_it_was_measured():
     """The table against its sources: torchao's 0.78 / 0.92 (H100), FlashAttention-2's 72% of an A100's peak in
-    training (225 of 312 TFLOP/s) rounded to 0.70; on Hopper the H200's kernels (benchmarks/gpu_traces.py
+    training (225 of 312 TFLOP/s) rounded to 0.70; on Hopper the H200's kernels (benchmarks/h200/gpu_traces.py
     --calibrate: products 73.05 ms at peak in 91.12, attention 5.00 in 15.26, elementwise 45.58 in 76.89, AdamW's
     foreach 7.21 in 15.56)."""
     assert (EFFICIENCY["matmul"].compute, EFFICIENCY["matmul"].memory, EFFICIENCY["matmul"].measured_on) == (

@@ -1,5 +1,5 @@
 """The host-link copy rates measured on the H200 (2026-12-04; issue #56): read from torch.profiler's trace of one
-titan4 step with one layer offloaded (``tests/data/titan4_off__0.trace.json.gz``, copied from
+titan4 step with one layer offloaded (``benchmarks/h200/data/titan4_off__0.trace.json.gz``, copied from
 ``shared/gpu/h200-2026-12-04``), each ``Memcpy`` event's bytes over its duration, against what the device table
 says was measured. The plan was applied on the meta model, so the offload's own copies were pageable (the bug
 fixed since: Note [Pinned at first run] in remat.rewrite.offload); the pinned ones are FSDP2's."""
@@ -15,7 +15,7 @@ import pytest
 
 from remat.target.spec_file import device_spec
 
-TRACE = Path(__file__).parent.parent / "data" / "titan4_off__0.trace.json.gz"
+TRACE = Path(__file__).parents[2] / "benchmarks" / "h200" / "data" / "titan4_off__0.trace.json.gz"
 
 
 def copies() -> dict[str, list[tuple[int, float]]]:

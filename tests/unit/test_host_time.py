@@ -16,7 +16,7 @@ from remat.solve import Planner
 from remat.solve.synthetic import chain_profile
 from remat.target.host_trace import TraceEvents, host_costs_from_traces, host_phases
 
-DATA = Path(__file__).parent.parent / "data"
+DATA = Path(__file__).parents[2] / "benchmarks" / "h200" / "data"
 #: round figures, so that the expected seconds are worked out by hand
 HOST = HostCosts(forward_op_s=10e-6, backward_op_s=5e-6, selective_forward_op_s=40e-6, selective_recompute_op_s=10e-6,
                  source="by hand")
@@ -41,10 +41,10 @@ def _h200_phases():
 
 def test_the_built_in_h200_host_figures_follow_from_the_shared_traces():
     """GPU_HOST is what host_costs_from_traces derives (through op_s_from_phase, the function remat calibrate
-    uses) from the H200's profiled steps (tests/data, copied from ../shared/gpu/h200-2026-12-04) and the inputs
-    measured on this project's CPU for the same model (benchmarks/gpu_traces.py --host --write), to the 0.01 us
+    uses) from the H200's profiled steps (benchmarks/h200/data, copied from ../shared/gpu/h200-2026-12-04) and the inputs
+    measured on this project's CPU for the same model (benchmarks/h200/gpu_traces.py --host --write), to the 0.01 us
     the figures are written to; inputs that differ give figures that differ (the check can fail)."""
-    inputs = json.loads((DATA / "h200_host_inputs.json").read_text())
+    inputs = json.loads((DATA / "host_inputs.json").read_text())
     phases = _h200_phases()
     derived = host_costs_from_traces(phases, inputs)
     for field in ("forward_op_s", "backward_op_s", "selective_forward_op_s", "selective_recompute_op_s"):

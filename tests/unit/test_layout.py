@@ -205,7 +205,7 @@ def test_the_examples_and_benchmarks_import_what_exists():
 
     root = SRC.parents[1]
     missing = []
-    for p in sorted([*root.glob("examples/*.py"), *root.glob("benchmarks/*.py"), *root.glob("scripts/*.py")]):
+    for p in sorted([*root.glob("examples/*.py"), *root.glob("benchmarks/**/*.py"), *root.glob("scripts/*.py")]):
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "remat":
                 try:

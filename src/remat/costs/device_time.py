@@ -24,7 +24,7 @@ of ``S`` bytes (the gathered size) over ``n`` ranks takes ``S (n-1)/n / bus``, a
 ``bus`` is the link bandwidth in one direction per GPU at :data:`COLLECTIVE_EFFICIENCY`: NVLink (or the
 device's link) while the group fits in one node, the network's per-GPU bandwidth once it spans nodes.
 
-On Hopper the efficiencies are the H200's own, measured from its kernels (``benchmarks/gpu_traces.py``, issue
+On Hopper the efficiencies are the H200's own, measured from its kernels (``benchmarks/h200/gpu_traces.py``, issue
 #56): the model's seconds for each class at the peak rates against the class's kernel time in the trace of the
 1B Llama's step (every block checkpointed); an H100 takes them unmeasured (same generation, its own peaks).
 
@@ -72,7 +72,7 @@ _TORCHAO = ("torchao testing/training/roofline_utils.py (pytorch/ao): pct_achiev
             "kernels with large inputs) on H100")
 
 _H200 = ("measured on the H200 (torch 2.11, 2026-12-04) from its kernels in llama1b__1.trace.json.gz (a 1B Llama's "
-         "step, every block checkpointed; benchmarks/gpu_traces.py --calibrate): ")
+         "step, every block checkpointed; benchmarks/h200/gpu_traces.py --calibrate): ")
 _ELEMENTWISE = ("elementwise, copy and reduction kernels 76.89 ms for what the model moves in 45.58 ms at the peak "
                 "4.8 TB/s (2.8 TB/s achieved: many kernels strided, broadcast or in float32, in torch's "
                 "unvectorized loops)")
@@ -91,7 +91,7 @@ EFFICIENCY: Mapping[str, Efficiency] = MappingProxyType({
     "pointwise": Efficiency(1.0, 0.92, _TORCHAO, "H100"),
     # the optimizer's foreach kernels (multi_tensor_apply): as pointwise where not measured
     "foreach": Efficiency(1.0, 0.92, "as pointwise: " + _TORCHAO, "H100"),
-    # Hopper: measured on the H200 (Note [Device time model]; benchmarks/gpu_traces.py --calibrate prints them)
+    # Hopper: measured on the H200 (Note [Device time model]; benchmarks/h200/gpu_traces.py --calibrate prints them)
     "matmul@hopper": Efficiency(0.80, 0.92, _H200 + "matrix products: 72.3 TFLOP (73.05 ms at the dense peak) in "
                                             "91.12 ms of cuBLAS's nvjet kernels", "H200"),
     "pointwise@hopper": Efficiency(1.0, 0.59, _H200 + _ELEMENTWISE, "H200"),
@@ -146,14 +146,14 @@ class HostCosts:
 
 
 #: the H200's host (torch 2.11, 2026-12-04): what its operators cost below the model's own work, derived from
-#: llama1b__1's profiled forward by ``python benchmarks/gpu_traces.py --host`` through
+#: llama1b__1's profiled forward by ``python benchmarks/h200/gpu_traces.py --host`` through
 #: remat.costs.host_time.op_s_from_phase (the function ``remat calibrate`` uses), the inputs measured on this
-#: project's CPU in tests/data/h200_host_inputs.json; no phase of the traces runs a backward without recomputing,
+#: project's CPU in benchmarks/h200/data/host_inputs.json; no phase of the traces runs a backward without recomputing,
 #: so the backward's operators take the forward's figure. Carried to every CUDA target unmeasured
 GPU_HOST = HostCosts(
     forward_op_s=9.86e-6, backward_op_s=9.86e-6,
     selective_forward_op_s=62.28e-6, selective_recompute_op_s=30.90e-6,
-    source="the H200's host (torch 2.11, 2026-12-04; benchmarks/gpu_traces.py --host): llama1b__1's profiled "
+    source="the H200's host (torch 2.11, 2026-12-04; benchmarks/h200/gpu_traces.py --host): llama1b__1's profiled "
            "forward, 35.35 ms of host wall, less the model's own work between its operators "
            "(16.51 ms, measured on fake tensors on a 2-core x86-64 CPU), 16 checkpointed blocks' "
            "bookkeeping (5.72 ms) and the profiler's 3,278 events (0.18 us each, "

@@ -104,8 +104,8 @@ def host_phases(trace: TraceEvents) -> dict[str, PhaseHost]:
 def host_costs_from_traces(phases: dict[str, dict[str, PhaseHost]], inputs: dict[str, Any]) -> HostCosts:
     """A GPU host's figures (remat.costs.device_time.GPU_HOST for the H200) from the profiled steps of one model:
     ``phases["llama1b__1"]`` every block checkpointed, ``phases["llama1b__4"]`` one selective unit per block, and
-    ``inputs`` measured on the planning machine for the same model (tests/data/h200_host_inputs.json:
-    benchmarks/gpu_traces.py --host writes it). Each figure through op_s_from_phase (what ``remat calibrate``
+    ``inputs`` measured on the planning machine for the same model (benchmarks/h200/data/host_inputs.json:
+    benchmarks/h200/gpu_traces.py --host writes it). Each figure through op_s_from_phase (what ``remat calibrate``
     uses): a phase's host wall less what is known of it (the model's own work, checkpointing's bookkeeping, the
     profiler's events, operators at a figure already derived), over the operators the figure is for: the device's
     cost per operator from the first forward (no phase runs a backward without recomputing: the backward takes the

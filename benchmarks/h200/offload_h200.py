@@ -1,11 +1,11 @@
 """Offloaded plans against what the H200 measured (issue #56; Note [Exposed copies] in remat.costs.offload):
 torchtitan's Llama (titan4: 8B widths, 4 layers, FSDP2 over one rank, 2 x 8192) with offloading offered, as
-``../shared/gpu/oracle/gpu_oracle_predict.py`` planned it; each offload row of
-``../shared/gpu/h200-2026-12-04/oracle_offload_applied_on_gpu.json`` (pinned, side stream) predicted again here on
+the shared oracle's ``gpu_oracle_predict.py`` planned it; each offload row of
+``data/oracle_offload_applied_on_gpu.json`` (pinned, side stream; loaded by ``h200_data.py``) predicted again here on
 the CPU with today's host link (the H200's measured rates) and exposed-copy model, beside every block's plan;
 and the plan the planner chooses now at each row's budget.
 
-    flock /tmp/remat-heavy.lock python benchmarks/offload_h200.py     # ~1-2 min
+    flock /tmp/remat-heavy.lock python benchmarks/h200/offload_h200.py     # ~1-2 min
 
 Every "predicted" figure is predicted for the H200 on this CPU; "measured" is the H200's (median of steps 2-4).
 """
@@ -17,7 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from h200_data import DATA, profiled_for_h200  # noqa: E402
+from h200_data import DATA, oracle_rows, profiled_for_h200  # noqa: E402
 GiB = 2**30
 
 
@@ -32,8 +32,7 @@ def main() -> None:
     link, _ = host_link(True, device=torch.device("cpu"), target=target)
     print(f"titan4 profiled for the H200 in {seconds:.0f} s; host link: {link.source}\n")
     planner = Planner(p, granularity="op", offload=link)
-    with open(os.path.join(DATA, "oracle.json")) as f:
-        every = next(r for r in json.load(f) if r["config"] == "titan4" and r["row"] == "every block")
+    every = next(r for r in oracle_rows() if r["config"] == "titan4" and r["row"] == "every block")
     rows = [("every block (hand rule)", planner.every_nth_block(1), every["step_s"])]
     with open(os.path.join(DATA, "oracle_offload_applied_on_gpu.json")) as f:
         measured = json.load(f)

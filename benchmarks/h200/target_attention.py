@@ -1,40 +1,41 @@
 """The attention kernel a target's step assumes, against the H200 measurement (issue #55): rows of
-``../shared/gpu/h200-2026-12-04/oracle.json`` predicted for ``Target(device="h200")`` with each
+``data/oracle.json`` (loaded by ``h200_data.py``) predicted for ``Target(device="h200")`` with each
 ``scaled_dot_product_attention`` call run as CUDA would pick it (Note [Attention on the target] in
 remat.target.attention) and, for comparison, as the CPU picks it (what remat did before), beside the peaks measured
 on the H200 (torch 2.11.0+cu130, which ran cuDNN attention). Predicted here, with this process's torch and
 transformers; ``titan4_own_sac`` is torchtitan's op-level selective checkpointing as shipped, whose list names
 flash and memory-efficient attention but not cuDNN.
 
-    python benchmarks/target_attention.py [SHARED_GPU_DIR] [ROW ...]   # rows: titan4_own_sac titan4:0 llama1b:0
+    python benchmarks/h200/target_attention.py [ROW ...]   # rows: titan4_own_sac titan4:0 llama1b:0
 
 About 10 s a row on 2 cores, twice (run under the heavy-work lock).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
-import json
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from h200_data import oracle_rows, plan as saved_plan, shared_models  # noqa: E402
 
 GiB = 2**30
 
 
 def main(argv: list[str]) -> None:
-    shared = argv[0] if argv and os.path.isdir(argv[0]) else os.path.join(os.path.dirname(__file__), "..", "..",
-                                                                          "shared", "gpu")
-    rows = [a for a in argv if not os.path.isdir(a)] or ["titan4_own_sac", "titan4:0", "llama1b:0"]
-    run = os.path.join(shared, "h200-2026-12-04")
-    sys.path.insert(0, os.path.join(shared, "oracle"))
-    import gpu_models as gm  # noqa: E402 - the shared steps
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("rows", nargs="*", default=["titan4_own_sac", "titan4:0", "llama1b:0"])
+    rows = parser.parse_args(argv).rows
+    gm = shared_models()
 
     import remat
     import remat.target.attention as ta
     from remat.api.predict import predict_peaks
 
-    measured = {(r["config"], r["plan"]): r for r in json.load(open(os.path.join(run, "oracle.json")))}
+    measured = {(r["config"], r["plan"]): r for r in oracle_rows()}
     as_gpu = ta.attention_as_on
 
     @contextlib.contextmanager
@@ -52,7 +53,7 @@ def main(argv: list[str]) -> None:
             ta.attention_as_on = fn
             c = gm.build(name, "meta")
             target = remat.Target(device="h200", parallelize=c["parallelize"], clip_grad_norm=c["clip"], **c["target"])
-            plan = remat.Plan.load(os.path.join(run, "plans", plan_file)) if plan_file else None
+            plan = saved_plan(plan_file) if plan_file else None
             started = time.perf_counter()
             peaks = predict_peaks(c["model"], c["inputs"], target, loss_fn=c["loss_fn"],
                                   optimizer=c["opt"](c["model"].parameters()), output_alive=c["output_alive"],

@@ -1,9 +1,9 @@
 """remat's predicted step time for the H200 against the step times measured there (issue #56): every llama1b and
-titan4 row of ``../shared/gpu/h200-2026-12-04/oracle.json``, each plan as saved in ``plans/`` (the plan the GPU
+titan4 row of ``data/oracle.json`` (loaded by ``h200_data.py``), each plan as saved in ``data/plans/`` (the plan the GPU
 ran), predicted here on the CPU with today's time model (Note [Device time model], Note [Host time model] in
 remat.costs.device_time; Note [Host time in the plan] in remat.costs.step_time).
 
-    flock /tmp/remat-heavy.lock python benchmarks/gpu_step_times.py [llama1b] [titan4]   # ~1-2 min a config
+    flock /tmp/remat-heavy.lock python benchmarks/h200/gpu_step_times.py [llama1b] [titan4]   # ~1-2 min a config
 
 Prints, per row: measured (the median of steps 2-4 on the H200), predicted when the GPU was measured (the
 oracle's, remat at 1067e0c), predicted now, and the error; per config the plain step's phases (GPU and host).
@@ -16,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from h200_data import DATA, profiled_for_h200  # noqa: E402
+from h200_data import oracle_rows, plan as saved_plan, profiled_for_h200  # noqa: E402
 
 
 def predict(name: str, rows: list[dict]) -> None:
@@ -31,7 +31,7 @@ def predict(name: str, rows: list[dict]) -> None:
           "| backward GPU / host ms |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        plan = remat.Plan.load(os.path.join(DATA, "plans", r["plan"]))
+        plan = saved_plan(r["plan"])
         units = [p.unit(u) for u in plan.checkpointed]
         now = plan_step_time_s(p, units)
         fwd_host = p.forward_host_s + sum(u.forward_host_s for u in units)
@@ -44,8 +44,7 @@ def predict(name: str, rows: list[dict]) -> None:
 
 
 def main() -> None:
-    with open(os.path.join(DATA, "oracle.json")) as f:
-        oracle = json.load(f)
+    oracle = oracle_rows()
     for name in sys.argv[1:] or ("llama1b", "titan4"):
         predict(name, [r for r in oracle if r["config"] == name and r.get("plan") and r.get("pred_step_s")])
 

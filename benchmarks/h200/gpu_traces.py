@@ -1,5 +1,6 @@
 """Where the time of a training step went on the H200 (issue #56): the Chrome traces torch.profiler wrote of one
-step (``../shared/gpu/h200-2026-12-04/*.trace.json.gz``, made by ``../shared/gpu/oracle/gpu_profile_steps.py``:
+step (``data/*.trace.json.gz``, copied from ``../shared/gpu/h200-2026-12-04``, made by the shared oracle's
+``gpu_profile_steps.py``; read by remat.target.host_trace through ``h200_data.py``:
 torch 2.11, one step after two warm-up steps, CPU and CUDA activities), read into tables:
 
 * GPU time and kernel count per kernel class (matrix products, attention forward / backward, elementwise,
@@ -13,10 +14,10 @@ torch 2.11, one step after two warm-up steps, CPU and CUDA activities), read int
   4 x 2048, bf16), an elementwise product's bandwidth; ``--calibrate``: each operator class's, from the work the
   model counts for the recorded step.
 
-    python benchmarks/gpu_traces.py [TRACE_DIR]   # default ../shared/gpu/h200-2026-12-04
-    python benchmarks/gpu_traces.py --calibrate   # the device table's H200 efficiencies (records llama1b: ~30 s)
-    python benchmarks/gpu_traces.py --host [--write]   # the H200 host's figures (GPU_HOST) and their check;
-                                                       # --write: their inputs to tests/data/h200_host_inputs.json
+    python benchmarks/h200/gpu_traces.py [TRACE_DIR]   # default data/ beside it (GPU_DATA: another copy)
+    python benchmarks/h200/gpu_traces.py --calibrate   # the device table's H200 efficiencies (records llama1b: ~30 s)
+    python benchmarks/h200/gpu_traces.py --host [--write]   # the H200 host's figures (GPU_HOST) and their check;
+                                                       # --write: their inputs to data/host_inputs.json
 
 Phases: forward is the main thread up to the first event of autograd's thread, backward is autograd's thread
 (its first to last event), optimizer the ``Optimizer.step`` annotation (with ``zero_grad`` and anything after it
@@ -25,17 +26,17 @@ on the main thread). A kernel belongs to the phase in which the host launched it
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import re
 import statistics
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_DIR = os.path.join(HERE, "..", "..", "shared", "gpu", "h200-2026-12-04")
+sys.path.insert(0, HERE)
+from h200_data import DATA as DEFAULT_DIR, shared_models  # noqa: E402
+
+from remat.target.host_trace import TraceEvents  # noqa: E402
 TRACES = ("llama1b__1", "llama1b__4", "titan4_off__0")
 ABOUT = {"llama1b__1": "llama1b, every block checkpointed", "llama1b__4": "llama1b, 16 selective units (@ops)",
          "titan4_off__0": "titan4, one layer offloaded (plan applied on meta: pageable copies)"}
@@ -70,48 +71,6 @@ def kernel_class(event: dict) -> str:
     return "other"
 
 
-@dataclass
-class Trace:
-    name: str
-    events: list
-    main_tid: int
-    span_us: float
-
-    @classmethod
-    def load(cls, path: str) -> "Trace":
-        with gzip.open(path) as f:
-            data = json.load(f)
-        ev = [e for e in data["traceEvents"] if e.get("ph") == "X"]
-        span = next(e["dur"] for e in ev if e.get("cat") == "Trace")
-        host = [e for e in ev if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")]
-        pid = host[0]["pid"]
-        return cls(os.path.basename(path).split(".")[0], ev, pid, span)
-
-    def of(self, *cats: str) -> list:
-        return [e for e in self.events if e.get("cat") in cats]
-
-
-def phases(t: Trace) -> dict[str, tuple[float, float]]:
-    """(start, end) in µs of each phase on the host."""
-    host = t.of("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
-    main = [e for e in host if e["tid"] == t.main_tid]
-    other = [e for e in host if e["tid"] != t.main_tid]
-    start = min(e["ts"] for e in main)
-    end = max(e["ts"] + e["dur"] for e in host)
-    opt = [e for e in t.of("user_annotation") if e["name"].startswith("Optimizer.step")]
-    bwd_start = min(e["ts"] for e in other) if other else None
-    bwd_end = max(e["ts"] + e["dur"] for e in other) if other else None
-    out = {}
-    if bwd_start is None:  # no autograd thread (no CUDA backward): forward is all before the optimizer
-        out["forward"] = (start, opt[0]["ts"] if opt else end)
-    else:
-        out["forward"] = (start, bwd_start)
-        out["backward"] = (bwd_start, bwd_end)
-    if opt:
-        out["optimizer"] = (opt[0]["ts"], end)
-    return out
-
-
 def union_us(intervals: list[tuple[float, float]]) -> float:
     total, cur_s, cur_e = 0.0, None, None
     for s, e in sorted(intervals):
@@ -126,26 +85,23 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def phase_of(ts: float, tid: int, t: Trace, ph: dict[str, tuple[float, float]]) -> str:
-    if "optimizer" in ph and ts >= ph["optimizer"][0] and tid == t.main_tid:
-        return "optimizer"
-    if tid != t.main_tid:
-        return "backward"
-    return "forward" if ts < ph.get("backward", ph["forward"])[0] else "optimizer" if "optimizer" in ph else "backward"
+def span_us(t: TraceEvents) -> float:
+    """The traced span (the profiler's "Trace" event), µs."""
+    return next(e["dur"] for e in t.events if e.get("cat") == "Trace")
 
 
-def gpu_by_phase(t: Trace) -> dict[str, list[dict]]:
+def gpu_by_phase(t: TraceEvents) -> dict[str, list[dict]]:
     """Each GPU activity with the phase its launch was in."""
-    ph = phases(t)
+    ph = t.phases()
     launch = {e["args"]["correlation"]: e for e in t.of("cuda_runtime", "cuda_driver") if "correlation" in e.get("args", {})}
     out: dict[str, list[dict]] = defaultdict(list)
     for k in t.of(*GPU_CATS):
         l = launch.get(k["args"].get("correlation"))
-        out[phase_of(l["ts"], l["tid"], t, ph) if l else "unknown"].append(k)
+        out[t.phase_of(l["ts"], l["tid"], ph) if l else "unknown"].append(k)
     return out
 
 
-def top_level_ops(t: Trace, prefix: str = "aten::") -> list[dict]:
+def top_level_ops(t: TraceEvents, prefix: str = "aten::") -> list[dict]:
     """ATen operators not inside another ATen operator on the same thread (what Python or autograd called)."""
     out = []
     by_tid = defaultdict(list)
@@ -162,7 +118,7 @@ def top_level_ops(t: Trace, prefix: str = "aten::") -> list[dict]:
     return out
 
 
-def dispatch_mode(t: Trace) -> tuple[int, float, float, float]:
+def dispatch_mode(t: TraceEvents) -> tuple[int, float, float, float]:
     """PythonDispatchMode: (calls, total µs, median µs per call, median µs per call beyond the ATen operators
     inside it)."""
     modes = [e for e in t.of("cpu_op", "user_annotation") if "PythonDispatchMode" in e["name"]]
@@ -191,7 +147,7 @@ def dispatch_mode(t: Trace) -> tuple[int, float, float, float]:
     return len(modes), sum(durs), statistics.median(durs), statistics.median(own)
 
 
-# -- llama1b's shapes (../shared/gpu/oracle/gpu_models.py): what a kernel's work is ------------------------------
+# -- llama1b's shapes (gpu_models.py): what a kernel's work is ----------------------------------------------------
 TOKENS, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 4 * 2048, 2048, 8192, 32, 8, 64, 16, 128256
 
 
@@ -204,10 +160,10 @@ def gemm_flops_llama1b() -> dict[str, float]:
     return {"layer_forward": per_layer, "head_forward": head, "down": 2 * TOKENS * FFN * HIDDEN}
 
 
-def rows(t: Trace) -> None:
+def rows(t: TraceEvents) -> None:
     by_phase = gpu_by_phase(t)
-    ph = phases(t)
-    print(f"\n## {t.name}: {ABOUT.get(t.name, '')}; traced span {t.span_us / 1e3:.1f} ms")
+    ph = t.phases()
+    print(f"\n## {t.name}: {ABOUT.get(t.name, '')}; traced span {span_us(t) / 1e3:.1f} ms")
     # -- kernel classes -----------------------------------------------------------------------------------------
     cls_t: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     cls_ph: dict[tuple[str, str], float] = defaultdict(float)
@@ -237,7 +193,7 @@ def rows(t: Trace) -> None:
         if p == "unknown":
             continue
         s, e = ph[p]
-        inside = (lambda ev: (s <= ev["ts"] < e) and phase_of(ev["ts"], ev["tid"], t, ph) == p)
+        inside = (lambda ev: (s <= ev["ts"] < e) and t.phase_of(ev["ts"], ev["tid"], ph) == p)
         n_ops = sum(1 for o in ops if inside(o))
         n_l = sum(1 for o in launches if inside(o))
         sync = sum(o["dur"] for o in syncs if inside(o))
@@ -272,7 +228,7 @@ def rows(t: Trace) -> None:
         print(f"| PythonDispatchMode beyond its operators (median) | {n} | {own:.1f} | - |")
 
 
-def achieved(t: Trace) -> None:
+def achieved(t: TraceEvents) -> None:
     """Rates the kernels reached, from llama1b's shapes (every block: each layer's forward runs again in the
     backward, up to its MLP's up projection: the recomputation stops once the tensors backward needs exist)."""
     by_phase = gpu_by_phase(t)
@@ -318,12 +274,19 @@ def _short(name: str) -> str:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a not in ("--calibrate", "--host", "--write")]
-    where = args[0] if args else os.environ.get("GPU_DATA", DEFAULT_DIR)
-    if "--calibrate" in sys.argv:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("where", nargs="?", default=DEFAULT_DIR, help="the traces' folder (default: data/ here)")
+    parser.add_argument("--calibrate", action="store_true", help="the device table's H200 efficiencies")
+    parser.add_argument("--host", action="store_true", help="the H200 host's figures (GPU_HOST) and their check")
+    parser.add_argument("--write", action="store_true", help="with --host: write their inputs to data/")
+    args = parser.parse_args()
+    where = args.where
+    if args.calibrate:
         calibrate(where)
         return
-    if "--host" in sys.argv:
+    if args.host:
         host(where)
         return
     for name in TRACES:
@@ -331,7 +294,7 @@ def main() -> None:
         if not os.path.exists(path):
             print(f"{path}: not found")
             continue
-        t = Trace.load(path)
+        t = TraceEvents.load(path)
         rows(t)
         if name == "llama1b__1":
             achieved(t)
@@ -352,16 +315,13 @@ def calibrate(where: str) -> None:
     the plan of llama1b__1: every block, so each layer's forward operators run again in the backward), its work
     per class (FLOPs for products and attention, bytes for the rest) at the H200's peaks, over the class's
     kernel time in llama1b__1's trace. And the host's cost per recorded operator from the host events."""
-    sys.path.insert(0, os.path.join(where, "..", "oracle"))
-    os.environ.setdefault("REMAT_PROJECT", os.path.join(HERE, ".."))
-    import gpu_models as gm  # the shared step definitions
+    gm = shared_models()  # the steps the H200 ran
 
     import remat
     import remat.target.source as source
     from remat.api.profiling import make_profile
     from remat.costs.device_time import op_class
     from remat.costs.unit_costs import is_selective
-    from remat.target.timing import OperatorTimes, rates_of
 
     seen = {}
     real = source.step_time
@@ -392,7 +352,7 @@ def calibrate(where: str) -> None:
             work[key][0] += op.bytes_accessed / rates.memory_bytes_per_s
         work[key][1] += 1
     # the optimizer's operators on the target (fake tensors), as the profile timed them, at the peak bandwidth
-    t1 = Trace.load(os.path.join(where, "llama1b__1.trace.json.gz"))
+    t1 = TraceEvents.load(os.path.join(where, "llama1b__1.trace.json.gz"))
     by_class = defaultdict(float)
     for ks in gpu_by_phase(t1).values():
         for k in ks:
@@ -414,7 +374,7 @@ def calibrate(where: str) -> None:
 
 
 # -- the host: the device's cost per operator (--host) -----------------------------------------------------------
-INPUTS = os.path.join(HERE, "..", "tests", "data", "h200_host_inputs.json")
+INPUTS = os.path.join(DEFAULT_DIR, "host_inputs.json")
 
 
 def host(where: str) -> None:
@@ -422,7 +382,7 @@ def host(where: str) -> None:
     remat.costs.host_time): llama1b__1's profiled forward (every block checkpointed) less the model's own work
     (measured here on fake tensors, as planning measures it), checkpointing's bookkeeping and the profiler's
     events (each measured here), over its recorded operators, through op_s_from_phase (what ``remat calibrate``
-    uses); the inputs measured here are written to tests/data/h200_host_inputs.json. Then the figure is held
+    uses); the inputs measured here are written to data/host_inputs.json. Then the figure is held
     against the phases it was not taken from: llama1b__1's backward, llama1b__4's forward and backward (16
     selective units)."""
     import json
@@ -431,10 +391,8 @@ def host(where: str) -> None:
 
     import torch
 
-    sys.path.insert(0, os.path.join(where, "..", "oracle"))
-    os.environ.setdefault("REMAT_PROJECT", os.path.join(HERE, ".."))
     os.environ["REMAT_CACHE"] = "0"  # measured now, not read back
-    import gpu_models as gm
+    gm = shared_models()
 
     import remat
     import remat.profile.host_work as host_work
@@ -569,7 +527,7 @@ def _wall(fn) -> float:
     return time.perf_counter() - started
 
 
-def dispatch_clusters(t: Trace, gap_us: float = 300.0) -> list[tuple[int, float, int]]:
+def dispatch_clusters(t: TraceEvents, gap_us: float = 300.0) -> list[tuple[int, float, int]]:
     """PythonDispatchMode calls grouped into runs (a selective unit's forward or recomputation: no gap over
     ``gap_us``): (thread, µs from the first call's start to the last's end, calls)."""
     modes = sorted((e for e in t.of("cpu_op", "user_annotation") if "PythonDispatchMode" in e["name"]),
