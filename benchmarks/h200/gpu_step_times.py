@@ -11,7 +11,6 @@ oracle's, remat at 1067e0c), predicted now, and the error; per config the plain 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -20,7 +19,6 @@ from h200_data import oracle_rows, plan as saved_plan, profiled_for_h200  # noqa
 
 
 def predict(name: str, rows: list[dict]) -> None:
-    import remat
     from remat.costs.step_time import plan_step_time_s
 
     _, _, p, seconds = profiled_for_h200(name)
@@ -44,8 +42,12 @@ def predict(name: str, rows: list[dict]) -> None:
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("configs", nargs="*", default=["llama1b", "titan4"], choices=["llama1b", "titan4"])
     oracle = oracle_rows()
-    for name in sys.argv[1:] or ("llama1b", "titan4"):
+    for name in parser.parse_args().configs:
         predict(name, [r for r in oracle if r["config"] == name and r.get("plan") and r.get("pred_step_s")])
 
 
