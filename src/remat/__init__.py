@@ -47,6 +47,7 @@ from remat.errors import (
     RematError,
     SolverError,
     UnsupportedError,
+    UserCodeError,
 )
 from remat.runtime.measure import default_loss
 from remat.check.steps import StepMeasurement, measure_step
@@ -97,6 +98,7 @@ __all__ = [
     "InternalError",
     "SolverError",
     "UnsupportedError",
+    "UserCodeError",
     "EquivalenceError",
     "MissingDependencyError",
 ]

@@ -16,6 +16,12 @@ class UnsupportedError(RematError):
     message says what and what to do instead."""
 
 
+class UserCodeError(InvalidInputError):
+    """The user's own code (the loss function, the model's forward) raised on a later call while remat ran it, though
+    it ran before and the plain step runs: the message names the code and the call, the user's exception is chained
+    (its traceback is the user's code), and the model and its training state are as they were."""
+
+
 class InternalError(RematError):
     """remat itself failed (the user's own training step runs): the message names the stage, the cause
     is chained, and the model and its training state are as they were."""

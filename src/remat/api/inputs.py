@@ -2,13 +2,17 @@
 (Note [Whose failure]) and the loop's gradients.
 
 In: the model, ``budget_gb``, example inputs, a loss. Out: bytes, positional and keyword inputs, the device; an
-InvalidInputError (the user's) or InternalError (remat's) for a failure inside a stage.
+InvalidInputError (the user's), UserCodeError (the user's code, failing on a later call) or InternalError (remat's) for
+a failure inside a stage.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import os
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +22,7 @@ from torch import nn
 from remat._compat import CHECKED_ON
 from remat._compat.versions import REMAT_VERSION
 from remat.costs.unit_costs import Profile
-from remat.errors import InternalError, InvalidInputError, RematError
+from remat.errors import InternalError, InvalidInputError, RematError, UserCodeError
 from remat.rewrite import remove_checkpointing
 from remat.runtime.measure import LossFn, input_tensors, model_device, run_step, split_inputs, trainable_parameters
 from remat.runtime.state import fresh_grads, preserved
@@ -59,6 +63,29 @@ def validate(model: Any, budget_gb: Any, example_inputs: Any) -> tuple[int, tupl
     return int(budget_gb * GiB), args, kwargs, device
 
 
+def check_optimizer(model: nn.Module, optimizer: Any) -> None:
+    """Refuse an optimizer over parameters that are not ``model``'s (InvalidInputError naming them): its state would
+    be priced into the model's step (remat.profile.optimizer reads the optimizer's own parameters), and a step of
+    the model does not update them. A subset of the model's parameters (fine-tuning) is the model's."""
+    if optimizer is None:
+        return
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list):
+        raise InvalidInputError(f"optimizer must be a torch.optim.Optimizer (or None), got {type(optimizer).__name__}")
+    mine = {id(p) for p in model.parameters()}
+    held = [(g, i, p) for g, group in enumerate(groups) for i, p in enumerate(group.get("params", ()))]
+    foreign = [(g, i, p) for g, i, p in held if id(p) not in mine]
+    if foreign:
+        named = ", ".join(f"param_groups[{g}]['params'][{i}] of shape {tuple(p.shape)}" for g, i, p in foreign[:3])
+        raise InvalidInputError(
+            f"optimizer ({type(optimizer).__name__}) holds parameters that are not the model's: {len(foreign)} of its "
+            f"{len(held)} parameters are not the model's: {named}{' ...' if len(foreign) > 3 else ''} "
+            f"({sum(p.numel() for _, _, p in foreign):,} elements); remat prices the optimizer's state as part of the "
+            f"model's training step. Pass the optimizer over the model's parameters (all or some of its "
+            f"{len(mine)}), or optimizer=None and lower budget_gb by the other state"
+        )
+
+
 def loop_grads(profile: Profile, grad_accumulation: bool, zero_grad_after_forward: bool) -> Profile:
     """``profile`` for the loop's gradients (Note [Accumulated gradients] in remat.costs.unit_costs)."""
     if grad_accumulation:
@@ -74,7 +101,11 @@ def stage(name: str, model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossF
     which, the plain step runs once (forward, loss, gradients by autograd.grad: ``.grad`` untouched;
     model, buffers and RNG restored): if it fails too, the user gets InvalidInputError with their own
     exception chained; if it runs, remat failed, and says so (InternalError, naming the stage, with
-    the cause chained). The model is restored by the callers either way. ``judge`` False: the exception goes on
+    the cause chained) -- unless the exception was raised in the user's own code, the loss function or a forward of
+    the model's own classes (:func:`users_code`: its innermost frame outside torch and remat, called from there),
+    which ran on earlier calls: a loss that raises on its third call (issue #62) was reported as remat's failure.
+    That is UserCodeError, naming the code and, for the loss (counted by :class:`UserLoss`), the call, with the
+    user's exception chained. The model is restored by the callers either way. ``judge`` False: the exception goes on
     as it is (a step recorded on fake tensors for a target, whose plain step cannot tell: Note [Limits of fake
     tensors] in remat.target.limits sorts it)."""
     try:
@@ -85,6 +116,16 @@ def stage(name: str, model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossF
         if not judge:
             raise
         user_error = plain_step_error(model, args, kwargs, loss_fn)
+        where = users_code(e, model, loss_fn) if user_error is None else None
+        if where is not None:
+            raise UserCodeError(
+                f"{where} ({type(e).__name__}: {_first_line(e)}) while remat ran your training step in its {name} "
+                "stage, though it ran on earlier calls and your plain training step runs on the same inputs: the "
+                "exception and its traceback are your code's (chained below), not remat's. remat runs the step several "
+                "times (recording, timed and checked steps), so code that fails on some calls only (a counter, a check "
+                "of the data) fails remat's run too: make it pass on every call of the same inputs. Your model and "
+                "training state are as they were."
+            ) from e
         if user_error is not None:
             if isinstance(user_error, RematError):
                 raise user_error from None
@@ -101,6 +142,72 @@ def stage(name: str, model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossF
             "Your model and training state are as they were.",
             stage=name,
         ) from e
+
+
+class UserLoss:
+    """The user's loss function, its calls counted (Note [Whose failure]): which call raised what, so a failure on a
+    later call is named as the user's. Calls it as it is; ``calls`` counts every call remat made."""
+
+    def __init__(self, fn: LossFn) -> None:
+        self.fn = fn
+        self.calls = 0
+        #: (call number, exception) of the calls that raised, the last few
+        self.raised: list[tuple[int, BaseException]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        try:
+            return self.fn(*args, **kwargs)
+        except Exception as e:
+            self.raised = [*self.raised[-3:], (self.calls, e)]
+            raise
+
+
+def users_code(e: BaseException, model: nn.Module, loss_fn: LossFn) -> str | None:
+    """Note [Whose failure]: where in the user's own code ``e`` (or an exception it was raised from) was raised -- its
+    innermost frame outside torch and remat, called from the loss function or from a forward of one of the model's
+    own classes -- said for a message (``"your loss_fn <name> raised on its call 3"``), or None where it was not."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        frames = [f for f, _ in traceback.walk_tb(e.__traceback__)]
+        if frames and not _library_code(frames[-1].f_code.co_filename):
+            loss_codes = _codes(loss_fn.fn if isinstance(loss_fn, UserLoss) else loss_fn)
+            forwards = {type(m).forward.__code__: type(m).__qualname__ for m in model.modules()
+                        if not _library_code(getattr(type(m).forward, "__code__", None))}
+            for frame in reversed(frames):
+                if frame.f_code in loss_codes:
+                    call = next((k for k, x in (getattr(loss_fn, "raised", ()) or ()) if x is e), None)
+                    return f"your loss_fn {frame.f_code.co_name!r} raised" + (
+                        f" on its call {call} (of {loss_fn.calls} remat made)" if call is not None else "")
+                if frame.f_code in forwards:
+                    return (f"your model's {forwards[frame.f_code]}.forward ({frame.f_code.co_filename}:"
+                            f"{frame.f_lineno}) raised")
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _codes(fn: Any) -> set:
+    """The code objects of a callable the user gave (a function, a partial, a bound method, an object's __call__)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        return {code}
+    call = getattr(type(fn), "__call__", None)
+    forward = getattr(type(fn), "forward", None)  # a loss module
+    return {c for c in (getattr(call, "__code__", None), getattr(forward, "__code__", None)) if c is not None}
+
+
+#: where torch's and remat's own code lives (the package directories)
+_LIBRARIES = tuple(os.path.dirname(f) + os.sep for f in (torch.__file__, os.path.dirname(__file__)))
+
+
+def _library_code(where: Any) -> bool:
+    """Whether ``where`` (a file name or a code object) is torch's or remat's."""
+    name = where.co_filename if hasattr(where, "co_filename") else where
+    return name is None or str(name).startswith(_LIBRARIES)
 
 
 def plain_step_error(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn) -> BaseException | None:

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from remat.api.inputs import loop_grads, model_signature, stage
 from remat.api.hf import prepare_hf_for_training
 from remat.api.profiling import forwards_counted
 from remat.api.request import Request, request
-from remat.costs.unit_costs import Profile
+from remat.costs.unit_costs import Profile, parse_region
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.rewrite import compiled_nothing_note, eager_submodules
 from remat.runtime.measure import LossFn
@@ -88,7 +89,13 @@ def optimize_checkpointing(
                   zero_grad_after_forward=zero_grad_after_forward, timeout_s=timeout_s, compile=compile, offload=offload,
                   source=None if target is None else ModelledTarget(target))
     model = req.model
+    with planned_in_training(model) as trained_notes:
+        return _optimize(req, model, trained_notes)
+
+
+def _optimize(req: Request, model: nn.Module, trained_notes: tuple[str, ...]) -> Plan:
     notes, undo = prepare_hf_for_training(model)
+    notes += trained_notes
     notes += tuple(n for n in (compiled_nothing_note(model),) if n)
     started = time.perf_counter()
     try:
@@ -96,11 +103,11 @@ def optimize_checkpointing(
         with preserved(model, on_success=False), eager_submodules(model), \
                 forwards_counted(model) if req.loop is None else contextlib.nullcontext({}) as runs:
             profile = req.source.profile(req)
-            profile = loop_grads(profile, grad_accumulation, zero_grad_after_forward)
+            profile = loop_grads(profile, req.grad_accumulation, req.zero_grad_after_forward)
             profiled = time.perf_counter()
             notes += (req.default.note,) if req.default is not None and req.default.note else ()
             plan, chosen_notes = req.source.choose(req, req.planner(profile, regions=req.loop is None), profile)
-            notes += chosen_notes + req.offload_notes + _planning_notes(req, profile, started, profiled, runs)
+            notes += chosen_notes + req.offload_notes + _planning_notes(req, profile, plan, started, profiled, runs)
             plan = dataclasses.replace(plan, model_signature=model_signature(model), notes=plan.notes + notes)
             with stage("rewrite", model, req.args, req.kwargs, req.loss_fn):
                 remove_checkpointing(model)
@@ -112,12 +119,40 @@ def optimize_checkpointing(
     return plan
 
 
-def _planning_notes(req: Request, profile: Profile, started: float, profiled: float, runs: dict) -> tuple[str, ...]:
-    """What the plan's notes say of how it was made: one plan for every rank, regions left out under compile, where
-    the time went."""
+@contextlib.contextmanager
+def planned_in_training(model: nn.Module) -> Iterator[tuple[str, ...]]:
+    """Note [Planned in training mode]: ``optimize_checkpointing`` plans a training step, and a model wholly in eval
+    mode (every module's ``training`` False: ``model.eval()``, or Hugging Face's ``from_pretrained``) was recorded
+    as it was -- no dropout, normalisation layers as they evaluate -- and that plan then applied to training (issue
+    #62). So such a model is put in training mode (as ``model.train()`` does) while it is planned, the plan's notes
+    say so, and every module's flag is given back as it was, on success and on failure. A model with some modules in
+    eval mode (frozen normalisation layers) is planned as it is: that is a choice of the loop's."""
+    flags = [(m, m.training) for m in model.modules()]
+    if any(training for _, training in flags):
+        yield ()
+        return
+    for m, _ in flags:  # (the flags themselves: a module's own train() is the user's code)
+        m.training = True
+    try:
+        yield ("the model was in eval mode (model.eval(), or as Hugging Face's from_pretrained returns it): planned "
+               "for its training step (model.train(): dropout drawing, normalisation layers in training mode), and "
+               "given back in eval mode; a loop that trains it in eval mode runs another step (no dropout masks)",)
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+def _planning_notes(req: Request, profile: Profile, plan: Plan, started: float, profiled: float,
+                    runs: dict) -> tuple[str, ...]:
+    """What the plan's notes say of how it was made: one plan for every rank, regions left out under compile (or
+    checkpointed whole if an eager plan is compiled later), where the time went."""
     notes: tuple[str, ...] = ()
     if req.ranks is not None:
         notes += (f"one plan for every rank ({req.wrapping}): the per-rank budget holds on the worst rank",)
+    regions = [u for u in plan.checkpointed if parse_region(u) is not None]
+    if req.loop is None and regions:  # Note [Regions under torch.compile] in remat.rewrite.forwards
+        notes += (f"if the model is compiled later (torch.compile), each module cut into regions ({', '.join(regions)})"
+                  " is checkpointed whole in the compiled step: Dynamo cannot trace a region's program",)
     if req.loop is not None and any(u.is_region for u in profile.candidates()):
         notes += ("regions of modules' forwards (Note [Regions] in remat.capture) are not offered for a "
                   "compiled loop: their forward runs a traced graph node by node, untested under compile",)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from remat._compat import uncompiled
-from remat.api.inputs import validate
+from remat.api.inputs import UserLoss, check_optimizer, validate
 from remat.api.offloading import host_link
 from remat.api.source import CostSource, MeasuredHere
 from remat.costs.offload import HostLink
@@ -70,6 +70,7 @@ def request(given: nn.Module, budget_gb: float, example_inputs: Any, *, loss_fn:
     """The arguments checked, the loop's compilation found, and the other ranks met (every rank must ask the same)."""
     model = uncompiled(given)
     budget_bytes, args, kwargs, device = validate(model, budget_gb, example_inputs)
+    check_optimizer(model, optimizer)
     default = DefaultLoss() if loss_fn is None else None
     loop = compiled_loop(given, model, compile)
     wrapping, ranks = ranks_for(model, timeout_s, same=dict(
@@ -81,7 +82,8 @@ def request(given: nn.Module, budget_gb: float, example_inputs: Any, *, loss_fn:
                                  compiled=str(loop) if loop is not None else "",
                                  tensor_parallel=wrapping.kind == "tp" or "tp=" in wrapping.mesh)
     return Request(model=model, budget_bytes=budget_bytes, args=args, kwargs=kwargs, device=device,
-                    loss_fn=loss_fn or default, default=default, loop=loop, wrapping=wrapping, ranks=ranks,
+                    loss_fn=default if loss_fn is None else UserLoss(loss_fn), default=default, loop=loop,
+                    wrapping=wrapping, ranks=ranks,
                     source=source if source is not None else MeasuredHere(), optimizer=optimizer,
                     output_alive=output_alive,
                     time_limit_s=time_limit_s, check=check, granularity=granularity,

@@ -138,7 +138,23 @@ class SegmentedForward(_RematForward):
 class RegionForward(_RematForward):
     """The ``forward`` remat installs on a module to checkpoint regions of its forward (Note [Regions] in
     remat.capture): it runs the module's traced graph, node by node as the forward would (each value
-    dropped after its last use), with each chosen region under checkpoint."""
+    dropped after its last use), with each chosen region under checkpoint; under torch.compile it checkpoints the
+    module's whole forward instead (Note [Regions under torch.compile]).
+
+    Note [Regions under torch.compile]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    remat offers regions only for eager loops (a plan for a compiled loop has none), but nothing stops a user from
+    compiling a model that an eager plan checkpointed (issue #62: a 6-block GPT, two budgets of three). Dynamo cannot
+    trace the region's program (``torch.fx.Node`` is on its skip list), so it broke the graph there, the region's
+    checkpoint ran eagerly with the compiled policy (which keeps random operators' outputs: Note [Random operators
+    under compile] in remat.rewrite.policy), and eager dropout's kept mask, scaled in place, failed the first
+    backward inside torch (``Tensor cached during selective activation checkpoint has been mutated``). Refusing
+    there does not work: an exception raised while Dynamo traces makes it run the frame eagerly, where nothing is
+    compiling, and the step goes on. So under compile the module is checkpointed whole, as a module unit is
+    (``_checkpointed_call``'s compiled path, no graph break): it saves the module's input and recomputes its whole
+    forward, where the plan recomputed the regions only; the compiled step computes what the plain compiled step
+    computes (tests/integration/test_edges.py), and what it saves is compile's partitioner's, not the eager plan's
+    promise (the plan's notes say to plan with ``compile=True``). Eager steps keep the regions planned."""
 
     def __init__(self, module: nn.Module, regions: Iterable[tuple[str, str | None]], *,
                  preserve_rng_state: bool = True,
@@ -163,6 +179,9 @@ class RegionForward(_RematForward):
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled() or len(args) + len(kwargs) != 1:
             return self._original()(*args, **kwargs)
+        if torch.compiler.is_compiling():  # Note [Regions under torch.compile]
+            return _checkpointed_call(self._original(), args, kwargs, [], self.preserve_rng_state, None,
+                                      compiled=self.__dict__.get("compiled"))
         (x,) = (*args, *kwargs.values())
         return self.program().run(x, self._checkpointed)
 
