@@ -47,6 +47,26 @@ def test_an_eager_plans_regions_compiled_later_train_like_the_plain_compiled_mod
     assert all(torch.equal(eager_grads[n], plain_grads[n]) for n in plain_grads)
 
 
+def full_state(model, opt):
+    """test_errors' state (parameters, gradients, buffers, optimizer state, RNG, forwards, training flags) and every
+    module's hooks."""
+    hooks = [(tuple(m._forward_hooks), tuple(m._forward_pre_hooks), tuple(m._backward_hooks),
+              tuple(m._backward_pre_hooks)) for m in model.modules()]
+    return state_of(model, opt), hooks
+
+
+def assert_untouched(before, after):
+    assert_same(before[0], after[0])
+    assert before[1] == after[1]
+
+
+def hooked(model):
+    """``model`` with a forward hook and a pre-hook a user registered (they must stay, and stay outside)."""
+    model.h[0].register_forward_hook(lambda m, i, o: None)
+    model.register_forward_pre_hook(lambda m, i: None)
+    return model
+
+
 def small_gpt():
     return make_gpt(layers=2, batch_size=2, seq_len=8, d_model=16, heads=2, vocab=32, dropout=0.1)
 
@@ -65,8 +85,8 @@ def test_a_loss_that_fails_on_a_later_call_is_the_users_failure_named_by_its_cal
     and so does the plain step that judges) was reported as remat's own failure (InternalError: "This is remat's
     failure, not your inputs' ... please report it")."""
     model, inputs, _ = small_gpt()
-    opt = trained(model, inputs)
-    before = state_of(model, opt)
+    opt = trained(hooked(model), inputs)
+    before = full_state(model, opt)
     calls = []
 
     def loss_fn(out):
@@ -81,7 +101,7 @@ def test_a_loss_that_fails_on_a_later_call_is_the_users_failure_named_by_its_cal
     assert not isinstance(err.value, remat.InternalError)
     assert isinstance(err.value.__cause__, RuntimeError) and str(err.value.__cause__) == "bad label"
     assert "report" not in str(err.value)
-    assert_same(before, state_of(model, opt))
+    assert_untouched(before, full_state(model, opt))
 
 
 def test_a_model_that_fails_on_a_later_call_is_the_users_failure():
@@ -138,13 +158,18 @@ def test_a_model_in_eval_mode_is_planned_for_its_training_step_and_given_back_in
     opt = trained(model, inputs)
     in_training = copy.deepcopy(model)
     reference = remat.optimize_checkpointing(in_training, 0.01, inputs, optimizer=trained(in_training, inputs))
-    model.eval()
-    before = state_of(model, opt)
+    hooked(model).eval()
+    model.h[1].mlp.train()  # one module in training mode: the model is planned as it is
+    planned_as_is = remat.optimize_checkpointing(copy.deepcopy(model), 0.01, inputs)
+    assert not any("eval mode" in n for n in planned_as_is.notes)
+    model.h[1].mlp.eval()
+    before = full_state(model, opt)
     plan = remat.optimize_checkpointing(model, 0.01, inputs, optimizer=opt)
     assert not model.training and not any(m.training for m in model.modules())
     assert plan.baseline_peak_bytes == reference.baseline_peak_bytes  # the step with dropout's masks
     assert any("eval mode" in n and "training step" in n for n in plan.notes), plan.notes
     remat.remove_checkpointing(model)
+    assert_untouched(before, full_state(model, opt))
     with pytest.raises(remat.InfeasibleBudgetError):
         remat.optimize_checkpointing(model, 1e-6, inputs, optimizer=opt)
-    assert_same(before, state_of(model, opt))
+    assert_untouched(before, full_state(model, opt))
