@@ -19,6 +19,8 @@ against torchtitan's op policy and full checkpointing (``--plans``).
     python benchmarks/published.py                 # memory and time, 8 and 128 GPUs (about 25 s a row)
     python benchmarks/published.py --world 8       # one world
     python benchmarks/published.py --plans         # also the plans under 70 and 80 GiB on 8 GPUs (about 7 minutes on 2 cores)
+    python benchmarks/published.py --model package --no-time   # the memory from the installed torchtitan's model
+                                                               # (benchmarks/torchtitan_package.py; issue #61)
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import remat  # noqa: E402
 from remat.costs.allocator import AllocatorConfig, replay  # noqa: E402
 from remat.solve import Planner  # noqa: E402
 from remat.target import Target  # noqa: E402
-from remat.target.source import modelled_request  # noqa: E402
+from remat.api.predict import modelled_request  # noqa: E402
 
 GiB = 2**30
 #: published reserved peaks, GiB (torchtitan's metrics: torch.cuda.memory_stats()["reserved_bytes.all.peak"])
@@ -128,7 +130,7 @@ def compare_plans(world: int = 8, budgets: tuple[float, ...] = (70.0, 80.0)) -> 
     """On ``world`` H100s (96 GB): torchtitan's op policy, full checkpointing, remat's least-memory plan and
     remat's plan for each budget (the fastest the device model finds whose replayed reserved peak fits), each
     with its predicted reserved peak and tokens/s per GPU."""
-    from remat.target.source import predict_peaks
+    from remat.api.predict import predict_peaks
 
     rows = []
     sac = predict(world)
@@ -162,7 +164,14 @@ def main() -> None:
     p.add_argument("--plans", action="store_true", help="also remat's plans under 70 and 80 GiB on 8 GPUs")
     p.add_argument("--no-memory", action="store_true", help="skip the memory table")
     p.add_argument("--no-time", action="store_true", help="skip the time table")
+    p.add_argument("--model", choices=("vendored", "package"), default="vendored",
+                   help="torchtitan's model as vendored from the table's commit (default) or as the installed "
+                        "torchtitan 0.3 builds it (benchmarks/torchtitan_package.py)")
     a = p.parse_args()
+    if a.model == "package":
+        global tt
+        import torchtitan_package as tt
+        print("model: the installed torchtitan package's (benchmarks/torchtitan_package.py), not the vendored copy")
     worlds = a.world or [8, 128]
     if not a.no_memory:
         memory_table(worlds)

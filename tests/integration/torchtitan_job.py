@@ -30,6 +30,9 @@ def llama3_debugmodel_remat(budget_gb: float = BUDGET_GB):
     config = llama3_debugmodel_ce_loss()
     config.training.local_batch_size, config.training.seq_len = BATCH, SEQ
     config.training.mixed_precision_param = "float32"
+    # torchtitan 0.3's default spmd_types backend keeps parameters plain, which torch 2.13's fully_shard refuses over 2
+    # ranks ("When dp_mesh_dims is provided, all parameters must be DTensors"): the DTensor backend, as before 0.3
+    config.parallelism.spmd_backend = "partial_dtensor"
     config.activation_checkpoint = remat_ac(config, budget_gb=budget_gb)
     return config
 
@@ -40,6 +43,7 @@ def _model_config(config):
     model_config = config.model_spec.model
     for layer in model_config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    model_config.update_from_config(config=config)  # as torchtitan's Trainer does: its sharding for the SPMD mesh
     return model_config
 
 

@@ -88,3 +88,18 @@ def test_the_saved_plan_applies_and_another_models_plan_is_refused(one_rank, tmp
         other = config.build()
     with pytest.raises(PlanMismatchError, match="another model"):
         RematAC.Config(plan_path=str(saved)).build(dump_folder="").apply(other)
+
+
+def test_the_command_line_plans_a_torchtitan_model_by_name_for_gpus_not_here(capsys, tmp_path):
+    """``remat plan torchtitan:llama3:debugmodel --device h100-80gb --world 8``: the package's model, its FSDP2
+    wrapping, FlexAttention planned as the GPU's SDPA; every figure predicted."""
+    from remat.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "torchtitan:llama3:debugmodel", "--device", "h100-80gb", "--world", "8", "--batch", "2",
+                 "--seq", "2048", "--budget", "0.5", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "x 8 ranks (FSDP 8)" in printed and "torchtitan's apply_fsdp_to_decoder" in printed
+    assert "FlexAttention planned as SDPA" in printed
+    plan = Plan.load(out)
+    assert plan.predicted_reserved_bytes <= 0.5 * GiB
