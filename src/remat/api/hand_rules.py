@@ -33,11 +33,11 @@ the model itself: rounds of one forward and backward each in a shuffled order, e
 [Interleaved timing] in remat.sweeps.report), after a warm-up round on a CPU (the checked steps ran under the meter's
 dispatch mode: not the step as it runs, and on GPT-2 small the first unmetered pass after them measured every 2nd
 block 11.4 s against the plan's 5.5, predicted 0.26 s apart), none on CUDA (each plan's checked step, the step as it
-runs, warmed its configuration). The comparison is sequential: a rule whose first pair confirms the model is timed no more; from
-ROUNDS_MIN rounds on, nor one whose pairs decide (their quartiles on one side of 0; with 3 pairs, all three alike),
-and the rounds end when every rule is decided, or
-at ROUNDS_MAX (LONG_ROUNDS_MAX for a step of LONG_STEP_S or more). The rule is returned in the plan's place where it
-was faster in the median of the pairs: the plan returned is the one measured faster. A first version kept the plan
+runs, warmed its configuration). The comparison is sequential: a rule whose first pair confirms the model is timed
+no more; from ROUNDS_MIN rounds on, nor one whose pairs decide (their quartiles on one side of 0; with 3 pairs, all
+three alike), and the rounds end when every rule is decided, or at ROUNDS_MAX (LONG_ROUNDS_MAX for a step of
+LONG_STEP_S or more). The rule is returned in the plan's place where it was faster in the median of the pairs: the
+plan returned is the one measured faster. A first version kept the plan
 unless the rule was faster beyond the noise after 3 rounds of a long step; on benchmarks/ranking.py's 16 MLP blocks
 it kept a segment plan that 10 rounds then measured slower than every block (median +90 ms a step of 3.6 s, lower
 quartile +17: the issue's case). Where two plans are alike in truth, which of the two is returned is chance, and
@@ -269,8 +269,8 @@ def _decided(plan: Plan, budget_bytes: int, candidates: list[Plan], times: list,
             f"backward, one step each under the memory meter): the model's ranking confirmed, not timed"
             for r, s in zip(candidates, steps_s[1:]) if r in sure]
     said += [f"{_name(t.rule)} {t.rule_s * 1e3:,.1f} ms against this plan's {t.plan_s * 1e3:,.1f} ms, {t.rounds} "
-             f"paired step{'s' if t.rounds > 1 else ', which confirmed the model: timed no more'} (predicted {(t.rule.predicted_step_time_s - plan.predicted_step_time_s) * 1e3:,.1f} ms a "
-             f"step slower than this plan; checked {check(t.rule):,} bytes; this plan less it, in the pairs: median "
+             f"paired step{'s' if t.rounds > 1 else ', which confirmed the model: timed no more'} (predicted "
+             f"{(t.rule.predicted_step_time_s - plan.predicted_step_time_s) * 1e3:,.1f} ms a step slower than this plan; checked {check(t.rule):,} bytes; this plan less it, in the pairs: median "
              f"{t.paired_s * 1e3:+,.1f} ms, lower quartile {t.paired_low_s * 1e3:+,.1f} ms)" for t in results]
     head = (f"compared with the hand rules that meet the budget and that the model predicts within {TIMED_MARGIN:.0%} "
             f"of this plan (Note [Plans timed beside the hand rules] in remat.api.hand_rules; {where}): "
