@@ -270,7 +270,8 @@ def _decided(plan: Plan, budget_bytes: int, candidates: list[Plan], times: list,
             for r, s in zip(candidates, steps_s[1:]) if r in sure]
     said += [f"{_name(t.rule)} {t.rule_s * 1e3:,.1f} ms against this plan's {t.plan_s * 1e3:,.1f} ms, {t.rounds} "
              f"paired step{'s' if t.rounds > 1 else ', which confirmed the model: timed no more'} (predicted "
-             f"{(t.rule.predicted_step_time_s - plan.predicted_step_time_s) * 1e3:,.1f} ms a step slower than this plan; checked {check(t.rule):,} bytes; this plan less it, in the pairs: median "
+             f"{(t.rule.predicted_step_time_s - plan.predicted_step_time_s) * 1e3:,.1f} ms a step slower than this "
+             f"plan; checked {check(t.rule):,} bytes; this plan less it, in the pairs: median "
              f"{t.paired_s * 1e3:+,.1f} ms, lower quartile {t.paired_low_s * 1e3:+,.1f} ms)" for t in results]
     head = (f"compared with the hand rules that meet the budget and that the model predicts within {TIMED_MARGIN:.0%} "
             f"of this plan (Note [Plans timed beside the hand rules] in remat.api.hand_rules; {where}): "
