@@ -83,6 +83,11 @@ def run_variant(name: str, out: Path) -> dict:
     except RematError as e:
         return {**result, "error": type(e).__name__, "message": str(e),
                 "min_feasible_bytes": getattr(e, "min_feasible_bytes", None)}
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():  # gloo has no PREMUL_SUM, which FSDP2 uses for apply_fsdp_to_decoder's divide factor 1
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
