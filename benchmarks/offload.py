@@ -11,12 +11,15 @@ policy (its own selective checkpointing, recorded by ``benchmarks/published.py``
 
     python benchmarks/offload.py                # the table (about 5 minutes on 2 cores)
     python benchmarks/offload.py --layers       # also keep / recompute / offload bytes per layer of each plan
+    python benchmarks/offload.py --planning-time [--budget 70]   # seconds `remat plan` takes, with and without
+                                                                  # --offload (issue #60), each in a fresh process
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 import time
@@ -64,10 +67,47 @@ def per_layer(planner: Planner, plan: remat.Plan) -> dict[str, tuple[int, int, i
     return {k: (max(v[0], 0), v[1], v[2]) for k, v in out.items()}
 
 
+def planning_time(budgets: list[float]) -> None:
+    """Issue #60: wall seconds of ``remat plan`` on the 8B for 8 H100s (96 GB), FSDP, at each budget, without and
+    with ``--offload``, each run in a fresh process as a user runs it, and what it planned (predicted)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    print("remat plan benchmarks/torchtitan_llama3.py:llama3_8b --device h100-96gb --world 8 --fsdp 8 (batch 2 x 8192, "
+          "AdamW, output kept): wall seconds on this machine; figures of the plan predicted, not measured")
+    print(f"{'budget GiB':>10} | {'offload':>7} | {'seconds':>7} | {'tokens/s per GPU':>16} | {'ckpt':>4} | "
+          f"{'offl':>4} | solver")
+    for budget in budgets:
+        for offload in (False, True):
+            cmd = [sys.executable, "-m", "remat", "plan", "benchmarks/torchtitan_llama3.py:llama3_8b", "--device",
+                   "h100-96gb", "--world", "8", "--fsdp", "8", "--budget", f"{budget:g}"] + (["--offload"] if offload
+                                                                                           else [])
+            t0 = time.perf_counter()
+            out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"})
+            wall = time.perf_counter() - t0
+            text = out.stdout + out.stderr
+
+            def find(pattern: str, default: str = "-") -> str:
+                m = re.search(pattern, text)
+                return m.group(1) if m else default
+            tps, ckpt = find(r"predicted throughput:\s*([\d,]+) tokens/s"), find(r"checkpointed \((\d+)\)", "0")
+            offl, solver = find(r"offloaded to host \((\d+)\)", "0"), find(r"solver (.*?), solved in")
+            print(f"{budget:>10g} | {'yes' if offload else 'no':>7} | {wall:>7.1f} | {tps:>16} | {ckpt:>4} | "
+                  f"{offl:>4} | {solver}", flush=True)
+            if out.returncode:
+                print(text[-2000:])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", action="store_true", help="print keep / recompute / offload bytes per layer")
+    p.add_argument("--planning-time", action="store_true",
+                   help="only time `remat plan` with and without --offload (issue #60)")
+    p.add_argument("--budget", type=float, action="append", help="GiB, with --planning-time (default 70)")
     a = p.parse_args()
+    if a.planning_time:
+        planning_time(a.budget or [70.0])
+        return
     started = time.perf_counter()
     model, inputs, loss_fn, parallelize = tt.remat_target("8B", selective_ac=False)
     target = Target(device="h100-96gb", world=8, parallelize=parallelize, clip_grad_norm=1.0)

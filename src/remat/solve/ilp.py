@@ -17,9 +17,10 @@ Constraints:
                      ``x[u/w] <= x[u]``
     ``nested_overlap_<u>_<k>`` units inside ``u`` whose spans cover one unit's first operator are
                      never both checkpointed inside it: ``sum(x[u/w]) <= 1``
-    ``copy_out_<k>``, ``paired_*_<k>``, ``host_memory``: with offloading offered, the copies out the
-                     forward does not finish, each offload's shorter wait where the unit after it is offloaded
-                     too, the host memory (Note [Exposed copies] in remat.costs.offload; ``_offload_terms``)
+    ``copy_out_<i>``, ``paired_*``, ``host_memory``: with offloading offered, the copies out the
+                     forward does not finish (a row per start time: Note [Queue rows]), each offload's shorter wait
+                     where the unit after it is offloaded too (a row per unit: Note [Pairing rows]), the host memory
+                     (Note [Exposed copies] in remat.costs.offload; ``_offload_terms``)
 
 Objective: minimise ``sum(cost_s[v] * x[v])`` (a nested variable costs its inner unit's): measured seconds of recompute plus checkpoint's
 measured bookkeeping per unit; exactly for small problems, within 1% for large ones (Note [Solver gap]).
@@ -33,7 +34,7 @@ Nested pairs give CBC many more near-equal plans to rule out: on the 24-block GP
 block granularity) two budgets out of six took 5-17 s to solve within 1%, against 0.2-0.4 s without
 nesting (fixing the nested variables at 0 in the same problem was as slow: its extra rows stay). Solving
 the flat problem (``MemoryModel(nesting=False)``, fast) and handing CBC its plan as the first incumbent
-(``solve_ilp(start=...)``) brought every budget under 0.7 s (benchmarks/solve_scaling.py --gpt 24); with the
+(``solve_ilp(start=...)``) brought every budget under 0.7 s (benchmarks/scale/solve_scaling.py --gpt 24); with the
 selective options too, the flat block-level plan starts the op-level solve. The
 flat plan is a plan of the nested problem too, so the answer is never worse than the flat one. Even so,
 another profile of the same model (other measured times) took 10-11 s at one budget of six; so with a flat
@@ -41,6 +42,38 @@ plan in hand the nested search stops after ``remat.solve.NESTED_SEARCH_S`` (1 s)
 which the plan's status says ("at least as good as the best flat plan"). The bundled CBC (2.10, PuLP
 3.3) segfaulted reading the start for one model (the MobileNet-style zoo model, 61 variables): a failed
 warm start is solved again without one.
+
+Note [Queue rows]
+~~~~~~~~~~~~~~~~~
+The copies out are one queue (Note [Exposed copies]): from any time ``s`` on it holds the chosen copies that start
+at ``s`` or later, so it ends no sooner than ``s`` plus their copy times, whether or not a copy starts at ``s``; the
+largest of these bounds over the starts is its end (an unchosen start's bound is at most the next chosen one's). So
+each distinct start gets one row, ``sum(copy_out_s[v] * x[v] for v starting at s or later) - out <= forward_s - s``,
+exact for every plan. Before issue #60 each option had its own row, with its start on its own variable
+(``start_k * x[k]``): exact on plans too, but a fractional ``x[k]`` took a fraction of the start off, which loosened
+the LP relaxation CBC bounds its search with, and a unit's options repeated one row.
+
+Note [Pairing rows]
+~~~~~~~~~~~~~~~~~~~
+A unit's wait shortens where the unit after it is offloaded too (``z <= x[k]`` per option ``k``). At most one of a
+unit's options is chosen, so their ``z`` together are at most the next unit's options' sum: one row per unit. One row
+per option (before issue #60) was as exact on plans, but the LP relaxation then paired each of a unit's options with
+the same fraction of the next unit: on torchtitan's Llama 3 8B (8 H100s, 70 GiB) it spread every layer over two
+parts and chained halves of layers, and its bound sat 6.2% under the best plan (3.0% after CBC's cuts, which did
+not move in 60 s of branching; with Note [Queue rows]); with one row per unit, 2.9% (1.3% after cuts).
+
+Note [Offload search]
+~~~~~~~~~~~~~~~~~~~~~
+Even so, with offloading offered CBC's bound stays 1-4% under the best plan on large problems (pairs of layers, the
+copy queue and many near-equal options across identical layers), and branching does not close it: on the 8B it ran
+to its time limit (60 s) at most budgets, every time the reserved budget was tightened (7 solves: 275 s of planning
+against 76 s without offloading, issue #60), and its plans depended on how loaded the machine was. The plans it
+kept were found in the first seconds (at the root: the feasibility pump, diving). So a problem above
+``EXACT_UNITS`` with offloading offered stops within ``GAP_REL`` where CBC proves it, else after ``OFFLOAD_NODES``
+nodes of branching (300: 4-6 s on the 8B here, against 50 nodes for the same plans), a count rather than a time so
+the same problem gets the same plan on any machine; the plan's status says so and how far from CBC's bound it may
+be (read from CBC's log). On the 8B (allocated budgets of the reserved budget's tightening) it kept the plans 60 s
+of search kept at 70 and 55 GiB, and at 62 GiB one of 379.5 ms extra time against 376.2 (+0.1% of the step).
 
 Note [Sound scaling]
 ~~~~~~~~~~~~~~~~~~~~
@@ -60,7 +93,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+import tempfile
 import time
 import warnings
 
@@ -84,20 +119,29 @@ def _name(s: str) -> str:
 
 #: Note [Solver gap]: models of identical blocks give CBC many symmetric, near-equal solutions to rule
 #: out (a 24-block GPT with 72 units took 40-60 s to prove optimality, 0.06-0.2 s to get within 1%:
-#: benchmarks/solve_scaling.py --gpt 24). Above
+#: benchmarks/scale/solve_scaling.py --gpt 24). Above
 #: EXACT_UNITS candidates the ILP stops within GAP_REL of the best recompute time; 1% of the recompute
 #: is far below the noise of the measured costs it optimises. Small problems are solved exactly.
 EXACT_UNITS = 32
 GAP_REL = 0.01
 
 
-def _solver(time_limit_s: float | None, gap_rel: float | None = None, warm: bool = False) -> pulp.LpSolver:
-    """CBC through PuLP: ``COIN_CMD`` when a CBC binary is installed (PuLP 4 style), else PuLP 3's bundled one."""
+#: Note [Offload search]: nodes of branching CBC may spend on a problem with offloading offered that it has not
+#: solved within GAP_REL by then
+OFFLOAD_NODES = 300
+
+
+def _solver(time_limit_s: float | None, gap_rel: float | None = None, warm: bool = False,
+            max_nodes: int | None = None, log_path: str | None = None) -> pulp.LpSolver:
+    """CBC through PuLP: ``COIN_CMD`` when a CBC binary is installed (PuLP 4 style), else PuLP 3's bundled one.
+    ``log_path``: where CBC writes its log (read for its bound: :func:`_search_gap`)."""
+    extra = {k: v for k, v in (("maxNodes", max_nodes), ("logPath", log_path)) if v is not None}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         for name in ("COIN_CMD", "PULP_CBC_CMD"):
             try:
-                solver = pulp.getSolver(name, msg=False, timeLimit=time_limit_s, gapRel=gap_rel, warmStart=warm)
+                solver = pulp.getSolver(name, msg=False, timeLimit=time_limit_s, gapRel=gap_rel, warmStart=warm,
+                                        **extra)
             except Exception:  # noqa: BLE001 - solver not known to this PuLP version
                 continue
             if solver.available():
@@ -168,28 +212,51 @@ def _solve(model: MemoryModel, budget_bytes: int | None, time_limit_s: float | N
     if model.offloads and model.link is not None:
         recompute = _offload_terms(prob, model, x, scale, recompute)
     gap = GAP_REL if len(units) > EXACT_UNITS and budget_bytes is not None else None
+    # Note [Offload search]: with offloading offered, branching stops after OFFLOAD_NODES nodes
+    nodes = OFFLOAD_NODES if gap is not None and model.offloads and model.link is not None else None
     if peak is None:
         prob += recompute
     if start is not None:  # Note [Warm start]
         chosen_start = model.assignment(start)
         for v, var in x.items():
             var.setInitialValue(1 if v in chosen_start else 0)
-    try:
-        prob.solve(_solver(time_limit_s, gap, warm=start is not None))
-    except pulp.PulpSolverError:
-        if start is None:
-            raise
-        # Note [Warm start]: CBC 2.10 (PuLP 3.3's) crashed reading the start on one model of six
-        log.info("CBC failed with a warm start; solving again without one")
-        return _solve(model, budget_bytes, time_limit_s)
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = os.path.join(tmp, "cbc.log") if nodes is not None else None
+        try:
+            prob.solve(_solver(time_limit_s, gap, warm=start is not None, max_nodes=nodes, log_path=log_path))
+        except pulp.PulpSolverError:
+            if start is None:
+                raise
+            # Note [Warm start]: CBC 2.10 (PuLP 3.3's) crashed reading the start on one model of six
+            log.info("CBC failed with a warm start; solving again without one")
+            return _solve(model, budget_bytes, time_limit_s)
+        stopped = _search_gap(log_path) if log_path is not None and os.path.exists(log_path) else None
     status = pulp.LpStatus[prob.status]
     if status != "Optimal" or any(x[u].varValue is None for u in units):
         return None, status.lower()
     chosen = model.units_of(u for u in units if x[u].varValue > 0.5)
     sol = getattr(prob, "sol_status", pulp.LpSolutionOptimal)
     if sol != pulp.LpSolutionOptimal:
+        if stopped is not None and stopped[0] == "nodes":
+            within = "" if stopped[1] is None else f", within {stopped[1]:.1%} of CBC's bound"
+            return chosen, f"feasible (search stopped after {nodes} nodes{within}: Note [Offload search])"
         return chosen, "feasible (time limit reached)"
     return chosen, "optimal" if gap is None else f"optimal within {gap:.0%}"
+
+
+def _search_gap(log_path: str) -> tuple[str, float | None] | None:
+    """From a CBC log, why a search stopped short ("nodes" or "time") and its best plan's distance from the bound
+    (a share of the plan's objective; None where the log does not say); None where it was not stopped short."""
+    with open(log_path, errors="replace") as f:
+        text = f.read()
+    why = re.search(r"Result - Stopped on (\w+)", text)
+    if why is None:
+        return None
+    value, bound = (re.search(rf"^{k}:\s*(-?[\d.eE+-]+)\s*$", text, re.M) for k in ("Objective value", "Lower bound"))
+    gap = None
+    if value is not None and bound is not None and float(value.group(1)) > 0:
+        gap = max(0.0, 1 - float(bound.group(1)) / float(value.group(1)))
+    return ("nodes" if why.group(1).startswith("node") else why.group(1)), gap
 
 
 def _offload_terms(prob: pulp.LpProblem, model: MemoryModel, x: dict, scale: int,
@@ -202,19 +269,15 @@ def _offload_terms(prob: pulp.LpProblem, model: MemoryModel, x: dict, scale: int
     spans = model.offloads
     moved = [(x[k], span.nbytes) for k, span in spans.items()]
     out_s = _variable(prob, "exposed_to_host_s", 0, None, pulp.LpContinuous)
-    # copy_out_<k>: the side stream's queue from option k's start holds the chosen copies that start from then on;
-    # what it has not finished when the backward starts is exposed (exact for the queue: the largest of these
-    # rows over the chosen k, and an unchosen k's row is implied by the next chosen one's)
-    for i, (k, span) in enumerate(spans.items()):
-        coef = {v: s.copy_out_s for v, s in spans.items() if s.start_s >= span.start_s}
-        coef[k] = coef.get(k, 0.0) + span.start_s  # its own copy and its start (pairs with one variable twice: PuLP
-        # keeps the last of them, which dropped every unit's own copy from its row)
-        terms = [(x[v], c) for v, c in coef.items()]
-        prob += (pulp.LpAffineExpression(terms + [(out_s, -1)]) <= p.forward_s, f"copy_out_{i}_{_name(k)}")
+    # copy_out_<i>: Note [Queue rows]: from each start time on, the side stream's queue holds the chosen copies that
+    # start then or later; what it has not finished when the backward starts is exposed. One row per distinct start
+    for i, start_s in enumerate(sorted({s.start_s for s in spans.values()})):
+        terms = [(x[v], s.copy_out_s) for v, s in spans.items() if s.start_s >= start_s]
+        prob += (pulp.LpAffineExpression(terms + [(out_s, -1)]) <= p.forward_s - start_s, f"copy_out_{i}")
     options: dict[str, list[str]] = {}
     for k, span in spans.items():
         options.setdefault(span.unit, []).append(k)
-    paired = []
+    paired, pairs = [], {}
     for i, (k, span) in enumerate(spans.items()):
         saved_s = span.stall_s - span.paired_stall_s
         if saved_s <= 0 or span.next_unit not in options:
@@ -222,8 +285,13 @@ def _offload_terms(prob: pulp.LpProblem, model: MemoryModel, x: dict, scale: int
         # paired_<k>: z = 1 only when k and one option of the unit after it are chosen: its wait shortens
         z = _variable(prob, f"paired_{i}_{_name(k)}", 0, 1, pulp.LpContinuous)
         prob += (z <= x[k], f"paired_self_{i}_{_name(k)}")
-        prob += (z <= pulp.lpSum(x[j] for j in options[span.next_unit]), f"paired_next_{i}_{_name(k)}")
+        pairs.setdefault(span.unit, []).append(z)
         paired.append((z, -saved_s * _US))
+    # paired_next_<unit>: Note [Pairing rows]: the unit's options together pair at most as much as its next unit is
+    # offloaded (one option of a unit is chosen at most)
+    for i, (unit, zs) in enumerate(pairs.items()):
+        nxt = spans[options[unit][0]].next_unit
+        prob += (pulp.lpSum(zs) <= pulp.lpSum(x[j] for j in options[nxt]), f"paired_next_{i}_{_name(unit)}")
     if link.host_bytes is not None:
         prob += (pulp.LpAffineExpression([(v, _up(b, scale)) for v, b in moved]) <= link.host_bytes // scale,
                  "host_memory")
