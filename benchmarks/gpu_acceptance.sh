@@ -18,10 +18,10 @@
 #                     under a minute), for --device FILE; then its host figures beside the built-in ones (#60)
 #   accuracy-gpt      remat accuracy on the built-in GPT at the size the shared tradeoff ran (12 layers, width 1024,
 #                     batch 8 x 1024 tokens): predicted for this GPU (matched in the table) beside the real steps
-#   accuracy-llama1b  remat accuracy on the Llama 3.2 1B-shaped Hugging Face model (benchmarks/gpu_targets.py:
+#   accuracy-llama1b  remat accuracy on the Llama 3.2 1B-shaped Hugging Face model (benchmarks/gpu/gpu_targets.py:
 #                     llama1b, bf16, 4 x 2048, the loop keeps only the loss), with a 24 GiB plan among the rows
 #   budget            optimize_checkpointing at 24 GiB on that model, then 4 real steps: max_memory_allocated against
-#                     the budget (benchmarks/gpu_budget.py; exit 1 when over)
+#                     the budget (benchmarks/gpu/gpu_budget.py; exit 1 when over)
 #   ranking           benchmarks/ranking.py --device cuda (issue #56): remat's plan at budgets just above every
 #                     block's peak, measured beside every block in paired rounds (ranking_gpu.md)
 #   cuda-tests        pytest tests/integration/test_cuda.py tests/integration/test_accuracy_command.py
@@ -117,10 +117,10 @@ for f in ('forward_op_s', 'backward_op_s'):
       part accuracy-gpt 240 "$PY" -m remat accuracy gpt --layers 12 --d-model 1024 --seq-len 1024 --batch-size 8 \
         --json "$OUT/accuracy_gpt.json" ;;
     accuracy-llama1b)
-      part accuracy-llama1b 420 "$PY" -m remat accuracy benchmarks/gpu_targets.py:llama1b --output-dropped \
+      part accuracy-llama1b 420 "$PY" -m remat accuracy benchmarks/gpu/gpu_targets.py:llama1b --output-dropped \
         --budget 24 --json "$OUT/accuracy_llama1b.json" ;;
     budget)
-      part budget 240 "$PY" benchmarks/gpu_budget.py benchmarks/gpu_targets.py:llama1b --budget 24 --output-dropped \
+      part budget 240 "$PY" benchmarks/gpu/gpu_budget.py benchmarks/gpu/gpu_targets.py:llama1b --budget 24 --output-dropped \
         --json "$OUT/budget_llama1b_24gib.json" ;;
     ranking)
       part ranking 300 "$PY" benchmarks/ranking.py --device cuda --out "$OUT/ranking_gpu.md" ;;

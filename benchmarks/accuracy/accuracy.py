@@ -1,6 +1,6 @@
 """Predicted vs measured peak memory, and gradient differences, over the test zoo (run by hand).
 
-    python benchmarks/accuracy.py [--fractions 0,0.35,0.7] [--loops kept,dropped] [--out FILE]
+    python benchmarks/accuracy/accuracy.py [--fractions 0,0.35,0.7] [--loops kept,dropped] [--out FILE]
 
 For each model of tests/integration/zoo.py (and the reused-module models of
 tests/integration/test_reused_modules.py) and each training-loop style (Note [Loop style]: the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "integration"))
 
 import remat  # noqa: E402
 from remat import Planner, make_profile  # noqa: E402

@@ -1,6 +1,6 @@
 """How close remat's compiled-peak prediction comes to the measured compiled peak (Note [Compiled steps]).
 
-    python benchmarks/compile_prediction.py [--fractions 1.0 0.97 0.93 0.9 0.85 0.8 0.75] [--same-plans | --saved-set]
+    python benchmarks/accuracy/compile_prediction.py [--fractions 1.0 0.97 0.93 0.9 0.85 0.8 0.75] [--same-plans | --saved-set]
 
 The models of tests/slow/test_inductor.py: the 2-block GPT with dropout (AdamW) and a conv net with BatchNorm
 (two blocks of a class with a forward of its own, so that Module.compile() compiles them), each compiled whole
@@ -12,7 +12,7 @@ ran and as measured, and the error, then the range of errors per model and compi
 
 With ``--same-plans``, instead: remat's predictors on the same plans. The compiled step is measured for the
 anchors (no checkpointing, every block, the least-memory plan) and for the ILP's plans at 8 eager targets across
-the range (benchmarks/compiled.py's 4-block GPT included), and each plan is predicted from the anchors alone:
+the range (benchmarks/plans/compiled.py's 4-block GPT included), and each plan is predicted from the anchors alone:
 interpolating in the eager peak (``PeakCalibration``; remat's only predictor until session 15, and for blocks
 compiled one by one until session 16); by a candidate rejected in session 14, an offset (compiled - eager peak)
 interpolated in the memory the plan holds at the end of the forward (12 of 20 plans within 5% by the eager
@@ -258,14 +258,14 @@ def main() -> None:
     print(f"torch {torch.__version__}, inductor, fallback_random; {torch.get_num_threads()} threads")
     if args.saved_set:
         with torch._inductor.config.patch(fallback_random=True):
-            for name, make in (("conv net with BatchNorm", conv_net), ("4-block GPT (benchmarks/compiled.py's)", gpt4)):
+            for name, make in (("conv net with BatchNorm", conv_net), ("4-block GPT (benchmarks/plans/compiled.py's)", gpt4)):
                 saved_set(name, make)
         return
     if args.same_plans:
         with torch._inductor.config.patch(fallback_random=True):
             for name, make, how in (("2-block GPT", gpt, "whole"), ("conv net with BatchNorm", conv_net, "whole"),
                                     ("conv net with BatchNorm", conv_net, "per block"),
-                                    ("4-block GPT (benchmarks/compiled.py's)", gpt4, "whole")):
+                                    ("4-block GPT (benchmarks/plans/compiled.py's)", gpt4, "whole")):
                 same_plans(name, make, how)
         return
     summary = []

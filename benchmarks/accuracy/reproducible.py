@@ -1,6 +1,6 @@
 """Same model, batch and budget: the same plan? Profiles of the built-in GPT, without and with the timing cache.
 
-    python benchmarks/reproducible.py [--runs 3] [--budgets 10]
+    python benchmarks/accuracy/reproducible.py [--runs 3] [--budgets 10]
 
 Profiles the built-in GPT (examples.make_gpt: 4 blocks, dropout, AdamW) --runs times in this process with
 remat's timing cache off, then --runs times with it on (a fresh temporary directory: the first profile

@@ -1,6 +1,6 @@
 """remat on models it did not grow up with (run by hand).
 
-    python benchmarks/third_party.py [--models qwen3,swin,...] [--out benchmarks/results/third-party-cpu.md]
+    python benchmarks/accuracy/third_party.py [--models qwen3,swin,...] [--out benchmarks/results/third-party-cpu.md]
 
 For each model of tests/integration/third_party.py (Hugging Face Qwen3, Gemma2, Phi-3, GPT-NeoX,
 DistilBERT from tiny configs; ConvNeXt channels-last, MobileNetV3-style squeeze-excitation, Swin
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "integration"))
 
 import remat  # noqa: E402
 from remat import InfeasibleBudgetError, Planner, checked_plan, make_profile  # noqa: E402

@@ -13,8 +13,8 @@ checkpointing's:
 
 Timing is meaningful only on a quiet machine: run it alone. Each model takes about a minute on 2 cores.
 
-    python benchmarks/time_model.py
-    python benchmarks/time_model.py --models gpt --repeats 7
+    python benchmarks/accuracy/time_model.py
+    python benchmarks/accuracy/time_model.py --models gpt --repeats 7
 """
 
 from __future__ import annotations

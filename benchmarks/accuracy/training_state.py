@@ -1,6 +1,6 @@
 """remat never touches training state: the optimizer x scheduler matrix (run by hand).
 
-    python benchmarks/training_state.py [--out benchmarks/results/training-state-cpu.md]
+    python benchmarks/accuracy/training_state.py [--out benchmarks/results/training-state-cpu.md]
 
 For every torch.optim optimizer that works on dense parameters (tests/integration/optimizers.py) x
 the common LR schedulers x a fresh or a resumed run (one real step taken, the next step's gradients
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "integration"))
 
 import remat  # noqa: E402
 from optimizers import OPTIMIZERS, SCHEDULERS  # noqa: E402

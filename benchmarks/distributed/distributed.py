@@ -1,7 +1,7 @@
 """Per-rank peak and step time under FSDP2: remat's plans against the hand rules, at the same budgets.
 
-    python benchmarks/distributed.py [--ranks 2] [--layers 4] [--out FILE]      (spawns the ranks)
-    torchrun --nproc_per_node N benchmarks/distributed.py [...]                 (the same, launched by torchrun)
+    python benchmarks/distributed/distributed.py [--ranks 2] [--layers 4] [--out FILE]      (spawns the ranks)
+    torchrun --nproc_per_node N benchmarks/distributed/distributed.py [...]                 (the same, launched by torchrun)
 
 A GPT-style decoder (dropout on) with ``fully_shard`` on each block and the root; CPU with gloo, or one GPU
 per rank with nccl, unchanged. Hand rules: FSDP2 alone; "every block" (each block checkpointed: torchtitan's

@@ -5,7 +5,7 @@ Each of ``STEPS`` steps is read by the profiler's allocator-level events three w
 step's own thread only (remat's meter), and the most of gloo's scratch alive at once (what its threads allocate,
 and its copies of a reduce-scatter's input, made on the step's thread inside its ``c10d::`` operator).
 
-    python benchmarks/gloo_threads.py [STEPS]     (default 12; about 30 s)
+    python benchmarks/distributed/gloo_threads.py [STEPS]     (default 12; about 30 s)
 """
 
 from __future__ import annotations
@@ -122,7 +122,11 @@ def rank(r: int, world: int, port: int, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 12
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("steps", nargs="?", type=int, default=12, help="compiled steps per rank (default 12)")
+    n = parser.parse_args().steps
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]

@@ -1,6 +1,6 @@
 """Per-rank peak and step time under tensor parallelism and FSDP2 x TP (2-D), run by hand (issue #26).
 
-    python benchmarks/tensor_parallel.py [--layers 4] [--dim 256] [--batch 8] [--seq 128] [--out FILE]
+    python benchmarks/distributed/tensor_parallel.py [--layers 4] [--dim 256] [--batch 8] [--seq 128] [--out FILE]
 
 A Llama-style decoder (tests/integration/distributed_worker.py's, torchtitan's module names and
 tensor-parallel plan) on CPU with gloo, three meshes, each in its own spawned group of processes:
@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "integration"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import distributed_worker as w  # noqa: E402
-from distributed import _gather, selective  # noqa: E402  (benchmarks/distributed.py: torchtitan's selective op AC)
+from distributed import _gather, selective  # noqa: E402  (benchmarks/distributed/distributed.py: torchtitan's selective op AC)
 
 import remat  # noqa: E402
 from remat.rewrite import checkpoint_modules  # noqa: E402
@@ -153,7 +153,7 @@ def main() -> None:
              f"{args.vocab}, batch {args.batch} x {args.seq} per data-parallel rank, AdamW; per-rank peaks in MiB "
              f"(the profiler's allocator-level events: the least and the largest of 3 steps; a budget is met when the largest is "
              f"within it), step time the slowest rank's median of {args.steps}; "
-             "`python benchmarks/tensor_parallel.py`", "",
+             "`python benchmarks/distributed/tensor_parallel.py`", "",
              "| mesh | plan | units | predicted (remat's) | per-rank peak | budget met | step | step / plain | exact |",
              "|---|---|---:|---:|---:|---|---:|---:|---|"]
     print("\n".join(lines), flush=True)

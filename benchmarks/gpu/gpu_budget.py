@@ -3,8 +3,8 @@ the device, as a user's training script calls it, then ``--steps`` real training
 its own optimizer, read by torch's CUDA allocator (``torch.cuda.max_memory_allocated``, peaks reset after the
 call returns) against the budget: the figure issue #55's first criterion names.
 
-    python benchmarks/gpu_budget.py benchmarks/gpu_targets.py:llama1b --budget 24 --output-dropped --json out.json
-    python benchmarks/gpu_budget.py benchmarks/gpu_targets.py:llama_tiny --budget 0.06 --device cpu   # (a CPU check)
+    python benchmarks/gpu/gpu_budget.py benchmarks/gpu/gpu_targets.py:llama1b --budget 24 --output-dropped --json out.json
+    python benchmarks/gpu/gpu_budget.py benchmarks/gpu/gpu_targets.py:llama_tiny --budget 0.06 --device cpu   # (a CPU check)
 
 Prints one line (planned in, checked, measured, within or OVER the budget) and writes the JSON; exits 1 when a step
 measured over the budget. On a CPU the peaks are remat's CPU meter's (live tensor storages), labelled so.

@@ -1,7 +1,7 @@
 """Command-line targets for the GPU checks (benchmarks/gpu_acceptance.sh; issue #55).
 
-    remat accuracy benchmarks/gpu_targets.py:llama1b --output-dropped
-    remat accuracy benchmarks/gpu_targets.py:llama_tiny --device h100-80gb --measure-on cpu   # (a CPU smoke test)
+    remat accuracy benchmarks/gpu/gpu_targets.py:llama1b --output-dropped
+    remat accuracy benchmarks/gpu/gpu_targets.py:llama_tiny --device h100-80gb --measure-on cpu   # (a CPU smoke test)
 
 ``llama1b``: a Hugging Face Llama with Llama 3.2 1B's shape (16 layers, width 2048, 8 KV heads, vocabulary
 128,256, tied embeddings), built in bfloat16 with ``sdpa`` attention, a batch of 4 x 2048 token ids with

@@ -3,8 +3,8 @@ GPU with offloading offered is applied and run for real; the script prints the m
 time next to the predicted ones, and checks the gradients against the plain step's. Needs a CUDA GPU in remat's
 device table (its host link is the spec's); not run on the CPU machine remat is developed on (no GPU lent there).
 
-    python benchmarks/offload_gpu.py                  # the built-in GPT at a size that fills a few GiB
-    python benchmarks/offload_gpu.py --layers 8 --d-model 1024 --seq-len 1024 --batch 8
+    python benchmarks/gpu/offload_gpu.py                  # the built-in GPT at a size that fills a few GiB
+    python benchmarks/gpu/offload_gpu.py --layers 8 --d-model 1024 --seq-len 1024 --batch 8
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """remat against its peers, side by side, measured in one process on the same batch (run by hand).
 
-    python benchmarks/compare.py [--models gpt12,gpt24,unet,resnet,llama] [--device cuda] [--points 5]
+    python benchmarks/plans/compare.py [--models gpt12,gpt24,unet,resnet,llama] [--device cuda] [--points 5]
                                  [--compile] [--repeats 5]
 
 For every model: profile once, then at --points budgets from the least achievable peak to the
@@ -15,7 +15,7 @@ after a warm-up):
   greedy           most freed bytes per second of recompute first, until the budget is met
   torch.compile    with torch._functorch.config.activation_memory_budget at the same fraction of the
                    way from the least to the full activation memory (--compile; slow on CPU), its peak
-                   by the profiler's allocator-level memory events on CPU (benchmarks/compiled.py).
+                   by the profiler's allocator-level memory events on CPU (benchmarks/plans/compiled.py).
   sac_milp         PyTorch's own module-level ILP (torch.distributed._tools.sac_ilp), where it runs.
 
 Writes benchmarks/results/<model>-<device>.md and .png and SUMMARY-<device>.md, and prints the summary.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))

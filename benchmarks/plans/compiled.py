@@ -1,6 +1,6 @@
 """remat's plans for the compiled step, side by side with torch.compile's activation_memory_budget (run by hand).
 
-    python benchmarks/compiled.py [--models gpt,llama] [--repeats 5] [--device cuda] [--out FILE]
+    python benchmarks/plans/compiled.py [--models gpt,llama] [--repeats 5] [--device cuda] [--out FILE]
                                                                      # ~30-40 min on 2 CPU cores
 
 Models: the built-in GPT decoder (4 x 128, batch 8 x 128, dropout 0.1) and a Hugging Face Llama decoder built
@@ -50,7 +50,7 @@ from remat.runtime.measure import outside_autocast, split_inputs, tensor_bytes
 from remat.solve.plan import fmt_bytes
 from remat.solve.calibrated import plan_compiled
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 AMB = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
@@ -246,7 +246,7 @@ def table(rows: list[dict], device: torch.device, args) -> str:
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# remat's compiled plans against activation_memory_budget on {device.type}", "",
              f"Measured {when} on {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}, "
-             f"remat {remat.__version__}; `python benchmarks/compiled.py --models {args.models} --repeats {args.repeats}`. "
+             f"remat {remat.__version__}; `python benchmarks/plans/compiled.py --models {args.models} --repeats {args.repeats}`. "
              "Whole model compiled with inductor, AdamW; the loss is the GPT's output, the Llama's output is dropped "
              "after its loss (as the Hugging Face Trainer does). Every peak measured on a compiled step "
              "(profiler allocator-level memory events on CPU, the allocator on CUDA). remat rows: the plan "

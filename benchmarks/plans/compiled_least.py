@@ -1,10 +1,10 @@
 """The least compiled peak: remat's against the hand rule's and torch.compile's own (issue #36), measured in one run.
 
-    python benchmarks/compiled_least.py [--models gpt2,convnet,gpt,llama] [--random inductor|eager] [--out FILE]
+    python benchmarks/plans/compiled_least.py [--models gpt2,convnet,gpt,llama] [--random inductor|eager] [--out FILE]
                                                                      # ~15 min on 2 CPU cores
 
 For each model, compiled whole with inductor, AdamW, every peak measured on compiled steps with the same meter
-(the profiler's allocator-level events on CPU, benchmarks/compiled.py's ``measure_compiled``):
+(the profiler's allocator-level events on CPU, benchmarks/plans/compiled.py's ``measure_compiled``):
 
   remat least       the least compiled peak ``optimize_checkpointing(..., compile=True)`` promises (the lower
                     of its "every block" and least-memory anchors, measured, each as the program proved and
@@ -18,7 +18,7 @@ For each model, compiled whole with inductor, AdamW, every peak measured on comp
                     own min-cut/knapsack recomputation): the least of the four, and at which fraction
 
 Models: the tests' 2-block GPT (tests/integration/test_compile.py) and conv net with BatchNorm, and
-benchmarks/compiled.py's GPT (4 x 128, dropout 0.1, 8 x 128 tokens) and Hugging Face Llama (4 x 128,
+benchmarks/plans/compiled.py's GPT (4 x 128, dropout 0.1, 8 x 128 tokens) and Hugging Face Llama (4 x 128,
 attention dropout 0.1). ``--random eager`` sets ``torch._inductor.config.fallback_random`` (as the tests do).
 Writes benchmarks/results/compiled-least-<device>-<random>.md.
 """
@@ -34,14 +34,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
-import compiled as bench  # noqa: E402  (benchmarks/compiled.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "integration"))
+import compiled as bench  # noqa: E402  (benchmarks/plans/compiled.py)
 
 import remat  # noqa: E402
 from remat.solve.plan import fmt_bytes  # noqa: E402
 from remat.rewrite import checkpoint_modules  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 #: activation_memory_budget fractions tried (1.0 is compile's default partition: no checkpointing's column)
 AMB = (0.0, 0.25, 0.5, 0.75)
 
@@ -113,7 +113,7 @@ def main() -> None:
     rows = [run(n, device) for n in a.models.split(",")]
     mib = lambda b: "-" if b is None else f"{b / 2**20:.2f}"  # noqa: E731
     lines = [f"# The least compiled peak ({device.type}, {'eager' if a.random == 'eager' else 'inductor'}'s random numbers)", "",
-             f"`python benchmarks/compiled_least.py --random {a.random}`, {datetime.now(timezone.utc):%Y-%m-%d}, "
+             f"`python benchmarks/plans/compiled_least.py --random {a.random}`, {datetime.now(timezone.utc):%Y-%m-%d}, "
              f"torch {torch.__version__}, {platform.processor() or platform.machine()}; MiB, measured on compiled "
              "steps (allocator-level events), AdamW.", "",
              "| model | no checkpointing | every block, by hand | every block, remat (random ops kept / recomputed) | "

@@ -1,6 +1,6 @@
 """Nested plans and max batch, measured side by side in one run (run by hand; issue 15).
 
-    python benchmarks/nested.py [--out-dir benchmarks/results] [--budget-mib 40]
+    python benchmarks/plans/nested.py [--out-dir benchmarks/results] [--budget-mib 40]
 
 1. Least achievable peak: on the built-in GPT decoder (4 and 6 blocks, tied head) and U-Net and on Hugging Face GPT-2 and Llama
    (tests/integration/real_models.py configs), profile once (AdamW, output kept until the step ends), then
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "integration"))
 
 import remat  # noqa: E402
 from remat import Planner, make_profile  # noqa: E402

@@ -1,13 +1,13 @@
 """What a transformer block's regions buy (issue #24.3; Note [Regions] in remat.capture), run by hand.
 
-    python benchmarks/regions.py [--layers 4,12] [--out benchmarks/results/regions-cpu.md]
+    python benchmarks/plans/regions.py [--layers 4,12] [--out benchmarks/results/regions-cpu.md]
 
 Profiles the built-in GPT (AdamW) once per size, then plans at budgets between the least peak without the
 blocks' regions and no checkpointing, with the regions (``h.3[ln_1:ln_2]``: layer norm, attention and the
 residual add; ``h.3[ln_2:]``: the MLP half) among the candidates and without them, from the same profile.
 Prints the predicted recompute per step (the ILP's objective, measured operator times) and the solve time of
 each; the least peaks with and without. Recompute is predicted, not measured: the step-time differences are
-a few percent of a step on CPU, within its noise here; see benchmarks/nested.py for measured peaks.
+a few percent of a step on CPU, within its noise here; see benchmarks/plans/nested.py for measured peaks.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def table(layer_counts: list[int]):
     """The lines of the table, one by one (each size profiled as it comes)."""
     yield (f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.machine()}, "
            f"{torch.get_num_threads()} threads; torch {torch.__version__}, remat {remat.__version__}; "
-           "`python benchmarks/regions.py`")
+           "`python benchmarks/plans/regions.py`")
     yield ""
     yield ("Predicted recompute per step (ms), with the blocks' regions / without, at budgets a fraction of the way "
            "from the least peak without regions to no checkpointing; solve seconds in brackets.")

@@ -1,6 +1,6 @@
 """Op-level (selective) plans against block-level plans at the same budgets, measured (run by hand).
 
-    python benchmarks/selective.py [--models gpt-d512,gpt-d512-nodrop,llama-d512,gpt-d128] [--points 4]
+    python benchmarks/plans/selective.py [--models gpt-d512,gpt-d512-nodrop,llama-d512,gpt-d128] [--points 4]
                                    [--repeats 10] [--device cuda] [--tag NAME]   # ~20 min on 2 CPU cores
 
 For every model: profile once; budgets at --points evenly from the least achievable peak to the
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 import remat  # noqa: E402
@@ -135,7 +135,7 @@ def run(name: str, desc: str, factory, device: torch.device, points: int, repeat
 
 def markdown(results: list[dict], meta: dict) -> str:
     out = [f"# Op-level vs block-level plans ({meta['device']})", "",
-           f"`python benchmarks/selective.py` on {meta['machine']}, torch {meta['torch']}, {meta['date'][:10]}. "
+           f"`python benchmarks/plans/selective.py` on {meta['machine']}, torch {meta['torch']}, {meta['date'][:10]}. "
            "Peaks and step times measured (AdamW step included; plans timed round-robin on their own copies); "
            "'pred.' columns are the profile's predictions. overhead = step time - no-checkpointing step time.", ""]
     for r in results:

@@ -1,6 +1,6 @@
 """Solve time of remat's ILP on synthetic chain models of growing size (run by hand).
 
-    python benchmarks/solve_scaling.py [--sizes 12,48,200,500] [--nested]
+    python benchmarks/scale/solve_scaling.py [--sizes 12,48,200,500] [--nested]
 
 Each size is a number of candidate units: a random chain (remat.solve.synthetic) of blocks that
 each hold a nested sub-unit (2 candidates per block, like a transformer block and its MLP),

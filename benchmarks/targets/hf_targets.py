@@ -4,7 +4,7 @@ small (2 layers, width 64, 4 heads, vocabulary 256), written as a config.json an
 on the meta device, FSDP2 over a fake world of 2). Prints one row per family: whether it planned, the predicted
 reserved peak, or the error's first line.
 
-    python benchmarks/hf_targets.py
+    python benchmarks/targets/hf_targets.py
 """
 
 from __future__ import annotations
@@ -75,4 +75,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     sys.exit(main())

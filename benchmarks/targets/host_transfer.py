@@ -6,7 +6,7 @@ and a recomputed one, 18.7 us a backward one: llama1b's profiled, checkpointed s
 figure predicted, none measured here; issue #60 reports the H200's measured steps of this model 21-44% below the
 figures before.
 
-    python benchmarks/host_transfer.py      # ~1 min
+    python benchmarks/targets/host_transfer.py      # ~1 min
 """
 
 from __future__ import annotations
@@ -74,4 +74,7 @@ def _op(note: str, what: str) -> float:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     main()

@@ -172,7 +172,7 @@ def graph_cuts(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node
     Blocks that take more than one argument (Hugging Face's, with masks and caches) offer none. Regions
     are not offered inside another unit (a block's MLP): plans
     nest two levels deep, and on the 24-block GPT the MLPs' regions added 288 variables and took op-level
-    solves from 0.71-1.53 s to 1.61-2.53 s without lowering any peak (``benchmarks/solve_scaling.py
+    solves from 0.71-1.53 s to 1.61-2.53 s without lowering any peak (``benchmarks/scale/solve_scaling.py
     --gpt 24``). The rewrite (``remat.rewrite.RegionForward``) runs the traced graph, each chosen region
     under checkpoint. The graph fixes what tracing evaluated in
     Python (the training flag passed to a functional dropout, a branch on an attribute), so the rewrite

@@ -457,7 +457,7 @@ def allocator_peak(model, inputs, loss_fn, opt, readings: int = 3, keep=min, set
     reference, the caller's or gloo's own, so a step's peak can include buffers another step has already freed
     (identical steps of the sequence-parallel decoder read 2,367,580-2,449,500 bytes); the least of several comes
     closer to the step's own peak: on the test decoder it read the same in every run but one (+32 KiB); on
-    benchmarks/tensor_parallel.py's larger one, 99.08 and 100.08 MiB in two runs (docs/limits.md). ``settled``:
+    benchmarks/distributed/tensor_parallel.py's larger one, 99.08 and 100.08 MiB in two runs (docs/limits.md). ``settled``:
     read by :func:`settled_thread_peak`, every step alike (tensor parallelism's collectives; not FSDP2's, nor a
     compiled step's). ``keep``: what is kept of the readings, the least (the default); ``max`` keeps the largest
     (as remat's own check does: Note [Steps under gloo] in remat.runtime.distributed), ``list`` all of them."""
@@ -514,7 +514,7 @@ def settled_thread_peak(work) -> int:
 
 def step_thread_peak(work) -> tuple[int, int]:
     """The most bytes allocated on the CPU while ``work()`` runs, above what was allocated when it began, by
-    the profiler's allocator-level events, read apart from remat's meter (``benchmarks/gloo_threads.readings``):
+    the profiler's allocator-level events, read apart from remat's meter (``benchmarks/distributed/gloo_threads.readings``):
     what the calling thread allocates (and whichever thread frees it), and apart, the most alive at once of what
     other threads allocate (gloo's worker threads: a scratch buffer per collective, which is not the step's and
     meets the step's peak or not as the threads happen to be scheduled: issue #46, Note [The step's threads] in
@@ -523,10 +523,10 @@ def step_thread_peak(work) -> tuple[int, int]:
 
 
 def _gloo_threads():
-    """benchmarks/gloo_threads.py, whose readings of the profiler's allocator events the tests share."""
+    """benchmarks/distributed/gloo_threads.py, whose readings of the profiler's allocator events the tests share."""
     import sys
 
-    bench = str(Path(__file__).parents[2] / "benchmarks")
+    bench = str(Path(__file__).parents[2] / "benchmarks" / "distributed")
     if bench not in sys.path:
         sys.path.insert(0, bench)
     import gloo_threads

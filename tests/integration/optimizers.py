@@ -1,5 +1,5 @@
 """Every torch.optim optimizer that works on dense parameters, and the common LR schedulers: the
-matrix of tests/integration/test_training_state.py and benchmarks/training_state.py."""
+matrix of tests/integration/test_training_state.py and benchmarks/accuracy/training_state.py."""
 
 from __future__ import annotations
 

@@ -185,7 +185,7 @@ def test_tensor_parallel_gets_one_plan_within_budget_and_exact(ranks, case):
         assert r["grad_mismatches"] == []
         # remat's check read three steps by the allocator's events, keeping the largest: under gloo one step's peak
         # is not the next one's (Note [Steps under gloo]; one dispatch-level step missed budgets by up to 9.1% in
-        # benchmarks/tensor_parallel.py)
+        # benchmarks/distributed/tensor_parallel.py)
         assert [n for n in r["notes"] if n.startswith("checked on 3 real steps, the largest by the allocator's events")], \
             r["notes"]
     # which units' recomputation runs collectives again (Note [Recomputed communication]): checkpoint stops a

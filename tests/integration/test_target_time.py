@@ -143,7 +143,7 @@ def test_the_cpu_targets_step_time_is_the_roofline_of_its_recorded_operators_at_
     dispatch, e its class's measured efficiency (dropout's masks: their bytes at the generator's rate), summed here
     by the test (Note [Device time model]); the FLOPs are counted by hand, and the MFU is they over the plan's
     predicted step time at the measured float32 FLOP/s. (No time is measured against a prediction: the project's
-    tests assert no time; benchmarks/time_model.py compares them, docs/results.md.)"""
+    tests assert no time; benchmarks/accuracy/time_model.py compares them, docs/results.md.)"""
     from remat.costs.device_time import op_class
     from remat.profile import cache
 

@@ -1,7 +1,7 @@
 """Models remat did not grow up with (tests/integration/third_party.py): Hugging Face Qwen3, Gemma2,
 Phi-3, GPT-NeoX, DistilBERT from tiny configs (skipped without transformers), and ConvNeXt
 (channels-last), MobileNetV3-style squeeze-excitation and Swin window-attention structures.
-The full sweep with figures is benchmarks/third_party.py."""
+The full sweep with figures is benchmarks/accuracy/third_party.py."""
 
 from __future__ import annotations
 

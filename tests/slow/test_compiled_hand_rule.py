@@ -1,7 +1,7 @@
 """Issue #48: under torch.compile remat's least compiled peak is at or below the hand rule's, "every block under
 torch's checkpoint, then compile", which is exact too. A 4-block GPT with dropout compiled whole, eager's random
 numbers (``fallback_random``): the hand rule's compiled step, measured by the profiler's allocator events
-(``benchmarks/gloo_threads.readings``, apart from remat's meter), is the budget; remat plans for it, its plan measures
+(``benchmarks/distributed/gloo_threads.readings``, apart from remat's meter), is the budget; remat plans for it, its plan measures
 within it by the same meter, and its compiled step computes the plain compiled step's loss and gradients. Before the
 fix remat kept every dropout's output under compile and refused this budget (Note [Two programs per plan] in
 remat.solve.calibrated). Slow: about 8 compiles, 2 minutes."""
@@ -19,7 +19,7 @@ import remat
 from remat.examples import make_gpt
 from test_compiled_dropout import ATOL, random_numbers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "distributed"))
 from gloo_threads import readings  # noqa: E402  (the tests' own walk of the profiler's allocation events)
 
 #: the issue's GPT, smaller: 4 blocks (where kept dropout outputs meet the backward's peak), width 64

@@ -94,7 +94,7 @@ def test_conv_net_compiled_whole_is_predicted_from_its_compiled_program():
     interpolation in the eager peak predicted these three budgets' plans 3.7%, 7.1% and 11.5% low. remat now
     predicts a plan from what inductor's programs for its step allocate (Note [Compiled programs] in
     remat.costs.compiled_memory), calibrated on the other plans measured, without its own measured step: each within
-    5% (benchmarks/compile_prediction.py: -1.4% to +0.3% over seven budgets), and each measured within the
+    5% (benchmarks/accuracy/compile_prediction.py: -1.4% to +0.3% over seven budgets), and each measured within the
     budget."""
     model, inputs, loss_fn = conv_net()
     plain = compiled_baseline(model, inputs, loss_fn, granularity="block", compile=True)
@@ -112,7 +112,7 @@ def test_conv_net_compiled_whole_is_predicted_from_its_compiled_program():
 
 def test_conv_net_compiled_per_block_is_predicted_from_its_blocks_programs():
     """Issue #22: the conv net with each block compiled in place. The interpolation in the eager peak predicted
-    these three budgets' plans 2.3%, 3.5% and 5.9% low (benchmarks/compile_prediction.py, session 15): the
+    these three budgets' plans 2.3%, 3.5% and 5.9% low (benchmarks/accuracy/compile_prediction.py, session 15): the
     eager code between the blocks is not in their programs, and a compiled convolution block saves a
     channels-last copy of its input where the eager block saved the input. remat now composes the blocks'
     programs with the eager step's timeline between them (Note [Blocks compiled one by one] in
@@ -136,7 +136,7 @@ def test_conv_net_compiled_per_block_is_predicted_from_its_blocks_programs():
 def test_gpt_compiled_per_block_is_predicted_from_its_blocks_programs_and_trains_alike():
     """The 2-block GPT with dropout, each block compiled in place with inductor, AdamW: the plan for 90% of the
     compiled plain step's peak measures within the budget, was predicted from its blocks' programs composed
-    with the eager code between them within 5% (benchmarks/compile_prediction.py: 0.0% on this plan, from the
+    with the eager code between them within 5% (benchmarks/accuracy/compile_prediction.py: 0.0% on this plan, from the
     eager peak it was -2.7% to 0.0% over the budgets), and trains like the compiled plain model."""
     model, inputs, loss_fn = two_block_gpt()
     loss_fn = loss_fn or remat.default_loss

@@ -31,7 +31,7 @@ class ProfilerSession:
     a communication library allocates on its own worker threads is its scratch, not the step's tensors. Gloo
     allocates such a buffer per collective on its threads (an all-gather's output-sized one: on the tests' FSDP2
     GPT 199,936 bytes per block and 82,432 for the root, each group's unsharded bytes), and when it is alive
-    against the step's own peak depends on how the threads are scheduled (``benchmarks/gloo_threads.py``), and a
+    against the step's own peak depends on how the threads are scheduled (``benchmarks/distributed/gloo_threads.py``), and a
     check that read a step without it accepted a plan that the next steps read 3,264 bytes over its budget
     (issue #46). Gloo also copies a reduce-scatter's input on the caller's thread, inside its ``c10d::`` operator
     (FSDP2's gradients: 199,936 bytes per block, 82,432 for the root), and its work holds the copy: where gloo's

@@ -63,7 +63,7 @@ def cmd_accuracy(args, out, err) -> int:
                          "is not here is planned with remat plan or remat tradeoff --device GPU --world N)")
     if args.offload:
         raise UsageError("remat accuracy checks checkpointing plans; --offload is not checked yet "
-                         "(benchmarks/offload_gpu.py measures offloading on a GPU)")
+                         "(benchmarks/gpu/offload_gpu.py measures offloading on a GPU)")
     if args.steps < 2:
         raise UsageError(f"--steps must be 2 or more (the first step is not read), got {args.steps}")
     here = args.device if (args.device or "").startswith("cuda") else "cuda"  # (--device cuda:N: that GPU)

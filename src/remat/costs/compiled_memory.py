@@ -235,7 +235,7 @@ def step_program_bytes(programs: Sequence[tuple[str, dict[str, int | None]] | No
 # Units checkpointed inside the blocks change only their programs; the plain eager timeline serves every plan
 # whose units are all inside compiled blocks (others: None, and the eager-peak interpolation predicts). On
 # tests/slow/test_inductor.py's models, compiled per block, this reproduced the measured compiled peak to the
-# byte on 6 of 6 plans of the 2-block GPT, 11 of 11 of benchmarks/compiled.py's 4-block GPT (selective and
+# byte on 6 of 6 plans of the 2-block GPT, 11 of 11 of benchmarks/plans/compiled.py's 4-block GPT (selective and
 # nested plans among them) and 6 of 8 of the conv net, before any calibration. The other two measured 21 KB
 # (1.8%) above it: oneDNN's workspace for a recomputed convolution's backward, which no wrapper shows (Note
 # [Compiled programs]). The calibration on measured plans (Note [Compiled steps] in remat.solve.calibrated)

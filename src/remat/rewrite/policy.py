@@ -44,8 +44,8 @@ draws what the plain compiled step draws as far as inductor schedules the two pr
 U-Net's plain program drew its masks in the order 1, 4, 5, 2, 3 and one plan's in order: Note [Compiled plans
 are proved] in remat.check.compiled says what remat checks then). Keeping costs memory where the kept output is
 the dropped-out activation (``fallback_random``, where ``native_dropout`` stays one kernel): on
-benchmarks/compiled.py's GPT every block checkpointed measured 37.44 MiB kept against 33.62 MiB by hand (torch's
-replay; benchmarks/compiled_least.py, whole steps with AdamW). So keeping is one of two programs (``random="keep"``,
+benchmarks/plans/compiled.py's GPT every block checkpointed measured 37.44 MiB kept against 33.62 MiB by hand (torch's
+replay; benchmarks/plans/compiled_least.py, whole steps with AdamW). So keeping is one of two programs (``random="keep"``,
 ``KEEP_RANDOM``), recomputing as torch does the other (``"recompute"``, ``RECOMPUTE_RANDOM``), and a plan for a
 compiled loop takes the second only where its compiled step was proved to compute the plain compiled step's loss
 and gradients and measured less (Note [Two programs per plan] in remat.solve.calibrated; ``Plan.compiled_random``).

@@ -42,7 +42,7 @@ user's steps will reach it; it is not a bound on every step (docs/limits.md give
 allocator meters every check already. FSDP2 alone and DDP keep one dispatch-level step: DDP's gradient
 buckets, made before the step, are found there (Note [Memory found] in remat.runtime.tracker), and FSDP2's steps,
 whose collectives' buffers the dispatch-level meter follows (its storage resizes), read alike by the
-allocator in benchmarks/distributed.py for three rules of four (the least within 0.02 MiB of torch's
+allocator in benchmarks/distributed/distributed.py for three rules of four (the least within 0.02 MiB of torch's
 FSDPMemTracker; every block 27.53-28.29 MiB), while three of its
 allocator-level steps read up to 3.4% apart on the tests' GPT when the machine was busy (a CI run with a
 second test process), above the 2% a test budget leaves over its least peak. A compiled step in a process group,
