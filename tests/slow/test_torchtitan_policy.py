@@ -34,16 +34,28 @@ def spawn_job(out, world: int, variants: tuple[str, ...]) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1 rank", "2 ranks"])
-def job(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"torchtitan{request.param}")
-    return out, spawn_job(out, request.param, ("none", "full", "remat", "refused"))
-
-
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    out = tmp_path_factory.mktemp("torchtitan-one")
-    return out, spawn_job(out, 1, ("remat",))[0]
+def jobs(tmp_path_factory):
+    """The job on ``world`` ranks, run once per world for the module."""
+    done: dict = {}
+
+    def run(world: int):
+        if world not in done:
+            out = tmp_path_factory.mktemp(f"torchtitan{world}")
+            done[world] = out, spawn_job(out, world, ("none", "full", "remat", "refused"))
+        return done[world]
+    return run
+
+
+@pytest.fixture(params=[1, 2], ids=["1 rank", "2 ranks"])
+def job(request, jobs):
+    return jobs(request.param)
+
+
+@pytest.fixture
+def one_rank(jobs):
+    out, ranks = jobs(1)
+    return out, ranks[0]
 
 
 def test_in_parallelize_llama_the_plan_meets_the_budget_with_the_gradients_of_full_ac_and_of_none(job):
@@ -103,3 +115,14 @@ def test_the_command_line_plans_a_torchtitan_model_by_name_for_gpus_not_here(cap
     assert "FlexAttention planned as SDPA" in printed
     plan = Plan.load(out)
     assert plan.predicted_reserved_bytes <= 0.5 * GiB
+
+
+def test_a_mixture_of_experts_from_the_package_plans_for_gpus_not_here(capsys):
+    """DeepSeek-V3's debug flavour as the installed torchtitan builds it (MoE layers, their FSDP2 wrapping), planned for
+    two H100s on fake tensors."""
+    from remat.cli import main
+
+    assert main(["plan", "torchtitan:deepseek_v3:debugmodel", "--device", "h100-80gb", "--world", "2", "--batch", "2",
+                 "--seq", "256", "--budget", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "torchtitan deepseek_v3 debugmodel" in printed and "x 2 ranks (FSDP 2)" in printed
