@@ -6,11 +6,12 @@ failure.
 - ``source``     where a step's costs come from (Note [Where costs come from]): CostSource, and MeasuredHere, the
                  step recorded, timed and checked on this machine -> Profile, then the Plan for the budget
 - ``profiling``  make_profile: a training step profiled once, to plan many budgets from -> Profile
-- ``checking``   plans checked on real steps (checked_plan, plan_checked, least_checked): Planner + budget -> Plan
+- ``checking``   plans checked on real steps (plan_checked, least_checked): Planner + budget -> Plan
                  with its checked peak, nothing timed
 - ``hand_rules`` fastest_checked: the checked plan raced beside the hand rules that meet its budget, where the model
                  cannot tell them apart (Note [Plans timed beside the hand rules]) -> the plan, or the rule measured
-                 faster; rows_decided: the same race decided by a tradeoff table's own rounds
+                 faster; checked_plan, the public call of it; rows_decided: the same race decided by a tradeoff
+                 table's own rounds
 - ``apply``      apply_plan: a saved Plan applied to a model, checked against its fingerprint
 - ``inputs``     what the user passed, validated, and whose failure a failure is (InvalidInputError or
                  InternalError, Note [Whose failure])
@@ -20,13 +21,12 @@ failure.
 # ruff: noqa: F401
 from remat.api.apply import apply_plan
 from remat.api.checking import (
-    checked_plan,
     checked_reading,
     measure_checked_peak,
     peak_with_plan,
     plan_checked,
 )
-from remat.api.hand_rules import fastest_checked, remats_row
+from remat.api.hand_rules import checked_plan, remats_row
 from remat.api.inputs import model_signature, stage, validate
 from remat.api.optimize import optimize_checkpointing
 from remat.api.hf import prepare_hf_for_training

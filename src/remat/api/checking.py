@@ -15,21 +15,17 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from remat._compat import inductor_programs, profiler_memory_trace, random_numbers, uncompiled
-from remat.api.inputs import validate
-from remat.api.hf import prepare_hf_for_training
+from remat._compat import inductor_programs, profiler_memory_trace, random_numbers
 from remat.check.compiled import CompiledComparison, check_compiled_plan
 from remat.costs.compiled_memory import composed_step_bytes, eager_blocks, step_program_bytes
 from remat.costs.unit_costs import Profile
 from remat.errors import EquivalenceError
 from remat.rewrite import checkpoint_plan, remove_checkpointing
-from remat.rewrite import eager_submodules
 from remat.runtime.compiled import CompiledLoop
 from remat.runtime.distributed import Ranks, steps_checked, wrapping_of
 from remat.runtime.measure import (
     Clock,
     LossFn,
-    default_loss,
     found_storages_are_fresh,
     input_tensors,
     measure_peak,
@@ -40,7 +36,7 @@ from remat.runtime.measure import (
 from remat.runtime.state import fresh_grads, preserved
 from remat.solve import Planner
 from remat.solve.calibrated import CompiledReading
-from remat.solve.plan import GiB, Plan, fmt_bytes
+from remat.solve.plan import Plan, fmt_bytes
 
 if TYPE_CHECKING:
     from remat.api.hand_rules import Race
@@ -230,24 +226,6 @@ def checked_reading(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, los
         remove_checkpointing(model)
 
 
-def checked_plan(model: nn.Module, example_inputs: Any, planner: Planner, budget_bytes: int, *,
-                 loss_fn: LossFn | None = None) -> Plan:
-    """The plan :func:`optimize_checkpointing` would choose for ``budget_bytes`` from ``planner`` (made from
-    :func:`make_profile` of this model, with the same ``loss_fn``), checked on one real step (Note [Checked
-    plans]), without applying it: the model, its checkpointing, gradients, buffers and RNG state are left as
-    they were. Raises InfeasibleBudgetError (with the least measured peak) when no plan fits."""
-    from remat.api.hand_rules import fastest_checked  # (it checks plans by this module's plan_checked)
-
-    model = uncompiled(model)
-    _, args, kwargs, device = validate(model, max(budget_bytes, 1) / GiB, example_inputs)
-    _, undo = prepare_hf_for_training(model)
-    try:
-        with preserved(model), eager_submodules(model):
-            return fastest_checked(model, args, kwargs, loss_fn or default_loss, device, planner, budget_bytes)
-    finally:
-        undo()
-
-
 def plan_checked(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,
     budget_bytes: int, *, ranks: Ranks | None = None, checked: dict[tuple[str, ...], int] | None = None,
@@ -282,22 +260,9 @@ def plan_checked(
     check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked, check_s)
 
     steps = steps_checked(model, device)
-    each = "one real step" if not steps else f"{steps} real steps, the largest by the allocator's events"
 
     def done(plan: Plan, measured: int, why: str, ilp: Plan | None = None) -> Plan:
-        note = f"checked on {each}: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}"
-        if steps:
-            note += " (Note [Steps under gloo] in remat.runtime.distributed: under gloo one step's peak is not the next one's)"
-        if len(checked) > 1:
-            label = {planner.every_nth_block(2).choices: "every 2nd block, timed beside the ILP's plan",
-                     fallbacks[1].choices: "every block", fallbacks[0].choices: "the least-memory plan"}
-            if ilp is not None:
-                label[ilp.choices] = "the ILP's plan"
-            names = [label.get(units, "the least-memory plan chosen on memory alone") for units in checked
-                     if units != plan.choices]
-            note += (f"; {len(checked)} plans measured, {'one real step' if not steps else f'{steps} real steps'} each "
-                     f"({', '.join(names)} and this one; the least of the least-memory plans' and every block's is "
-                     f"the least peak promised)")
+        note = _checked_note(plan, measured, why, steps, checked, planner, fallbacks, ilp)
         return dataclasses.replace(plan, budget_bytes=budget_bytes, checked_peak_bytes=measured,
                                    min_peak_bytes=promise, notes=plan.notes + (note,))
 
@@ -331,6 +296,26 @@ def plan_checked(
     return done(dataclasses.replace(best, budget_bytes=budget_bytes), check(best),
                 f"the {'least-memory plan' if best is fallbacks[0] else 'hand rule every block'}: the plans predicted "
                 "cheaper measured over the budget (Note [Least peak is a promise])")
+
+
+def _checked_note(plan: Plan, measured: int, why: str, steps: int, checked: dict[tuple[str, ...], int],
+                  planner: Planner, fallbacks: list[Plan], ilp: Plan | None) -> str:
+    """The checked plan's note: its measured peak, why it is returned, the other plans measured."""
+    each = "one real step" if not steps else f"{steps} real steps, the largest by the allocator's events"
+    note = f"checked on {each}: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}"
+    if steps:
+        note += " (Note [Steps under gloo] in remat.runtime.distributed: under gloo one step's peak is not the next one's)"
+    if len(checked) > 1:
+        label = {planner.every_nth_block(2).choices: "every 2nd block, timed beside the ILP's plan",
+                 fallbacks[1].choices: "every block", fallbacks[0].choices: "the least-memory plan"}
+        if ilp is not None:
+            label[ilp.choices] = "the ILP's plan"
+        names = [label.get(units, "the least-memory plan chosen on memory alone") for units in checked
+                 if units != plan.choices]
+        note += (f"; {len(checked)} plans measured, {'one real step' if not steps else f'{steps} real steps'} each "
+                 f"({', '.join(names)} and this one; the least of the least-memory plans' and every block's is "
+                 f"the least peak promised)")
+    return note
 
 
 def _checker(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, planner: Planner,

@@ -72,12 +72,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from remat._compat import uncompiled
 from remat.api.checking import plan_checked
+from remat.api.hf import prepare_hf_for_training
+from remat.api.inputs import validate
 from remat.check.steps import time_plans_in_place
 from remat.profile import cache
-from remat.runtime.measure import LossFn
+from remat.rewrite import eager_submodules
+from remat.runtime.measure import LossFn, default_loss
+from remat.runtime.state import preserved
 from remat.solve import Planner
-from remat.solve.plan import Plan
+from remat.solve.plan import GiB, Plan
 
 #: a hand rule is compared with the plan where the plan is predicted faster by less than this fraction of the rule's
 #: predicted step: the time model's accuracy where it was held to measured steps (+-10%); beyond it, trusted
@@ -347,3 +352,19 @@ def _step_of(planner: Planner, plans: list[Plan], output_alive: bool) -> dict:
 
 def _name(plan: Plan) -> str:
     return plan.strategy.replace("_", " ")
+
+
+def checked_plan(model: nn.Module, example_inputs: Any, planner: Planner, budget_bytes: int, *,
+                 loss_fn: LossFn | None = None) -> Plan:
+    """The plan :func:`optimize_checkpointing` would choose for ``budget_bytes`` from ``planner`` (made from
+    :func:`make_profile` of this model, with the same ``loss_fn``), checked on one real step (Note [Checked
+    plans]), without applying it: the model, its checkpointing, gradients, buffers and RNG state are left as
+    they were. Raises InfeasibleBudgetError (with the least measured peak) when no plan fits."""
+    model = uncompiled(model)
+    _, args, kwargs, device = validate(model, max(budget_bytes, 1) / GiB, example_inputs)
+    _, undo = prepare_hf_for_training(model)
+    try:
+        with preserved(model), eager_submodules(model):
+            return fastest_checked(model, args, kwargs, loss_fn or default_loss, device, planner, budget_bytes)
+    finally:
+        undo()

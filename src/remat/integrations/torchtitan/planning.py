@@ -173,7 +173,7 @@ def plan_run(req: PlanRequest) -> Plan:
     """Plan the run's step for ``req.budget_gb`` GiB per rank on its device and world (every figure predicted), in
     this process: it must have no process group (Note [Plan in a process of its own]). Raises
     InfeasibleBudgetError with the least peak when no plan fits."""
-    import remat
+    from remat.api.optimize import optimize_checkpointing
     from remat.target import Target
 
     run = req.run
@@ -189,9 +189,9 @@ def plan_run(req: PlanRequest) -> Plan:
     tokens = torch.zeros(run.local_batch_size, run.seq_len, dtype=torch.long, device="meta")
     target = Target(device=req.device, world=run.world, fsdp=run.fsdp, parallelize=fsdp_as_torchtitan(run),
                     clip_grad_norm=run.max_norm)
-    plan = remat.optimize_checkpointing(step, req.budget_gb, (tokens,), loss_fn=lambda loss: loss,
-                                        optimizer=optimizer_for(run, model), output_alive=False, target=target,
-                                        offload=req.offload, time_limit_s=req.time_limit_s)
+    plan = optimize_checkpointing(step, req.budget_gb, (tokens,), loss_fn=lambda loss: loss,
+                                 optimizer=optimizer_for(run, model), output_alive=False, target=target,
+                                 offload=req.offload, time_limit_s=req.time_limit_s)
     notes = (FLEX_NOTE.format(kind=replaced),) if replaced else ()
     if run.loss_chunks:
         notes += (f"loss: torchtitan's ChunkedLossWrapper ({run.loss_chunks} chunks) planned as the head and loss "
