@@ -22,7 +22,7 @@
 #                     llama1b, bf16, 4 x 2048, the loop keeps only the loss), with a 24 GiB plan among the rows
 #   budget            optimize_checkpointing at 24 GiB on that model, then 4 real steps: max_memory_allocated against
 #                     the budget (benchmarks/gpu/gpu_budget.py; exit 1 when over)
-#   ranking           benchmarks/ranking.py --device cuda (issue #56): remat's plan at budgets just above every
+#   ranking           benchmarks/plans/ranking.py --device cuda (issue #56): remat's plan at budgets just above every
 #                     block's peak, measured beside every block in paired rounds (ranking_gpu.md)
 #   cuda-tests        pytest tests/integration/test_cuda.py tests/integration/test_accuracy_command.py
 #                     tests/integration/test_calibrate.py
@@ -123,7 +123,7 @@ for f in ('forward_op_s', 'backward_op_s'):
       part budget 240 "$PY" benchmarks/gpu/gpu_budget.py benchmarks/gpu/gpu_targets.py:llama1b --budget 24 --output-dropped \
         --json "$OUT/budget_llama1b_24gib.json" ;;
     ranking)
-      part ranking 300 "$PY" benchmarks/ranking.py --device cuda --out "$OUT/ranking_gpu.md" ;;
+      part ranking 300 "$PY" benchmarks/plans/ranking.py --device cuda --out "$OUT/ranking_gpu.md" ;;
     cuda-tests)
       part cuda-tests 300 bash -c "set -o pipefail; '$PY' -m pytest -q -p no:cacheprovider -rfEs \
         tests/integration/test_cuda.py tests/integration/test_accuracy_command.py tests/integration/test_calibrate.py \

@@ -56,4 +56,4 @@ def test_each_part_runs_its_command_and_the_exit_status_counts_the_failures(tmp_
     assert [line.split()[1] for line in summary] == ["rc=0", "rc=0", "rc=0", "rc=1", "rc=0"]
     logged = calls.read_text()
     assert "-m pip install" in logged and f"--out {tmp_path / 'out'}/h200-calibrated.json" in logged
-    assert "benchmarks/ranking.py --device cuda" in logged and "remat accuracy gpt --layers 12" in logged
+    assert "benchmarks/plans/ranking.py --device cuda" in logged and "remat accuracy gpt --layers 12" in logged

@@ -20,13 +20,13 @@ half the difference it predicts: its ranking stands and the rule is timed no mor
 pair of steps (a few percent on a shared CPU, docs/results.md), below which one pair confirms nothing. The pair:
 - on CUDA, the two checked steps, timed while the allocator reads their peaks: they cost nothing more;
 - on a CPU, the first pair of the timed rounds below. The checked steps are metered there by a dispatch mode, which
-  slows a checkpointed step and not a plain one: on GPT-2 small (benchmarks/gpt2_small.py's, 2-core CPU) every
+  slows a checkpointed step and not a plain one: on GPT-2 small (benchmarks/scale/gpt2_small.py's, 2-core CPU) every
   block's checked step took 12.8-13.9 s against 6.6-8.0 s unmetered, a plain step 5.7-6.3 s either way, and the
   checked steps measured every block 7.9 and 10.5 s slower than the ILP's plans where the model predicted 0.3 and 1.0:
   not a measure of the plans.
 issue #60: at a budget 1-5% above every block's peak the GPT-2-small plan was predicted 474-621 ms a step faster
 than every block and measured 650 ms faster, yet 11 more plain steps' time went into timing it (a warm-up round and 3
-rounds of three passes); benchmarks/planning_cost.py measures the cost now.
+rounds of three passes); benchmarks/scale/planning_cost.py measures the cost now.
 
 Elsewhere (not confirmed by the checked steps: a CPU, or a step checked by another call) the two are timed on
 the model itself: rounds of one forward and backward each in a shuffled order, every round a paired comparison (Note
@@ -38,7 +38,7 @@ no more; from ROUNDS_MIN rounds on, nor one whose pairs decide (their quartiles 
 three alike; for the plan, from KEEP_ROUNDS_MIN rounds only), and the rounds end when every rule is decided, or at
 ROUNDS_MAX (LONG_ROUNDS_MAX for a step of LONG_STEP_S or more). The rule is returned in the plan's place where it was faster in the median of the pairs: the
 plan returned is the one measured faster. A first version kept the plan
-unless the rule was faster beyond the noise after 3 rounds of a long step; on benchmarks/ranking.py's 16 MLP blocks
+unless the rule was faster beyond the noise after 3 rounds of a long step; on benchmarks/plans/ranking.py's 16 MLP blocks
 it kept a segment plan that 10 rounds then measured slower than every block (median +90 ms a step of 3.6 s, lower
 quartile +17: the issue's case). Where two plans are alike in truth, which of the two is returned is chance, and
 either is as fast. The figures are in the plan's notes, measured, with the passes and seconds the timing took
@@ -95,7 +95,7 @@ CONFIRMED = 0.5
 #: step of LONG_STEP_S or more, the profile's step time)
 ROUNDS_MIN, ROUNDS_MAX, LONG_ROUNDS_MAX = 3, 11, 7
 #: pairs that decide for the plan (against the rule) count only from this many rounds: keeping the plan is what can
-#: break the promise (benchmarks/ranking.py's mlp16 at every block x 1.02: 3 pairs for an 11-unit segment plan, which
+#: break the promise (benchmarks/plans/ranking.py's mlp16 at every block x 1.02: 3 pairs for an 11-unit segment plan, which
 #: 10 rounds of whole steps then measured 103 ms a step slower than every block)
 KEEP_ROUNDS_MIN = 5
 LONG_STEP_S = 1.0

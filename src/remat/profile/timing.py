@@ -44,7 +44,7 @@ from remat.runtime.state import fresh_grads
 # The first hooked step is never timed, however long: it logs every operator (a dispatch mode around each),
 # and on a CPU it is the first to reach the step's peak, every new page of the heap faulted in as it grows;
 # the recomputations in its backward grow it most. Nor is one more step enough on a CPU. On an 8-block
-# ViT-style model (benchmarks/ranking.py's "vit": width 256, 16 x 256 tokens; 2-core CPU; a plain step measured
+# ViT-style model (benchmarks/plans/ranking.py's "vit": width 256, 16 x 256 tokens; 2-core CPU; a plain step measured
 # 1.45 s, every block 1.76 s, the median of 10 interleaved steps each), a block's recomputation read 149 ms in
 # the first step (at 4206b42), 54-72 ms in the second (three runs) and 56-58 ms as the lesser of
 # the second and third (two runs); every block's step was predicted 2.81 s from the first, 2.06-2.28 s from the

@@ -43,10 +43,10 @@ Note [Two programs per plan]
 Under compile a checkpointed unit that runs dropout has two programs: its random operators' outputs kept (Note
 [Random operators under compile] in remat.rewrite: nothing drawn again, safe by construction) or recomputed, as
 torch's own checkpoint has them (``run_and_save_rng_state`` in the forward, ``run_with_rng_state`` in the
-backward). Which holds less is the compiler's business: on benchmarks/compiled.py's GPT (4 x 128, dropout 0.1,
+backward). Which holds less is the compiler's business: on benchmarks/plans/compiled.py's GPT (4 x 128, dropout 0.1,
 batch 8 x 128, AdamW) every block measured 37.44 MiB kept and 33.62 recomputed with ``fallback_random`` (where
 ``native_dropout`` is one kernel whose kept output is the dropped-out activation), 37.55 kept and 37.78 recomputed
-with inductor's own random numbers (benchmarks/compiled_least.py). Which one is exact is the program's too:
+with inductor's own random numbers (benchmarks/plans/compiled_least.py). Which one is exact is the program's too:
 recomputed, the U-Net of tests/slow/test_compiled_dropout.py drew other masks than the plain compiled step with its
 tests' units checkpointed (its dropout ran on the convolution's channels-last buffer), the GPT drew the same.
 So both are candidates, and the proof decides: where the units of "every block" draw random
@@ -76,7 +76,7 @@ if TYPE_CHECKING:
     from remat.solve import Planner
 
 #: the note on every eager plan that checkpoints something (Note [Compiled steps]);
-#: figures from benchmarks/compiled.py (GPT, CPU)
+#: figures from benchmarks/plans/compiled.py (GPT, CPU)
 UNDER_COMPILE = ("planned for the eager step: if your loop compiles the model, plan with compile=True (or a dict of "
                  "its torch.compile settings): compiled peaks were 0.87-1.23x the eager prediction on the built-in GPT")
 

@@ -1,6 +1,6 @@
 """Plans ranked by what is measured (issue #56), on models written as their users write them (run by hand, alone).
 
-    python benchmarks/ranking.py [--models vit,resnet,mlp16] [--repeats 5] [--device cuda]
+    python benchmarks/plans/ranking.py [--models vit,resnet,mlp16] [--repeats 5] [--device cuda]
                                  [--out benchmarks/results/ranking-cpu.md]
 
 Issue #56 asks that where checkpointing every block meets the budget, the plan remat chooses is never measured
@@ -19,7 +19,7 @@ Columns: the budget; what remat returned (its units, and whether a hand rule rep
 timed beside the hand rules] in remat.api.hand_rules, with the passes and seconds the comparison timed,
 ``Plan.rules_timing_passes`` and ``rules_timing_s``); its measured peak; predicted and measured step (median);
 overhead over no checkpointing, measured, for it and for every block; the paired difference remat less every block,
-median and quartiles. "slower" only where even the lower quartile is above 0 (benchmarks/selective.py's test).
+median and quartiles. "slower" only where even the lower quartile is above 0 (benchmarks/plans/selective.py's test).
 Also each plan's predicted step time against its measured one.
 """
 

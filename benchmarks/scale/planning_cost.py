@@ -1,8 +1,8 @@
 """What planning costs at real size, in plain training steps (issue #60), and what it returns (run by hand, alone).
 
-    python benchmarks/planning_cost.py [--repeats 3] [--layers 12] [--out benchmarks/results/planning-cost-cpu.md]
+    python benchmarks/scale/planning_cost.py [--repeats 3] [--layers 12] [--out benchmarks/results/planning-cost-cpu.md]
 
-The model is benchmarks/gpt2_small.py's (remat's built-in GPT at GPT-2-small size: 12 x 768, 12 heads, vocab 50304,
+The model is benchmarks/scale/gpt2_small.py's (remat's built-in GPT at GPT-2-small size: 12 x 768, 12 heads, vocab 50304,
 batch 4 x 256, dropout 0.1, AdamW), trained as a nanoGPT user trains it. In one process, with remat's timing cache
 off (``REMAT_CACHE=0``: every call is a first call):
 
@@ -92,7 +92,7 @@ def main() -> None:
     model, inputs, _ = build(**size)
     inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else inputs
     lines = [f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, {platform.machine()}, "
-             f"{torch.get_num_threads()} threads; `python benchmarks/planning_cost.py"
+             f"{torch.get_num_threads()} threads; `python benchmarks/scale/planning_cost.py"
              f"{'' if args.layers is None else f' --layers {args.layers}'}`; remat's timing cache off (first calls); "
              "every figure measured here but those marked predicted", ""]
     say = print
@@ -106,7 +106,7 @@ def main() -> None:
     budgets = [("85% of the plain peak (predicted)", int(0.85 * planner.baseline_peak_bytes)),
                ("every block's predicted peak x 1.01", int(every.predicted_peak_bytes * 1.01)),
                ("every block's predicted peak x 1.05", int(every.predicted_peak_bytes * 1.05))]
-    lines += [f"Model: benchmarks/gpt2_small.py's GPT ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+    lines += [f"Model: benchmarks/scale/gpt2_small.py's GPT ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
               f"parameters), AdamW. One plain step: {plain_s:.2f} s measured (median of 3 after a first). Predicted "
               f"peaks: no checkpointing {planner.baseline_peak_bytes / GiB:.3f} GiB, every block "
               f"{every.predicted_peak_bytes / GiB:.3f} GiB (the profile for them: {profile_s:.1f} s, not counted "

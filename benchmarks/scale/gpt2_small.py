@@ -1,6 +1,6 @@
 """remat at real size: a GPT-2-small-shaped decoder (124M parameters), as a nanoGPT user trains it (run by hand).
 
-    python benchmarks/gpt2_small.py [--layers 12] [--d-model 768] [--heads 12] [--vocab 50304]
+    python benchmarks/scale/gpt2_small.py [--layers 12] [--d-model 768] [--heads 12] [--vocab 50304]
                                     [--batch-size 4] [--seq-len 256] [--skip-tradeoff] [--out FILE]
 
 The model is remat's built-in GPT (``remat.examples.GPT``: nanoGPT's shape, dropout 0.1, tied head, the loss
@@ -15,7 +15,7 @@ own (a first call's cost; Note [Timing cache]) unless said:
              steps, the stage times from the plan's notes, the model forwards it ran (counted on the class),
              and the plan's "what holds the predicted peak" (or the refusal's message); then the halfway
              budget again in a new process reading the first halfway call's cached times (a second call)
-  tradeoff   ``remat tradeoff`` on this model (``benchmarks/gpt2_small.py:build``, the hand rules and two
+  tradeoff   ``remat tradeoff`` on this model (``benchmarks/scale/gpt2_small.py:build``, the hand rules and two
              budgets, one timed round per plan): its peak RSS against the plain loop's
 
 Writes benchmarks/results/gpt2-small-<device>.md and prints it. Run it alone: timings on a busy machine are
@@ -39,13 +39,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
 SIZE = dict(layers=12, d_model=768, heads=12, vocab=50304, batch_size=4, seq_len=256)
 
 
 def build(device: str | torch.device = "cpu", **size):
-    """The model and batch (``remat tradeoff benchmarks/gpt2_small.py:build`` uses it as its target)."""
+    """The model and batch (``remat tradeoff benchmarks/scale/gpt2_small.py:build`` uses it as its target)."""
     from remat.examples import make_gpt
 
     size = {**SIZE, **{k: v for k, v in size.items() if v is not None}}
@@ -189,7 +189,7 @@ def main() -> None:
     step = plain["step_s"]
     lines = [f"# remat at GPT-2-small size ({'cpu'})", "",
              f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.machine()}, "
-             f"{torch.get_num_threads()} threads; torch {torch.__version__}; `python benchmarks/gpt2_small.py`.", "",
+             f"{torch.get_num_threads()} threads; torch {torch.__version__}; `python benchmarks/scale/gpt2_small.py`.", "",
              f"Model: remat.examples.GPT, {size['layers']} x {size['d_model']}, {size['heads']} heads, vocab "
              f"{size['vocab']}, batch {size['batch_size']} x {size['seq_len']}, dropout 0.1, loss inside the forward; "
              f"{plain['params'] / 1e6:.1f}M parameters; AdamW.", "",
