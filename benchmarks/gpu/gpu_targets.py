@@ -1,4 +1,4 @@
-"""Command-line targets for the GPU checks (benchmarks/gpu_acceptance.sh; issue #55).
+"""Command-line targets for the GPU checks (benchmarks/gpu/gpu_acceptance.sh; issue #55).
 
     remat accuracy benchmarks/gpu/gpu_targets.py:llama1b --output-dropped
     remat accuracy benchmarks/gpu/gpu_targets.py:llama_tiny --device h100-80gb --measure-on cpu   # (a CPU smoke test)

@@ -17,14 +17,14 @@ import sys
 
 import torch
 
-#: the repository (benchmarks/torchtitan_llama3.py is read from it)
+#: the repository (benchmarks/targets/torchtitan_llama3.py is read from it)
 PROJECT = os.environ.get("REMAT_PROJECT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 
 def titan_module():
     if "tt_llama3" in sys.modules:
         return sys.modules["tt_llama3"]
-    path = os.path.join(PROJECT, "benchmarks", "torchtitan_llama3.py")
+    path = os.path.join(PROJECT, "benchmarks", "targets", "torchtitan_llama3.py")
     spec = importlib.util.spec_from_file_location("tt_llama3", path)
     m = importlib.util.module_from_spec(spec)
     sys.modules["tt_llama3"] = m

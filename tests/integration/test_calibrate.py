@@ -1,7 +1,7 @@
 """``remat calibrate`` and device spec files (issue #56): a calibration's measurements mapped to a spec file
 (Note [Calibrated fields] in remat.target.calibration), the file read back by ``Target(device=FILE)`` and planned
 with, its mistakes refused, and the command's whole pipeline run on the CPU (the hidden ``--measure-on cpu``:
-its figures are a CPU's, labelled so). The GPU's own run is benchmarks/gpu_acceptance.sh's."""
+its figures are a CPU's, labelled so). The GPU's own run is benchmarks/gpu/gpu_acceptance.sh's."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from remat.api.predict import predict_peaks
 from remat.sweeps.predicted import predicted_tradeoff
 from remat.target.world import repeated_blocks, wrapping_assumed
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks" / "targets"))
 import torchtitan_llama3 as tt  # noqa: E402 - torchtitan's model and policies, vendored (imports only torch)
 
 

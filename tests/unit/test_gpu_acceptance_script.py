@@ -1,4 +1,4 @@
-"""benchmarks/gpu_acceptance.sh, the script a session with a GPU runs (issue #55), refuses what it cannot run before
+"""benchmarks/gpu/gpu_acceptance.sh, the script a session with a GPU runs (issue #55), refuses what it cannot run before
 it installs or runs anything: it parses, and a missing wheel or an unknown part exits 2 with one line."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_acceptance.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "gpu_acceptance.sh"
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 

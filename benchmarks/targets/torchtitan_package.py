@@ -1,5 +1,5 @@
 """torchtitan's Llama 3 as the installed package (torchtitan 0.3, ``pip install 'remat[torchtitan]'``) builds it, for
-``benchmarks/published.py --model package``: the same interface as ``torchtitan_llama3.py`` (the copy vendored from the
+``benchmarks/targets/published.py --model package``: the same interface as ``torchtitan_llama3.py`` (the copy vendored from the
 commit of December 2024 that ran torchtitan's published table), so the table can be predicted from either.
 
 What differs from the vendored copy is the package's own code: fused QKV projection (one ``wqkv``), ComplexRoPE with

@@ -32,11 +32,11 @@
 # ---------------------------------------------------------------------------
 """torchtitan's Llama 3 training step, vendored: exactly what its memory depends on.
 
-Kept (issue #61) only for what the installed package (torchtitan 0.3, ``benchmarks/torchtitan_package.py``,
+Kept (issue #61) only for what the installed package (torchtitan 0.3, ``benchmarks/targets/torchtitan_package.py``,
 ``remat.integrations.torchtitan``) does not have: the code of December 2024 that ran torchtitan's published H100
 table -- separate ``wq``/``wk``/``wv`` projections, its op-level save list naming flash and memory-efficient attention,
 its FSDP2 wrapping (blocks, then the root not resharded after forward), the loss on the whole logits -- so that
-``benchmarks/published.py`` compares with the run that was measured. Tests and the other benchmarks build torchtitan's
+``benchmarks/targets/published.py`` compares with the run that was measured. Tests and the other benchmarks build torchtitan's
 models from the package; ``published.py --model package`` predicts the same table from the package's model.
 
 Source: pytorch/torchtitan at commit ``9dec370ad26b5f8e9a7333a0e36165018262644b``

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Issues #55's and #56's checks on a machine with a CUDA GPU, in one prepared script (the lent H200: /work/.library/device/).
 #
-#   bash benchmarks/gpu_acceptance.sh PULP_WHEEL [PART ...]
+#   bash benchmarks/gpu/gpu_acceptance.sh PULP_WHEEL [PART ...]
 #
 # PULP_WHEEL: a PuLP wheel carried to the machine (its image has torch, transformers, rich, hypothesis and
 # pytest-xdist, not PuLP). Here, before the call:
 #     echo /.whl/ >> .git/info/exclude
 #     python3 -m pip download --no-deps --only-binary=:all: -d .whl pulp==3.3.2     # py3-none-any, CBC bundled
 # and run it with carry [".whl"]:
-#     bash benchmarks/gpu_acceptance.sh .whl/pulp-3.3.2-py3-none-any.whl calibrate accuracy-gpt accuracy-llama1b budget
-#     bash benchmarks/gpu_acceptance.sh .whl/pulp-3.3.2-py3-none-any.whl ranking cuda-tests suite
+#     bash benchmarks/gpu/gpu_acceptance.sh .whl/pulp-3.3.2-py3-none-any.whl calibrate accuracy-gpt accuracy-llama1b budget
+#     bash benchmarks/gpu/gpu_acceptance.sh .whl/pulp-3.3.2-py3-none-any.whl ranking cuda-tests suite
 # (two calls of under 10 minutes each; one call with no PART runs them all, if its limit allows).
 #
 # PARTS, in this order by default:
@@ -28,7 +28,7 @@
 #                     tests/integration/test_calibrate.py
 #   suite             the whole suite, pytest -n 14
 #   torchtitan        (issue #61; not in the default list, not run yet) torchtitan's parallelize_llama with remat's
-#                     RematAC on its debug model, FlexAttention, 1 GPU, at 2 GiB (benchmarks/torchtitan_gpu.py): needs
+#                     RematAC on its debug model, FlexAttention, 1 GPU, at 2 GiB (benchmarks/gpu/torchtitan_gpu.py): needs
 #                     torchtitan 0.3's wheels carried in TORCHTITAN_WHEELS (pip download torchtitan==0.3.0 tyro
 #                     spmd_types torch_checkpointing torchdata datasets ... -d .whl/titan, carry [".whl"])
 #
@@ -52,7 +52,7 @@ for p in "${PARTS[@]}"; do
   case " env torchtitan ${ALL[*]} " in *" $p "*) ;; *) echo "gpu_acceptance.sh: unknown part $p (parts: env ${ALL[*]})" >&2; exit 2 ;; esac
 done
 
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 PY=${PYTHON:-python3}
 OUT=${OUT:-$ROOT/gpu-acceptance}
@@ -130,7 +130,7 @@ for f in ('forward_op_s', 'backward_op_s'):
         2>&1 | tee '$OUT/cuda_tests.log'" ;;
     torchtitan)
       part torchtitan 300 bash -c "'$PY' -m pip install -q --no-index --find-links '${TORCHTITAN_WHEELS:-.whl/titan}' \
-        --target '$SITE' torchtitan==0.3.0 && '$PY' benchmarks/torchtitan_gpu.py --budget 2.0 \
+        --target '$SITE' torchtitan==0.3.0 && '$PY' benchmarks/gpu/torchtitan_gpu.py --budget 2.0 \
         --json '$OUT/torchtitan_gpu.json'" ;;
     suite)
       part suite 420 bash -c "set -o pipefail; '$PY' -m pytest -q -p no:cacheprovider -rfE -n 14 2>&1 \

@@ -1,4 +1,4 @@
-"""Issue #61's GPU check, for benchmarks/gpu_acceptance.sh's ``torchtitan`` part (not run yet: no GPU in the session
+"""Issue #61's GPU check, for benchmarks/gpu/gpu_acceptance.sh's ``torchtitan`` part (not run yet: no GPU in the session
 that wrote it). One CUDA GPU, one NCCL rank: torchtitan's own ``parallelize_llama`` on its Llama 3 debug model with
 FlexAttention as torchtitan runs it (no SDPA swap: remat plans it as SDPA, Note [FlexAttention planned as SDPA]),
 bf16 parameters, torchtitan's plain cross-entropy, AdamW and clipping; remat's policy (``RematAC``) at ``--budget``,
@@ -6,7 +6,7 @@ then ``--steps`` real steps. Prints the plan's predicted reserved peak, the meas
 ``allocated_bytes.all.peak`` of steps 2..N, and whether the budget held; writes them to ``--json``. Exit 1 when the
 measured reserved peak is over the budget.
 
-    python benchmarks/torchtitan_gpu.py --budget 2.0 --json torchtitan_gpu.json
+    python benchmarks/gpu/torchtitan_gpu.py --budget 2.0 --json torchtitan_gpu.json
 """
 
 from __future__ import annotations

@@ -7,11 +7,11 @@ fastest plan without offloading and the fastest with it: their predicted step ti
 bytes each keeps, recomputes and offloads, and the copies' predicted exposed time; the chosen plans' reserved
 peaks replayed through the allocator. Then the same budgets with the host link made slow (1 GB/s each way):
 offloading should not be chosen. Beside them full checkpointing, from the same recording, and torchtitan's op
-policy (its own selective checkpointing, recorded by ``benchmarks/published.py``).
+policy (its own selective checkpointing, recorded by ``benchmarks/targets/published.py``).
 
-    python benchmarks/offload.py                # the table (about 5 minutes on 2 cores)
-    python benchmarks/offload.py --layers       # also keep / recompute / offload bytes per layer of each plan
-    python benchmarks/offload.py --planning-time [--budget 70]   # seconds `remat plan` takes, with and without
+    python benchmarks/targets/offload.py                # the table (about 5 minutes on 2 cores)
+    python benchmarks/targets/offload.py --layers       # also keep / recompute / offload bytes per layer of each plan
+    python benchmarks/targets/offload.py --planning-time [--budget 70]   # seconds `remat plan` takes, with and without
                                                                   # --offload (issue #60), each in a fresh process
 """
 
@@ -73,13 +73,13 @@ def planning_time(budgets: list[float]) -> None:
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
-    print("remat plan benchmarks/torchtitan_llama3.py:llama3_8b --device h100-96gb --world 8 --fsdp 8 (batch 2 x 8192, "
+    print("remat plan benchmarks/targets/torchtitan_llama3.py:llama3_8b --device h100-96gb --world 8 --fsdp 8 (batch 2 x 8192, "
           "AdamW, output kept): wall seconds on this machine; figures of the plan predicted, not measured")
     print(f"{'budget GiB':>10} | {'offload':>7} | {'seconds':>7} | {'tokens/s per GPU':>16} | {'ckpt':>4} | "
           f"{'offl':>4} | solver")
     for budget in budgets:
         for offload in (False, True):
-            cmd = [sys.executable, "-m", "remat", "plan", "benchmarks/torchtitan_llama3.py:llama3_8b", "--device",
+            cmd = [sys.executable, "-m", "remat", "plan", "benchmarks/targets/torchtitan_llama3.py:llama3_8b", "--device",
                    "h100-96gb", "--world", "8", "--fsdp", "8", "--budget", f"{budget:g}"] + (["--offload"] if offload
                                                                                            else [])
             t0 = time.perf_counter()
@@ -162,7 +162,7 @@ def main() -> None:
     import published
 
     sac, sac_time = published.predict(8), published.predict_time(8)
-    print(f"torchtitan's op policy (its selective checkpointing, every layer; benchmarks/published.py): "
+    print(f"torchtitan's op policy (its selective checkpointing, every layer; benchmarks/targets/published.py): "
           f"{sac_time['step']:.3f} s, {sac_time['tps']:,.0f} tokens/s per GPU, allocated peak {sac['allocated']:.2f} "
           f"GiB, reserved {sac['native']:.1f} GiB (native allocator), predicted")
     print(f"recording {recorded:.0f} s; whole run {time.perf_counter() - started:.0f} s")

@@ -4,7 +4,7 @@
 torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md`` (pytorch/torchtitan): Llama 3 8B, FSDP over 8 and
 over 128 H100s (96 GB HBM2e), local batch 2 x 8192 tokens, selective op activation checkpointing, AdamW with
 gradient clipping at norm 1.0, eager: 82.4 GiB and 67.0 GiB per GPU (``reserved_bytes.all.peak``). Here torchtitan's
-own model, op policy, FSDP wrapping, loss and optimizer (``benchmarks/torchtitan_llama3.py``, vendored at the
+own model, op policy, FSDP wrapping, loss and optimizer (``benchmarks/targets/torchtitan_llama3.py``, vendored at the
 commit that ran the table) are built on the meta device and their step predicted by remat on this CPU, on fake
 tensors at world sizes 8 and 128 (torch's fake process group): nothing is measured here. What torchtitan ran that
 the table does not say, and what this script assumes, is printed under the table (``ASSUMPTIONS``).
@@ -16,11 +16,11 @@ its part's bf16 peak lies between the H100 SXM's 989.5 and the H100 NVL's 835 TF
 prediction at both ends. Then remat's own plans for the step without checkpointing, under 70 and 80 GiB,
 against torchtitan's op policy and full checkpointing (``--plans``).
 
-    python benchmarks/published.py                 # memory and time, 8 and 128 GPUs (about 25 s a row)
-    python benchmarks/published.py --world 8       # one world
-    python benchmarks/published.py --plans         # also the plans under 70 and 80 GiB on 8 GPUs (about 7 minutes on 2 cores)
-    python benchmarks/published.py --model package --no-time   # the memory from the installed torchtitan's model
-                                                               # (benchmarks/torchtitan_package.py; issue #61)
+    python benchmarks/targets/published.py                 # memory and time, 8 and 128 GPUs (about 25 s a row)
+    python benchmarks/targets/published.py --world 8       # one world
+    python benchmarks/targets/published.py --plans         # also the plans under 70 and 80 GiB on 8 GPUs (about 7 minutes on 2 cores)
+    python benchmarks/targets/published.py --model package --no-time   # the memory from the installed torchtitan's model
+                                                               # (benchmarks/targets/torchtitan_package.py; issue #61)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torchtitan_llama3 as tt  # noqa: E402
 
-#: the torch torchtitan's table ran (nightly 1963fc8, before 2.6: benchmarks/torchtitan_llama3.md): its SDPA picked
+#: the torch torchtitan's table ran (nightly 1963fc8, before 2.6: benchmarks/targets/torchtitan_llama3.md): its SDPA picked
 #: flash attention on the H100, where 2.11 and later pick cuDNN, which torchtitan's op policy does not name (Note
 #: [Attention on the target] in remat.target.attention)
 TORCH = "2.6"
@@ -166,12 +166,12 @@ def main() -> None:
     p.add_argument("--no-time", action="store_true", help="skip the time table")
     p.add_argument("--model", choices=("vendored", "package"), default="vendored",
                    help="torchtitan's model as vendored from the table's commit (default) or as the installed "
-                        "torchtitan 0.3 builds it (benchmarks/torchtitan_package.py)")
+                        "torchtitan 0.3 builds it (benchmarks/targets/torchtitan_package.py)")
     a = p.parse_args()
     if a.model == "package":
         global tt
         import torchtitan_package as tt
-        print("model: the installed torchtitan package's (benchmarks/torchtitan_package.py), not the vendored copy")
+        print("model: the installed torchtitan package's (benchmarks/targets/torchtitan_package.py), not the vendored copy")
     worlds = a.world or [8, 128]
     if not a.no_memory:
         memory_table(worlds)
