@@ -140,8 +140,13 @@ def _solver(time_limit_s: float | None, gap_rel: float | None = None, warm: bool
         warnings.simplefilter("ignore", DeprecationWarning)
         for name in ("COIN_CMD", "PULP_CBC_CMD"):
             try:
-                solver = pulp.getSolver(name, msg=False, timeLimit=time_limit_s, gapRel=gap_rel, warmStart=warm,
-                                        **extra)
+                try:
+                    solver = pulp.getSolver(name, msg=False, timeLimit=time_limit_s, gapRel=gap_rel, warmStart=warm,
+                                            **extra)
+                except TypeError:  # a PuLP without the maxNodes argument (2.7): CBC's own option, as PuLP passes it
+                    solver = pulp.getSolver(name, msg=False, timeLimit=time_limit_s, gapRel=gap_rel, warmStart=warm,
+                                            options=[f"maxNodes {max_nodes}"] if max_nodes is not None else [],
+                                            **{k: v for k, v in extra.items() if k != "maxNodes"})
             except Exception:  # noqa: BLE001 - solver not known to this PuLP version
                 continue
             if solver.available():
