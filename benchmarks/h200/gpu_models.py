@@ -32,7 +32,7 @@ def titan_module():
     return m
 
 
-def _llama1b(device: str, batch: int = 4, seq: int = 2048, tiny: bool = False):
+def llama1b_step(device: str, batch: int = 4, seq: int = 2048, tiny: bool = False):
     """A Llama 3.2 1B-shaped Hugging Face model in bfloat16, one GPU, AdamW, HF's loss; the loop keeps only the loss."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -93,11 +93,11 @@ def _titan(device: str, layers: int = 4, batch: int = 2, seq: int = 8192, own_sa
 
 
 CONFIGS = {
-    "llama1b": lambda device: _llama1b(device),
+    "llama1b": lambda device: llama1b_step(device),
     "titan4": lambda device: _titan(device),
     "titan4_own_sac": lambda device: _titan(device, own_sac=True),
     # smoke tests of the scripts on a CPU (ORACLE_DEVICE=cpu)
-    "tiny_llama": lambda device: _llama1b(device, batch=2, seq=64, tiny=True),
+    "tiny_llama": lambda device: llama1b_step(device, batch=2, seq=64, tiny=True),
     "tiny_titan": lambda device: _titan(device, layers=2, batch=1, seq=128, tiny=True),
 }
 

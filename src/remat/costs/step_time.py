@@ -63,9 +63,8 @@ def with_host_times(units: Iterable[UnitCost], host: HostCosts, work: HostWork,
             here = bookkeeping.per_selective_op_s
             sel_forward = here if host.selective_forward_op_s is None else host.selective_forward_op_s
             sel_recompute = here if host.selective_recompute_op_s is None else host.selective_recompute_op_s
-        saved = sum(1 for _ in u.drops)
         out.append(dataclasses.replace(
             u, recompute_host_s=recomputed * (per_op + sel_recompute),
-            forward_host_s=u.calls * bookkeeping.per_call_s + saved * bookkeeping.per_saved_tensor_s
+            forward_host_s=u.calls * bookkeeping.per_call_s + len(u.drops) * bookkeeping.per_saved_tensor_s
             + forward * sel_forward))
     return tuple(out)
