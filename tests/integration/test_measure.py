@@ -222,6 +222,7 @@ def test_a_long_step_is_timed_twice(monkeypatch):
     for long in (False, True):
         if long:
             monkeypatch.setattr(timing, "LONG_STEP_S", 0.0)
+            monkeypatch.setattr(timing, "SETTLED", -1.0)  # never settled: the third step runs (the next test)
         model, inputs, _ = make_gpt(layers=2, batch_size=2, seq_len=16, d_model=32, vocab=64)
         calls = []
         model.register_forward_pre_hook(lambda m, a: calls.append(1))
@@ -258,6 +259,40 @@ def test_a_long_step_is_not_timed_by_its_logging_step(monkeypatch):
     assert long and logged == [True, False, False] and ops == ("op",)  # three hooked steps, the first logged
     assert best["recompute"] == {"u": 0.6} and best["forward"] == {"u": 0.5}
     assert best["step_forward"] == 1.0 and best["step_backward"] == 2.0
+
+
+def test_a_long_step_whose_logging_step_had_settled_is_timed_by_two_steps(monkeypatch):
+    """Note [Long steps are timed twice], issue #60: where the logging step's backward read within SETTLED of the
+    next step's, no third hooked step runs, and each time is the lesser of the two (the logging step's forward,
+    slowed by its log, is not); a logging step whose backward read above that takes the third (fails where either
+    case runs the other count of steps, or where the settled case keeps one step's times)."""
+    import remat.profile.timing as timing
+
+    def reading(forward, backward, recompute):
+        return dict(step_forward=forward, step_backward=backward, forward={"u": forward / 2},
+                    recompute={"u": recompute}, backward={"u": backward / 2}, mutated={})
+
+    def hooked(readings):
+        steps = iter(readings)
+        logged = []
+
+        class Timer:
+            def hooked_step(self, log_ops):
+                logged.append(log_ops)
+                return next(steps), (("op",) if log_ops else None)
+
+        best, _, long = timing._hooked_steps(Timer(), steps=3)
+        return best, len(logged)
+
+    monkeypatch.setattr(timing, "LONG_STEP_S", 1.0)
+    # the logging step: forward slowed by its log, backward 4% above the next one's, one recomputation faster
+    best, steps = hooked([reading(2.0, 2.08, 0.50), reading(1.0, 2.0, 0.55), reading(0.9, 1.9, 0.4)])
+    assert steps == 2
+    assert best["step_forward"] == 1.0 and best["step_backward"] == 2.0 and best["recompute"] == {"u": 0.50}
+    assert best["forward"] == {"u": 0.5}
+    # 6% above: not settled, the third step
+    best, steps = hooked([reading(2.0, 2.12, 0.50), reading(1.0, 2.0, 0.55), reading(0.9, 1.9, 0.4)])
+    assert steps == 3 and best["step_backward"] == 1.9 and best["recompute"] == {"u": 0.4}
 
 
 def test_the_plan_says_how_often_planning_ran_the_model(monkeypatch):

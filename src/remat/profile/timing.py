@@ -41,15 +41,30 @@ from remat.runtime.state import fresh_grads
 # operator's second timing is that of the plain forward profiling runs anyway to check the fake recording's
 # sizes (Note [Fake sizes] in remat.profile.calibrate).
 #
-# The first hooked step is never timed, however long: it logs every operator (a dispatch mode around each),
-# and on a CPU it is the first to reach the step's peak, every new page of the heap faulted in as it grows;
-# the recomputations in its backward grow it most. Nor is one more step enough on a CPU. On an 8-block
+# The first hooked step is not timed alone, however long: it logs every operator (a dispatch mode around each),
+# and on a CPU it may be the first to reach the step's peak, every new page of the heap faulted in as it grows;
+# the recomputations in its backward grow it most. Nor is one more step enough then. On an 8-block
 # ViT-style model (benchmarks/plans/ranking.py's "vit": width 256, 16 x 256 tokens; 2-core CPU; a plain step measured
 # 1.45 s, every block 1.76 s, the median of 10 interleaved steps each), a block's recomputation read 149 ms in
 # the first step (at 4206b42), 54-72 ms in the second (three runs) and 56-58 ms as the lesser of
 # the second and third (two runs); every block's step was predicted 2.81 s from the first, 2.06-2.28 s from the
 # second, 1.87-1.93 s from the lesser of two.
+#
+# Unless the logging step had settled already: where its backward (not logged; where the heap's faults and the cold
+# recomputations land) took at most SETTLED more than the next step's, the heap had grown before it (the plain
+# forward that profiling runs first, Note [Fake sizes], and the recording) and the second step is no first one in
+# disguise. Then each time is the lesser of those two steps' (the logging step's forward, slowed by its log, is not
+# the lesser) and no third step runs (issue #60: a GPT-2 small's three hooked steps were 6.7-7.6 s each, a third of
+# the 10-11 plain steps' time planning took). Where the logging step's backward read well above the next one's (the
+# ViT above: its recomputations 2-3x), the third step is timed as before.
 LONG_STEP_S = 1.0
+#: a long step's logging step counts as settled where its backward took at most this fraction more than the next's
+SETTLED = 0.05
+
+
+def settled(first: dict[str, Any], second: dict[str, Any]) -> bool:
+    """Note [Long steps are timed twice]: whether the logging step's backward read as the next step's."""
+    return first["step_backward"] <= (1 + SETTLED) * second["step_backward"]
 
 
 def _least(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -110,6 +125,7 @@ def _hooked_steps(timer: _Timer, steps: int) -> tuple[dict[str, Any] | None, tup
     """The hooked steps: the least of each time over them, the operators step 0 logged, and whether the step
     was long (Note [Long steps are timed twice])."""
     best: dict[str, Any] | None = None
+    first: dict[str, Any] | None = None
     forward_ops: tuple[LoggedOp, ...] = ()
     long = False  # Note [Long steps are timed twice]
     for step in range(max(2, steps)):  # step 0 logs the operators and warms up; the others are timed
@@ -117,18 +133,26 @@ def _hooked_steps(timer: _Timer, steps: int) -> tuple[dict[str, Any] | None, tup
         if ops is not None:
             forward_ops = ops
         if step == 0:
+            first = timing
             long = timing["step_forward"] + timing["step_backward"] >= LONG_STEP_S
         elif step == 1:
             best = timing
+            if long and settled(first, timing):
+                return _lesser(best, first), forward_ops, long
         elif step > 1:
-            best = dict(mutated=best["mutated"], forward=_least(best["forward"], timing["forward"]),
-                        recompute=_least(best["recompute"], timing["recompute"]),
-                        backward=_least(best["backward"], timing["backward"]),
-                        step_forward=min(best["step_forward"], timing["step_forward"]),
-                        step_backward=min(best["step_backward"], timing["step_backward"]))
+            best = _lesser(best, timing)
             if long:
                 break
     return best, forward_ops, long
+
+
+def _lesser(best: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
+    """Each time the lesser of two hooked steps' (the buffers each unit changes: ``best``'s)."""
+    return dict(mutated=best["mutated"], forward=_least(best["forward"], timing["forward"]),
+                recompute=_least(best["recompute"], timing["recompute"]),
+                backward=_least(best["backward"], timing["backward"]),
+                step_forward=min(best["step_forward"], timing["step_forward"]),
+                step_backward=min(best["step_backward"], timing["step_backward"]))
 
 
 def _with_warm_times(timer: _Timer, forward_ops: tuple[LoggedOp, ...], long: bool, distributed: bool,
