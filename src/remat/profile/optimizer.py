@@ -13,7 +13,9 @@ parameters, one parameter at a time (profiling never holds a second copy of the 
 shadow step is called through the class (``type(opt).step(opt)``), never through an instance
 attribute, and with ``torch.optim``'s global step hooks paused (``remat._compat``). What a step
 creates on a shadow is the state the real step creates for that parameter: same class, same
-hyperparameters, same shape, dtype and device.
+hyperparameters, same shape, dtype and device. So parameters of one group alike in shape, strides, dtype,
+device and class are stepped once, and the first one's figures count for each (a GPT-2 small's 148 parameters are
+9 shapes: its 450 shadow steps took 1.9 s of planning under cProfile, issue #60).
 """
 
 from __future__ import annotations
@@ -141,8 +143,16 @@ def optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.devic
                 multi = multi or default_foreach(trainable, bool(hp.get("differentiable")))
             else:
                 multi = multi or bool(hp.get("foreach"))
+            seen: dict[tuple, tuple[int, int, float]] = {}  # a group's parameters alike step alike
             for p in trainable:
                 p = like[id(p)] if like is not None else p
+                alike = (tuple(p.shape), tuple(p.stride()), p.dtype, p.device, type(p))
+                if alike in seen:
+                    state, temp, seconds = seen[alike]
+                    state_bytes += state
+                    temps.append(temp)
+                    total_s += seconds
+                    continue
                 shadow = torch.zeros_like(p).requires_grad_(True)
                 shadow.grad = torch.zeros_like(p)
                 opt = independent_copy(optimizer, hp, [shadow])
@@ -154,11 +164,14 @@ def optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.devic
                         f"zero-filled parameter of shape {tuple(p.shape)} failed ({type(e).__name__}: {e}); "
                         "pass optimizer=None to leave its state out of the budget"
                     ) from e
-                state_bytes += tensor_bytes(_state_tensors(opt), device)
+                state = tensor_bytes(_state_tensors(opt), device)
                 with StorageTracker(device, ignore=[shadow, shadow.grad, *_state_tensors(opt)],
                                     count_fake=like is not None) as tr:
                     _step(opt)
-                total_s += clock.time(functools.partial(_step, opt))
+                seconds = clock.time(functools.partial(_step, opt))
+                seen[alike] = (state, tr.peak_bytes, seconds)
+                state_bytes += state
+                total_s += seconds
                 temps.append(tr.peak_bytes)
                 del opt, shadow
         temp = sum(temps) if multi else max(temps, default=0)
