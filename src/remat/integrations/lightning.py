@@ -13,10 +13,10 @@ is planned for its compiled training step, with the settings it was compiled wit
 which Lightning keeps; ``compile={...}`` overrides them). While remat profiles, ``self.log``/``self.log_dict`` of the module do nothing (a
 profiling step is not a training step), and what its ``training_step`` calls (11 on a 2-block GPT; 6 when the
 step's times are in remat's timing cache, Note [Timing cache] in remat.profile.cache; where a hand rule meets the
-budget and the model cannot tell it from the plan, up to 2 more, the rules' checked steps, and, where those steps do
-not confirm the model's ranking (on CUDA they can), timed passes: 4 where the first pair confirms it (after a
-warm-up pair), 36 at most (12 rounds of the plan and two rules; 24 for a step of a second or more), counted in
-``plan.rules_timing_passes``; Note [Plans timed beside the hand rules] in
+budget and the model cannot tell it from the plan, up to 2 more, the rules' checked steps (on a CPU only for a rule
+measured faster), and, where those steps do not confirm the model's ranking (on CUDA they can), timed passes: 3
+where the first pair confirms it, 33 at most (11 rounds of the plan and two rules; 21 for a step of a second or
+more), counted in ``plan.rules_timing_passes``; Note [Plans timed beside the hand rules] in
 remat.api.hand_rules) did to the
 module's attributes is undone afterwards (Note [Attributes kept] in remat.runtime.state: tensors, lists, dicts, sets,
 numbers, torchmetrics metrics); other side effects (prints, your own loggers, files) are not, and the plan's
