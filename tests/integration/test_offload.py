@@ -376,15 +376,31 @@ def test_for_a_gpu_the_replayed_step_frees_what_each_part_moves_and_no_more_than
         assert 0 < none.predicted_peak_bytes - plan.predicted_peak_bytes <= span.nbytes, key
 
 
-def test_a_layers_storages_come_back_early_only_at_the_next_layers_offloaded_backward():
-    """Note [Exposed copies]: ``h.0`` is brought back during ``h.1``'s backward only where ``h.1`` is offloaded too;
-    with ``h.1`` kept, ``h.2``'s backward no longer brings it back (before #56 it did, while ``h.1``'s backward ran,
-    which the memory model does not count); a block's attention and MLP are not paired."""
-    for names, ahead in ((["h.0", "h.1", "h.3"], {"h.1": "h.0"}), (["h.0", "h.2"], {}),
-                         (["h.1.attn", "h.1.mlp"], {})):
+def test_the_plan_pairs_offloaded_units_by_the_recorded_order_and_the_mechanism_installs_that():
+    """Note [Exposed copies] (issue #62): which unit's backward brings an offloaded unit's storages back early is
+    decided when the plan is made, from the order the recorded step ran its units, and carried by the plan: ``h.0``
+    by ``h.1``'s backward only where ``h.1`` is offloaded too; inside a block, the unit that runs next at its level
+    (``mlp`` after ``attn``), whatever the names, never across blocks; applied as the plan says (it was re-derived
+    from the names at apply time: ``layers.N`` before ``layers.N+1``, siblings never). Fails where apply time pairs
+    by name."""
+    from remat.rewrite import checkpoint_plan
+
+    planner, _ = _parts_of("h.1")
+    key = remat.costs.offload.offload_key
+    cases = ((["h.0", "h.1", "h.3"], {"h.1": "h.0"}), (["h.0", "h.2"], {}),
+             (["h.1.attn", "h.1.mlp"], {"h.1.mlp": "h.1.attn"}), (["h.1.attn", "h.2.attn"], {}))
+    for names, ahead in cases:
+        plan = planner.make_plan([key(n) for n in names], "offload")
+        assert plan.offload_ahead == ahead, names
+        assert remat.Plan.from_dict(plan.to_dict()).offload_ahead == ahead
         model, _, _ = _gpt()
-        offload_modules(model, names)
+        checkpoint_plan(model, plan)
         assert offloader_for(model).ahead == ahead, names
+    # the pairing is the plan's, not the names': none given, none installed; one given for a unit not offloaded, none
+    for given in (None, {"h.1": "h.0", "h.3": "h.2"}):
+        model, _, _ = _gpt()
+        offload_modules(model, ["h.0", "h.1", "h.3"], ahead=given)
+        assert offloader_for(model).ahead == ({} if given is None else {"h.1": "h.0"})
     model, idx, targets = _gpt()
     offload_modules(model, ["h.0", "h.2"])
     off = offloader_for(model)

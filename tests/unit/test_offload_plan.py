@@ -200,21 +200,26 @@ def test_a_unit_is_offloaded_once_whole_or_as_one_part_and_the_plan_names_the_pa
     assert Plan.from_dict(plan.to_dict()) == plan and "the rest stays on the device" in str(plan)
 
 
-def test_only_the_next_layer_pairs_a_units_copy_back():
-    """The mechanism brings a unit back early only at the next layer's backward (``u1`` after ``u0``, by name: Note
-    [Exposed copies]); the same chain with its units named ``attn``, ``mlp``, ``out`` pairs nothing, and both copies
-    back are waited for in full."""
+def test_the_next_unit_in_the_recorded_order_pairs_a_units_copy_back():
+    """Note [Exposed copies] (issue #62): a unit is brought back early at the backward of the unit that ran next at
+    its level, as recorded, whatever the names: ``u1`` after ``u0``, and the same chain with its units named
+    ``attn``, ``mlp``, ``out`` alike (by name it paired nothing there, and both copies back were waited for in
+    full). Only where that unit is offloaded too; the plan carries the pairing it priced."""
+    from remat.solve import Planner
+
     p = chain_profile([3_491_889_152, 64 * 2**20, 64 * 2**20], [8 * 2**20] * 3, [0.020, 0.040, 0.040])
     names = {"u0": "attn", "u1": "mlp", "u2": "out"}
     renamed = dataclasses.replace(p, units=tuple(dataclasses.replace(u, name=names[u.name]) for u in p.units))
     link = HostLink(54.5e9, 54.5e9)
-    paired, unpaired = MemoryModel(p, offload=link), MemoryModel(renamed, offload=link)
-    assert paired.offloads[offload_key("u0")].next_unit == "u1"
-    assert unpaired.offloads[offload_key("attn")].next_unit is None
-    both = [offload_key("attn"), offload_key("mlp")]
-    assert unpaired.exposed_copy_s(both) == pytest.approx((3_491_889_152 + 64 * 2**20) / 54.5e9)
-    # and the memory model keeps attn's storages gone until its own backward, not mlp's
-    assert unpaired.offloads[offload_key("attn")].back_at == renamed.unit("attn").recompute_at
+    for profile, (a, b) in ((p, ("u0", "u1")), (renamed, ("attn", "mlp"))):
+        model = MemoryModel(profile, offload=link)
+        assert model.offloads[offload_key(a)].next_unit == b
+        paired = [offload_key(a), offload_key(b)]
+        # the first's copy back (64 ms) hidden by the second's backward (80 ms); the second's waited for in full
+        assert model.exposed_copy_s(paired) == pytest.approx(64 * 2**20 / 54.5e9)
+        assert model.exposed_copy_s([offload_key(a)]) == pytest.approx(3_491_889_152 / 54.5e9)
+        plan = Planner(profile, offload=link).make_plan(paired, "paired")
+        assert plan.offload_ahead == {b: a}
 
 
 def test_the_ilps_copy_out_rows_count_each_units_own_copy():
@@ -244,15 +249,22 @@ def test_the_ilps_copy_out_rows_count_each_units_own_copy():
     assert model.exposed_copy_s([u0, u1]) == pytest.approx(0.0605, abs=1e-3)
 
 
-def test_the_model_pairs_layers_by_name_as_the_mechanism_does():
-    """The mechanism (remat.rewrite.offload.offload_modules) brings ``layers.0``'s storages back at ``layers.1``'s
-    backward wherever both are offloaded, also with another unit (``adapter.0``) between them; the model paired them
-    only when ``layers.1`` ran right after, so it counted ``layers.0``'s bytes off the device through ``adapter.0``'s
-    backward, where the mechanism had them back. Now the model's span says what the mechanism does."""
+def test_a_unit_between_two_layers_is_the_one_that_pairs():
+    """Note [Exposed copies] (issue #62): with another unit (``adapter.0``) run between ``layers.0`` and ``layers.1``,
+    ``layers.0`` comes back early at ``adapter.0``'s backward, the unit that ran next, where that one is offloaded too,
+    and never at ``layers.1``'s (by name the mechanism once paired ``layers.1`` with ``layers.0`` across the unit
+    between, and the model had to follow it); the plan says which pairs it priced, none for a unit alone."""
+    from remat.solve import Planner
+
     p = chain_profile([64 * 2**20] * 3, [8 * 2**20] * 3, [0.020, 0.020, 0.020])
     names = {"u0": "layers.0", "u1": "adapter.0", "u2": "layers.1"}
     p = dataclasses.replace(p, units=tuple(dataclasses.replace(u, name=names[u.name]) for u in p.units))
-    model = MemoryModel(p, offload=HostLink(54.5e9, 54.5e9))
+    link = HostLink(54.5e9, 54.5e9)
+    model = MemoryModel(p, offload=link)
     span = model.offloads[offload_key("layers.0")]
-    assert span.next_unit == "layers.1" and span.back_at == p.unit("layers.1").recompute_at
-    assert span.back_at < p.unit("adapter.0").recompute_at  # back before the unit between them runs its backward
+    assert span.next_unit == "adapter.0" and span.back_at == p.unit("adapter.0").recompute_at
+    planner = Planner(p, offload=link)
+    assert set(model.offloads) == {offload_key("layers.0"), offload_key("adapter.0")}  # layers.1: its copy too late
+    assert planner.make_plan([offload_key("layers.0")], "alone").offload_ahead == {}
+    both = [offload_key("layers.0"), offload_key("adapter.0")]
+    assert planner.make_plan(both, "both").offload_ahead == {"adapter.0": "layers.0"}

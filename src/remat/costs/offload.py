@@ -46,14 +46,14 @@ does (Note [Offloaded units] in remat.rewrite.offload), not by one window per pa
 * out: a unit's copies start with its forward (``OffloadSpan.start_s``) and queue behind those of the units
   before it; what the queue has not finished when the backward starts is paid:
   ``max(0, max over chosen k of (start_k + sum of copy_out_s of the chosen units from k on) - forward_s)``;
-* back: a unit's storages are brought back when the backward of the next layer starts where that layer is
-  offloaded too (one unit ahead; :func:`next_layer`: ``layers.4`` for ``layers.3``, which must also be the next
-  unit at its level to run forward), else at its own first use. Siblings that are not numbered layers
-  (a block's attention and MLP, registered in another order than they run) are not paired: the mechanism cannot
-  tell from the module tree whether another module runs between them. So with its next layer
-  (``OffloadSpan.next_unit``) offloaded too, its wait is what the next unit's backward does not hide (``paired_stall_s``); with the next
-  unit kept or recomputed nothing brings it back early and its backward waits for the whole copy
-  (``stall_s = copy_back_s``). Measured on the H200 (torchtitan's Llama, 4 layers, the first offloaded and the
+* back: a unit's storages are brought back when the backward of the next unit starts where that unit is offloaded
+  too (one unit ahead: the next candidate at its level in the order the recorded step ran them, ``layers.4`` after
+  ``layers.3``, a block's MLP after its attention), else at its own first use. The pairing is decided here, from
+  the recording, and carried by the plan (``Plan.offload_ahead``), which the mechanism installs as it is (issue
+  #62: it was once re-derived at apply time from the names, ``layers.N`` and ``layers.N+1``, which left siblings
+  registered in another order than they run unpaired). So with its next unit (``OffloadSpan.next_unit``) offloaded
+  too, its wait is what the next unit's backward does not hide (``paired_stall_s``); with the next unit kept or
+  recomputed nothing brings it back early and its backward waits for the whole copy (``stall_s = copy_back_s``). Measured on the H200 (torchtitan's Llama, 4 layers, the first offloaded and the
   other three recomputed, so nothing ahead of it: the case of ``stall_s``): 447-451 ms a step where every layer
   recomputed took 405; the old model, which let the next layer's backward hide the copy back whatever that layer
   did, predicted no wait at all (361 ms).
@@ -66,7 +66,6 @@ replaces, on the same device model.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,14 +105,6 @@ def offloaded_unit(variable: str) -> str | None:
     ``"offload:h.3~1"``; None for any other plan variable."""
     choice = offloaded_choice(variable)
     return None if choice is None else offloaded_module(choice)
-
-
-def next_layer(name: str) -> str | None:
-    """The unit the mechanism pairs ``name`` with (Note [Exposed copies]): the same name with its trailing number
-    one higher (``model.layers.4`` for ``model.layers.3``), the next entry of a list of layers; None for a name
-    without one. Whose backward may bring ``name``'s storages back early, where both are offloaded."""
-    m = re.fullmatch(r"(.*?)(\d+)", name)
-    return None if m is None else f"{m.group(1)}{int(m.group(2)) + 1}"
 
 
 @dataclass(frozen=True)
@@ -171,8 +162,8 @@ class OffloadSpan:
     ops: tuple[str, ...] = ()
     #: seconds it waits when ``next_unit`` is offloaded too (what that unit's backward does not hide)
     paired_stall_s: float = 0.0
-    #: the next layer (by name, wherever it runs after it), whose offloaded backward brings this one's storages back
-    #: (:func:`next_layer`); None: no such unit
+    #: the next unit at its level in the recorded step's order, whose offloaded backward brings this one's storages
+    #: back (Note [Exposed copies]); None: no such unit
     next_unit: str | None = None
     #: when its forward starts, seconds into the step's forward (its copies out start then at the earliest)
     start_s: float = 0.0
@@ -251,10 +242,9 @@ def _span(profile: Profile, name: str, u: UnitCost, drops: list, after: list[Uni
         if ran_s + rest_s < copy_s:
             return None  # its copy would still run when the backward starts: not offered
         gone = profile.backward_start
-    # Note [Exposed copies]: what brings it back early is the next layer (``layers.4`` after ``layers.3``), wherever it
-    # runs after it, as the mechanism pairs them (by name: remat.rewrite.offload.offload_modules); a unit between the
-    # two then runs its backward with these storages back (they return at the next layer's backward)
-    nxt = next((v for v in after if v.name == next_layer(name)), None)
+    # Note [Exposed copies]: what brings it back early is the next unit at its level in the recorded order, where it
+    # is offloaded too (the plan carries the pairing, Plan.offload_ahead; remat.rewrite.offload installs it)
+    nxt = after[0] if after else None
     back = min(nxt.recompute_at, u.recompute_at) if nxt is not None else u.recompute_at
     spans = tuple((d.nbytes, max(d.free_from, min(gone, back)), d.storage) for d in drops)
     if not spans or not any(at < back for _, at, _ in spans):

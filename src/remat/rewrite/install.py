@@ -152,7 +152,7 @@ def checkpoint_plan(model: nn.Module, plan: Plan) -> None:
     checkpoint_modules(model, plan.checkpointed, mutated_buffers=dict(plan.mutated_buffers),
                        saved_ops=dict(plan.saved_ops), random=plan.compiled_random)
     if plan.offloaded:
-        offload_modules(model, plan.offloaded, plan.offloaded_ops)
+        offload_modules(model, plan.offloaded, plan.offloaded_ops, plan.offload_ahead)
 
 
 def remove_checkpointing(model: nn.Module) -> list[str]:

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from remat._compat import storage_key, storage_ref
-from remat.costs.offload import MIN_OFFLOAD_BYTES, next_layer
+from remat.costs.offload import MIN_OFFLOAD_BYTES
 from remat.errors import InternalError
 from remat.rewrite.forwards import _RematForward
 from remat.runtime.host_copies import CopyPath, HostPool, copy_path, side_stream
@@ -133,8 +133,8 @@ class Offloader:
         self._seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}
         #: per unit, in forward order, the tensors it parked this step (for prefetching)
         self.parked: dict[str, list[weakref.ref]] = {}
-        #: per offloaded unit, the offloaded layer right before it (``layers.3`` for ``layers.4``), whose storages
-        #: its backward starts bringing back (Note [Exposed copies] in remat.costs.offload); set by
+        #: per offloaded unit, the offloaded unit run right before it at its level, whose storages its backward
+        #: starts bringing back (Note [Exposed copies] in remat.costs.offload: the plan's ``offload_ahead``); set by
         #: :func:`offload_modules`
         self.ahead: dict[str, str] = {}
         #: bytes copied out, in all, and tensors parked
@@ -258,7 +258,7 @@ class Offloader:
 
     def prefetch(self, unit: str) -> None:
         """Bring ``unit``'s parked storages back to the device, and start bringing back those of the offloaded
-        layer right before it (``ahead``, whose backward runs next; one unit ahead). Only that one: a unit kept or
+        unit run right before it (``ahead``, as the plan paired them: its backward runs next; one unit ahead). Only that one: a unit kept or
         recomputed in between would have them back while its own backward runs, which the memory model does not
         count (Note [Offload in the memory model]). ``unit``'s own first: its backward waits for
         them, and the side stream runs copies in the order they are issued."""
@@ -350,11 +350,14 @@ def offloader_for(model: nn.Module) -> Offloader:
     return Offloader()  # Note [Pinned at first run]: its copy path is decided at its units' first saved tensor
 
 
-def offload_modules(model: nn.Module, names: Any, ops: dict[str, tuple[str, ...]] | None = None) -> None:
+def offload_modules(model: nn.Module, names: Any, ops: dict[str, tuple[str, ...]] | None = None,
+                    ahead: dict[str, str] | None = None) -> None:
     """Offload the named modules' saved activations to host memory (Note [Offloaded units]; mutates ``model``).
     Modules only (not segments, regions or selective units); one already checkpointed or offloaded is refused. A
     part (``h.3~1``) moves only what the operators ``ops[part]`` made (Note [Offloaded parts] in
-    remat.costs.offload)."""
+    remat.costs.offload). ``ahead``: per offloaded module, the offloaded module whose storages its backward starts
+    bringing back (``Plan.offload_ahead``, decided from the recorded order: Note [Exposed copies] in
+    remat.costs.offload); none given, each unit's come back at its own backward."""
     from remat.costs.offload import PART, offloaded_module
     from remat.errors import InvalidInputError, PlanMismatchError
 
@@ -378,10 +381,7 @@ def offload_modules(model: nn.Module, names: Any, ops: dict[str, tuple[str, ...]
     offloader = offloader_for(model)
     for n in names:
         mods[n].forward = OffloadedForward(mods[n], n, offloader, parts[n])
-    # Note [Exposed copies] in remat.costs.offload: a layer's storages start coming back at the next layer's backward
-    # where that layer is offloaded too (the pairing the memory model counts), never at another unit's
+    # Note [Exposed copies] in remat.costs.offload: a unit's storages start coming back at the next unit's backward
+    # where that unit is offloaded too, as the plan that priced it pairs them, never at another unit's
     offloaded = {n for n, m in mods.items() if isinstance(m.__dict__.get("forward"), OffloadedForward)}
-    for n in offloaded:
-        after = next_layer(n)
-        if after in offloaded:
-            offloader.ahead[after] = n
+    offloader.ahead.update({n: u for n, u in (ahead or {}).items() if n in offloaded and u in offloaded})

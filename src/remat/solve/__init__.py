@@ -122,6 +122,9 @@ class Planner:
         offloaded = tuple(offloaded_choice(u) for u in every if offloaded_unit(u) is not None)
         parts = {offloaded_choice(u): self.model.offloads[u].ops for u in every
                  if u in self.model.offloads and self.model.offloads[u].ops}
+        # Note [Exposed copies] in remat.costs.offload: the pairing the model priced, for the mechanism to install
+        spans = [self.model.offloads[u] for u in every if u in self.model.offloads]
+        ahead = {s.next_unit: s.unit for s in spans if s.next_unit in {t.unit for t in spans}}
         bd = self.model.breakdown(every)
         copy_s = self.model.exposed_copy_s(every)
         recompute_s = self.model.recompute_s(chosen)
@@ -156,7 +159,7 @@ class Planner:
             saved_ops={u: p.unit(u).saved_ops for u in chosen if p.unit(u).saved_ops},
             nested_in=self.model.outer_of(chosen),
             tokens_per_step=p.tokens_per_step, model_flops=p.model_flops, peak_flops_per_s=p.peak_flops_per_s,
-            offloaded=offloaded, offloaded_ops=parts, predicted_offload_bytes=self.model.offloaded_bytes(every),
+            offloaded=offloaded, offloaded_ops=parts, offload_ahead=ahead, predicted_offload_bytes=self.model.offloaded_bytes(every),
             predicted_exposed_copy_s=copy_s,
         )
 

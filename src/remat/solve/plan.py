@@ -128,6 +128,10 @@ class Plan:
     #: for an offloaded part (``h.3~1``: Note [Offloaded parts] in remat.costs.offload), the operators of the
     #: module's forward whose outputs it moves (``aten.mm.default#1``); a whole module moves every saved storage
     offloaded_ops: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: per offloaded module, the offloaded module run right before it at its level, whose storages its backward
+    #: starts bringing back (Note [Exposed copies] in remat.costs.offload: decided from the recorded order when the
+    #: plan is made); a plan without it brings each unit back at its own backward
+    offload_ahead: dict[str, str] = field(default_factory=dict)
     #: bytes the offloaded units move each way per step, predicted
     predicted_offload_bytes: int = 0
     #: seconds of those copies the compute does not hide, predicted (in ``predicted_step_time_s``: Note [Offload in
@@ -268,6 +272,7 @@ class Plan:
         d["checkpointed"] = tuple(d["checkpointed"])
         d["offloaded"] = tuple(d.get("offloaded", ()))
         d["offloaded_ops"] = {k: tuple(v) for k, v in d.get("offloaded_ops", {}).items()}
+        d["offload_ahead"] = dict(d.get("offload_ahead", {}))
         d["model_signature"] = tuple((n, tuple(s)) for n, s in d.get("model_signature", ()))
         d["notes"] = tuple(d.get("notes", ()))
         d["mutated_buffers"] = {k: tuple(v) for k, v in d.get("mutated_buffers", {}).items()}

@@ -217,6 +217,7 @@ def unprefixed(plan: Plan, prefix: str) -> Plan:
     return dataclasses.replace(
         plan, checkpointed=tuple(map(name, plan.checkpointed)), offloaded=tuple(map(name, plan.offloaded)),
         saved_ops=keys(plan.saved_ops), offloaded_ops=keys(plan.offloaded_ops),
+        offload_ahead={name(k): name(v) for k, v in plan.offload_ahead.items()},
         nested_in={name(k): name(v) for k, v in plan.nested_in.items()},
         mutated_buffers={name(k): tuple(re.sub(f"^{re.escape(prefix)}", "", b) for b in v)
                          for k, v in plan.mutated_buffers.items()},
