@@ -1,6 +1,6 @@
 """The tables and footers the ``remat`` commands print.
 
-In: what a command measured (``remat tradeoff``'s :class:`~remat.sweeps.report.TradeoffRow` rows, ``remat
+In: what a command measured (``remat tradeoff``'s :class:`~remat.sweeps.rows.TradeoffRow` rows, ``remat
 profile``'s :class:`~remat.costs.unit_costs.Profile` and its planner), the device and the parsed command line.
 Out: rich tables and lines printed on the console ``out``. Used by the commands in :mod:`remat.cli`."""
 

@@ -1,6 +1,6 @@
 """The sweeps' results written out: the tradeoff rows as JSON, and plots of rows and batch sizes.
 
-In: :class:`~remat.sweeps.report.TradeoffRow` rows (with the run's metadata for JSON), or
+In: :class:`~remat.sweeps.rows.TradeoffRow` rows (with the run's metadata for JSON), or
 :class:`~remat.sweeps.sizing.BatchSizeReport` reports, a path and a title. Out: JSON text (:func:`rows_to_json`),
 or a PNG written to the path (:func:`plot_rows`: measured peak vs step time; :func:`plot_sizes`: samples per second
 by size; both need matplotlib). Used by the command line (``remat tradeoff --json/--plot``, ``remat maxbatch
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from remat.solve.plan import GiB, fmt_bytes
 
 if TYPE_CHECKING:
-    from remat.sweeps.report import TradeoffRow
+    from remat.sweeps.rows import TradeoffRow
 
 
 def rows_to_json(rows: list[TradeoffRow], meta: dict[str, Any]) -> str:

@@ -3,95 +3,35 @@
 ``tradeoff`` profiles once, makes remat's plan at every budget plus the usual hand rules,
 applies each distinct plan to the model, measures real training steps (peak memory and median
 step time) and returns one :class:`TradeoffRow` per (strategy, budget). Predicted figures come
-from the simulator; measured ones from :func:`remat.check.steps.measure_step`. The rows written out (JSON,
-plots) are :mod:`remat.sweeps.render`'s (``rows_to_json``, ``plot_rows``, ``plot_sizes``: importable from here too).
+from the simulator; measured ones from :func:`remat.check.steps.measure_step`. The rows and the budget sweep are
+:mod:`remat.sweeps.rows`' (``TradeoffRow`` and ``budget_sweep`` importable from here too), the table of a compiled loop
+:mod:`remat.sweeps.compiled`'s, the rows written out (JSON, plots) :mod:`remat.sweeps.render`'s (``rows_to_json``,
+``plot_rows``, ``plot_sizes``: importable from here too).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from remat.api import checked_reading, plan_checked, prepare_hf_for_training, remats_row
+from remat.api import plan_checked, prepare_hf_for_training, remats_row
 from remat.api.checking import least_checked
-from remat.api.hand_rules import rows_beside_rules, rows_decided
+from remat.api.table_rows import rows_beside_rules, rows_decided
 from remat.runtime.compiled import compiled_loop
 from remat.costs.unit_costs import Profile
 from remat.errors import InfeasibleBudgetError
 from remat.runtime.distributed import ranks_for
 from remat.runtime.measure import OptimizerFactory, default_loss, model_device, split_inputs
-from remat.check.compiled import CompiledComparison
 from remat.check.steps import measure_plans, measure_step_in_place
 from remat.solve.plan import Plan, fmt_bytes
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
-from remat.solve.calibrated import CompiledReading, Variant, plan_compiled
+from remat.sweeps.compiled import tradeoff_compiled
 from remat.sweeps.render import plot_rows, plot_sizes, rows_to_json  # noqa: F401 - re-exported
-
-
-@dataclass(frozen=True)
-class TradeoffRow:
-    """One line of the tradeoff table. Bytes and seconds; ``predicted_*`` from the simulator,
-    ``measured_*`` from real steps (None where not measured)."""
-
-    #: the row's strategy: "none", "every_block", ..., "remat" (block-level ILP) or "remat-op" (selective units allowed)
-    strategy: str
-    #: the budget of a remat row (bytes); None for a hand rule
-    budget_bytes: int | None
-    #: the units checkpointed, in forward order
-    checkpointed: tuple[str, ...]
-    #: the memory model's peak for the plan (bytes); None for an infeasible row
-    predicted_peak_bytes: int | None
-    #: peak of real training steps with the plan (bytes)
-    measured_peak_bytes: int | None
-    #: the plain step measured while profiling plus the plan's predicted recompute (seconds)
-    predicted_step_time_s: float | None
-    #: median of the real timed steps (seconds)
-    measured_step_time_s: float | None
-    #: measured step time over the measured no-checkpointing step time, minus 1
-    measured_overhead: float | None
-    #: the ILP's time for a remat row (seconds); None for a hand rule
-    solve_time_s: float | None
-    #: "optimal", "fits", "baseline", "infeasible", ...
-    status: str
-    #: whether the measured peak is within the budget (None without a budget or a measurement)
-    budget_met: bool | None
-    #: why a row has no plan (an unreachable budget: the least achievable peak)
-    note: str = ""
-    #: every timed step (seconds); with interleaved timing, entry i of every row is from round i
-    measured_step_times_s: tuple[float, ...] = ()
-    #: under torch.distributed, each rank's measured peak (``measured_peak_bytes`` is the largest)
-    measured_peak_per_rank_bytes: tuple[int, ...] = ()
-
-    @property
-    def units(self) -> int:
-        return len(self.checkpointed)
-
-
-#: table names of remat's own strategies
-_STRATEGY = {"ilp": "remat", "ilp-op": "remat-op"}
-
-
-@dataclass(frozen=True)
-class _Infeasible:
-    """Stands for a plan that no budget-meeting solution exists for."""
-
-    strategy: str
-
-
-def budget_sweep(planner: Planner, points: int, *, least_bytes: int | None = None) -> list[int]:
-    """``points`` budgets (bytes) evenly from the least achievable peak to the no-checkpointing peak: the
-    planner's predicted least, or ``least_bytes`` (the least peak the check measures, Note [The sweep starts
-    where the check meets it]) where that is higher."""
-    lo, hi = max(planner.min_peak_bytes, least_bytes or 0), planner.baseline_peak_bytes
-    if points <= 1 or hi <= lo:
-        return [max(hi, lo)]
-    return [int(lo + (hi - lo) * i / (points - 1)) for i in range(points)]
+from remat.sweeps.rows import REMAT_STRATEGY, Infeasible, TradeoffRow, budget_sweep, infeasible_row  # noqa: F401
 
 
 def _measured_sweep(model, inputs, loss_fn, planners: dict[str, Planner], granularities, points: int,
@@ -141,13 +81,13 @@ def tradeoff(
     (Note [Interleaved timing]) unless ``interleave`` is False; the default interleaves on CPU.
 
     ``compile`` (True, or a dict of ``torch.compile`` settings): every row is the compiled step's
-    (:func:`_tradeoff_compiled`): remat's plans as ``optimize_checkpointing(..., compile=...)`` makes them,
+    (:func:`tradeoff_compiled`): remat's plans as ``optimize_checkpointing(..., compile=...)`` makes them,
     predicted and measured peaks of compiled steps, step times of compiled forward and backward passes
     measured on ``model`` itself (restored after each) plus the optimizer step as profiled."""
     notes, undo = prepare_hf_for_training(model)  # every row is a training step as remat runs it (no KV cache)
     try:
         if compile:
-            return _tradeoff_compiled(model, inputs, profile, loss_fn=loss_fn or default_loss, budgets=budgets,
+            return tradeoff_compiled(model, inputs, profile, loss_fn=loss_fn or default_loss, budgets=budgets,
                                       points=points, warmup=warmup, repeats=repeats, granularities=granularities,
                                       loop=compiled_loop(model, model, compile), say=progress or (lambda m: None))
         return _tradeoff(model, inputs, profile, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
@@ -169,14 +109,9 @@ def _checked_plans(model, inputs, loss_fn, planners, granularities, budget: int,
             out.append(remats_row(plan_checked(model, args, kwargs, loss_fn, model_device(model), planners[gran], budget,
                                                ranks=ranks, checked=dict((checked or {}).get(gran, {}))), gran, budget))
         except InfeasibleBudgetError as e:
-            out.append((_Infeasible("ilp" if gran == "block" else "ilp-op"), budget,
+            out.append((Infeasible("ilp" if gran == "block" else "ilp-op"), budget,
                         f"below the least achievable peak {fmt_bytes(e.min_feasible_bytes)}"))
     return out
-
-
-def _infeasible_row(plan: "_Infeasible", budget: int | None, note: str) -> TradeoffRow:
-    return TradeoffRow(_STRATEGY.get(plan.strategy, plan.strategy), budget, (), None, None, None, None, None, None,
-                       "infeasible", None, note)
 
 
 def _tradeoff_ranks(model, inputs, profile, ranks, planners, sweep, plans, *, loss_fn, optimizer_factory, warmup,
@@ -189,7 +124,7 @@ def _tradeoff_ranks(model, inputs, profile, ranks, planners, sweep, plans, *, lo
                                 first_checked if i == 0 else None)
     distinct: dict[frozenset[str], Plan] = {}
     for plan, _, _ in plans:
-        if not isinstance(plan, _Infeasible) and plan.solver_status != "infeasible":
+        if not isinstance(plan, Infeasible) and plan.solver_status != "infeasible":
             distinct.setdefault(frozenset(plan.checkpointed), plan)
     measured: dict[frozenset[str], tuple[tuple[int, ...], tuple[float, ...]]] = {}
     for i, (key, plan) in enumerate(distinct.items()):
@@ -206,17 +141,17 @@ def _tradeoff_ranks(model, inputs, profile, ranks, planners, sweep, plans, *, lo
     plain_time = statistics.median(measured[frozenset()][1]) if frozenset() in measured else None
     rows = []
     for plan, budget, note in plans:
-        if isinstance(plan, _Infeasible):
-            rows.append(_infeasible_row(plan, budget, note))
+        if isinstance(plan, Infeasible):
+            rows.append(infeasible_row(plan, budget, note))
             continue
         peaks, times = measured[frozenset(plan.checkpointed)]
         step_s = statistics.median(times) if times else None
         rows.append(TradeoffRow(
-            strategy=_STRATEGY.get(plan.strategy, plan.strategy), budget_bytes=budget, checkpointed=plan.checkpointed,
+            strategy=REMAT_STRATEGY.get(plan.strategy, plan.strategy), budget_bytes=budget, checkpointed=plan.checkpointed,
             predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=max(peaks),
             predicted_step_time_s=plan.predicted_step_time_s, measured_step_time_s=step_s,
             measured_overhead=step_s / plain_time - 1 if step_s is not None and plain_time else None,
-            solve_time_s=plan.solve_time_s if plan.strategy in _STRATEGY else None, status=plan.solver_status,
+            solve_time_s=plan.solve_time_s if plan.strategy in REMAT_STRATEGY else None, status=plan.solver_status,
             budget_met=None if budget is None else max(peaks) <= budget, note=note, measured_step_times_s=times,
             measured_peak_per_rank_bytes=peaks,
         ))
@@ -260,7 +195,7 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
     beside = rows_beside_rules(plans, [planner.every_nth_block(1), planner.every_nth_block(2)])
     distinct: dict[frozenset[str], Plan] = {}
     for plan in [p for p, _, _ in plans] + [r for near in beside.values() for r in near]:
-        if not isinstance(plan, _Infeasible) and plan.solver_status != "infeasible":
+        if not isinstance(plan, Infeasible) and plan.solver_status != "infeasible":
             distinct.setdefault(frozenset(plan.checkpointed), plan)
     order = list(distinct.items())
     # Note [Warm-up]: the first steps of a process run slow (thread pools, allocator, clocks): on the
@@ -280,10 +215,10 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
                                                    measured[frozenset(p.checkpointed)].step_times_s))
     rows = []
     for plan, budget, note in plans:
-        if isinstance(plan, _Infeasible):
-            rows.append(_infeasible_row(plan, budget, note))
+        if isinstance(plan, Infeasible):
+            rows.append(infeasible_row(plan, budget, note))
             continue
-        name = _STRATEGY.get(plan.strategy, plan.strategy)
+        name = REMAT_STRATEGY.get(plan.strategy, plan.strategy)
         if plan.strategy == "greedy" and plan.solver_status == "infeasible":
             rows.append(TradeoffRow("greedy", budget, plan.checkpointed, plan.predicted_peak_bytes, None, None, None,
                                     None, plan.solve_time_s, "infeasible", None, note))
@@ -294,105 +229,7 @@ def _tradeoff(model, inputs, profile, *, loss_fn, optimizer_factory, budgets, po
             predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=m.peak_bytes,
             predicted_step_time_s=plan.predicted_step_time_s, measured_step_time_s=m.step_time_s,
             measured_overhead=m.step_time_s / plain_time - 1 if plain_time > 0 else None,
-            solve_time_s=plan.solve_time_s if plan.strategy in _STRATEGY else None, status=plan.solver_status,
+            solve_time_s=plan.solve_time_s if plan.strategy in REMAT_STRATEGY else None, status=plan.solver_status,
             budget_met=None if budget is None else m.peak_bytes <= budget, note=note,
             measured_step_times_s=tuple(m.step_times_s)))
     return rows
-
-
-def _tradeoff_compiled(model, inputs, profile, *, loss_fn, budgets, points, warmup, repeats, granularities,
-                       loop, say) -> list[TradeoffRow]:
-    """Note [Compiled tradeoff]: the table for a compiled loop. Every plan's peak is measured on a compiled step
-    (Note [Compiled steps] in remat.solve.calibrated; one measurement per distinct plan, shared by the hand
-    rules and every budget), remat's rows are ``plan_compiled``'s plans, and the budgets run from the least
-    compiled peak measured to the compiled no-checkpointing peak. Step times: ``repeats`` compiled forward and
-    backward passes per plan after ``warmup``, on ``model`` itself (its gradients, buffers and RNG restored
-    after each: no copy of the model), plus the optimizer step's profiled time."""
-    args, kwargs = split_inputs(inputs)
-    device = model_device(model)
-    planners = {g: Planner(profile, granularity=g, regions=False) for g in granularities}
-    first = planners[granularities[0]]
-    measured: dict[Variant, int] = {}  # by Plan.variant
-    programs: dict[Variant, int | None] = {}
-    times: dict[Variant, tuple[float, ...]] = {}
-    compare = CompiledComparison(loop)  # Note [Two programs per plan] in remat.solve.calibrated
-
-    def measure(plan: Plan) -> CompiledReading:
-        """The compiled peak; the step is timed in the same compile (each plan compiles once)."""
-        say(f"compiling and measuring {plan.strategy} ({len(plan.checkpointed)} units"
-            f"{', random operators recomputed' if plan.compiled_random == 'recompute' else ''})")
-
-        def timed(call) -> None:
-            times[plan.variant] = _compiled_step_times(model, call, args, kwargs, loss_fn, device, profile,
-                                                       warmup, repeats)
-
-        return checked_reading(model, plan, args, kwargs, loss_fn, device, profile, loop, then=timed, compare=compare)
-
-    plans: list[tuple[Plan | _Infeasible, int | None, str]] = []
-    for rule in first.baselines():
-        if rule.checkpointed not in measured:
-            reading = measure(rule)
-            measured[rule.variant], programs[rule.variant] = reading.peak_bytes, reading.program_bytes
-        plans.append((dataclasses.replace(rule, checked_peak_bytes=measured[rule.variant], compiled=str(loop)),
-                      None, ""))
-    if budgets is None:
-        lo = min(measured.values())
-        try:
-            plan_compiled(first, 0, measure, loop=str(loop), measured=measured, programs=programs,
-                          proved=compare.proved)
-        except InfeasibleBudgetError as e:
-            lo = e.min_feasible_bytes
-        hi = measured[first.no_checkpointing().variant]
-        budgets = [hi] if points <= 1 or hi <= lo else [int(lo + (hi - lo) * i / (points - 1)) for i in range(points)]
-    for b in budgets:
-        say(f"planning for {fmt_bytes(b)}")
-        for g in granularities:
-            try:
-                plans.append((plan_compiled(planners[g], b, measure, loop=str(loop), measured=measured,
-                                            programs=programs, proved=compare.proved),
-                              b, ""))
-            except InfeasibleBudgetError as e:
-                plans.append((_Infeasible("ilp" if g == "block" else "ilp-op"), b,
-                              f"below the least achievable compiled peak {fmt_bytes(e.min_feasible_bytes)}"))
-    plain = times.get(first.no_checkpointing().variant)
-    plain_s = statistics.median(plain) if plain else None
-    rows = []
-    for plan, budget, note in plans:
-        if isinstance(plan, _Infeasible):
-            rows.append(_infeasible_row(plan, budget, note))
-            continue
-        ts = times[plan.variant]
-        step_s = statistics.median(ts)
-        peak = plan.checked_peak_bytes
-        rows.append(TradeoffRow(
-            strategy=_STRATEGY.get(plan.strategy, plan.strategy), budget_bytes=budget, checkpointed=plan.checkpointed,
-            # a hand rule's compiled peak is not predicted: it is one of the measured points
-            predicted_peak_bytes=plan.predicted_peak_bytes if budget is not None else None,
-            measured_peak_bytes=peak, predicted_step_time_s=plan.predicted_step_time_s, measured_step_time_s=step_s,
-            measured_overhead=step_s / plain_s - 1 if plain_s else None,
-            solve_time_s=plan.solve_time_s if plan.strategy in _STRATEGY else None, status=plan.solver_status,
-            budget_met=None if budget is None else peak <= budget,
-            note="; ".join(n for n in (note or ("" if budget is not None else "compiled peak measured"),
-                                       "random operators recomputed" if plan.compiled_random == "recompute" else "")
-                           if n),
-            measured_step_times_s=ts))
-    return rows
-
-
-def _compiled_step_times(model, call, args, kwargs, loss_fn, device, profile, warmup: int,
-                         repeats: int) -> tuple[float, ...]:
-    """Seconds of ``repeats`` compiled forward-and-backward passes (``call``: the compiled forward, already
-    compiled) after ``warmup`` more, each plus the optimizer step's profiled time (Note [Compiled tradeoff]).
-    ``model``'s gradients, buffers and RNG state are as before."""
-    from remat.runtime.measure import Clock, run_step, trainable_parameters
-    from remat.runtime.state import fresh_grads, preserved
-
-    clock = Clock(device)
-    with preserved(model), torch.random.fork_rng(devices=[]):
-        out = []
-        for i in range(warmup + repeats):
-            with fresh_grads(trainable_parameters(model)):
-                s = clock.time(lambda: run_step(call, args, kwargs, loss_fn, output_alive=profile.output_alive))
-            if i >= warmup:
-                out.append(s + profile.optimizer_s)
-        return tuple(out)
