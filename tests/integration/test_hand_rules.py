@@ -133,6 +133,23 @@ def test_a_decided_rule_drops_out_while_another_is_timed(planner):
     assert hand_rules.still_undecided([plan + [1.0] * 2, slower + [1.1] * 2]) == [0]
 
 
+def test_the_median_pair_confirms_the_model_from_the_third_round():
+    """issue #60: a rule whose first pair is off (a slow first pass) but whose median pair, from ROUNDS_MIN rounds
+    on, confirms the model is timed no more (before, pairs off kept the quartiles across 0 up to the most rounds);
+    the second round confirms nothing by its median (two pairs: one off moves it); the quartiles' rule still decides
+    the rest (fails where the confirmation is the first pair's only, or any round's)."""
+    def confirms(i, plan_s, rule_s):  # the model predicts the rule 0.1 s slower: 0.05-0.3 measured confirms it
+        return 0.05 <= rule_s - plan_s <= 0.3
+
+    plan = [1.0, 1.0, 1.0]
+    off = [0.4, 1.1, 1.12]  # the first pair off (the rule's first pass fast), then 0.1 and 0.12 slower
+    assert hand_rules.still_undecided([plan[:1], off[:1]], confirms=confirms) == [0, 1]
+    assert hand_rules.still_undecided([plan[:2], off[:2]], confirms=confirms) == [0, 1]  # median 0.35: not yet
+    assert hand_rules.still_undecided([plan, off], confirms=confirms) == [0]  # median 0.1: confirmed
+    assert hand_rules.still_undecided([plan, off]) == [0, 1]  # unconfirmed, the quartiles straddle 0
+    assert hand_rules.still_undecided([plan[:1], [1.1]], confirms=confirms) == [0]  # the first pair confirms
+
+
 def test_confirmed_holds_the_model_to_a_measured_pair(planner):
     """confirmed: the predicted difference at least FLOOR_MARGIN of the rule's step and at least half of it measured
     (the figures are set here)."""

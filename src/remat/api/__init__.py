@@ -10,8 +10,8 @@ failure.
                  with its checked peak, nothing timed
 - ``hand_rules`` fastest_checked: the checked plan raced beside the hand rules that meet its budget, where the model
                  cannot tell them apart (Note [Plans timed beside the hand rules]) -> the plan, or the rule measured
-                 faster; checked_plan, the public call of it; rows_decided: the same race decided by a tradeoff
-                 table's own rounds
+                 faster; checked_plan, the public call of it
+- ``table_rows`` rows_decided: the same race decided by a tradeoff table's own rounds (remats_row: remat's row)
 - ``apply``      apply_plan: a saved Plan applied to a model, checked against its fingerprint
 - ``inputs``     what the user passed, validated, and whose failure a failure is (InvalidInputError or
                  InternalError, Note [Whose failure])
@@ -26,7 +26,8 @@ from remat.api.checking import (
     peak_with_plan,
     plan_checked,
 )
-from remat.api.hand_rules import checked_plan, remats_row
+from remat.api.hand_rules import checked_plan
+from remat.api.table_rows import remats_row
 from remat.api.inputs import model_signature, stage, validate
 from remat.api.optimize import optimize_checkpointing
 from remat.api.hf import prepare_hf_for_training
