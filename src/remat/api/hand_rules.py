@@ -296,8 +296,8 @@ def race_hand_rules(
 
 
 def _decided(plan: Plan, budget_bytes: int, candidates: list[Plan], times: list, steps_s: list,
-             check: Callable[[Plan], int], where: str, known: Callable[[Plan], bool] = lambda p: True,
-             confirms: Callable[[Plan, float], bool] | None = None) -> Race:
+             check: Callable[[Plan], int], where: str, *, known: Callable[[Plan], bool],
+             confirms: Callable[[Plan, float], bool]) -> Race:
     """The race's outcome from the checked steps' times and the pairs, and its note. ``known``: whether a plan's peak
     was checked already; a rule measured faster, or left undecided, is checked here before it is returned (on a CPU
     a rule is timed before its peak is checked: one measured slower is never checked). ``confirms(rule, rule_less_
@@ -307,8 +307,8 @@ def _decided(plan: Plan, budget_bytes: int, candidates: list[Plan], times: list,
         if times[0] else []
     # a rule the pairs could not tell from the plan when the rounds ended (not confirmed slower either) is returned
     # too: the plan was not shown faster, and the rule is as fast within the noise (Note [Plans timed beside ...])
-    untold = {id(t) for t in results if t.undecided and not (confirms is not None and (
-        t.rounds == 1 or t.rounds >= ROUNDS_MIN) and confirms(t.rule, -t.paired_s))}
+    untold = {id(t) for t in results if t.undecided and not (
+        (t.rounds == 1 or t.rounds >= ROUNDS_MIN) and confirms(t.rule, -t.paired_s))}
     winner, over = None, []
     for t in sorted(results, key=lambda t: not t.rule_faster):
         if not (t.rule_faster or id(t) in untold) or winner is not None:

@@ -31,7 +31,7 @@ from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.solve import Planner
 from remat.sweeps.compiled import tradeoff_compiled
 from remat.sweeps.render import plot_rows, plot_sizes, rows_to_json  # noqa: F401 - re-exported
-from remat.sweeps.rows import REMAT_STRATEGY, Infeasible, TradeoffRow, budget_sweep, infeasible_row  # noqa: F401
+from remat.sweeps.rows import REMAT_STRATEGY, Infeasible, TradeoffRow, budget_sweep, infeasible_row
 
 
 def _measured_sweep(model, inputs, loss_fn, planners: dict[str, Planner], granularities, points: int,
