@@ -191,6 +191,7 @@ class _CompiledSearch:
         self.before = len(self.measured)
         self.least_note = ""  # set where the least peak reported is not measured compiled
         self.least = planner.min_peak_bytes
+        self.least_measured = False  # the least peak measured compiled, not the eager prediction
         self.none = agree(planner.no_checkpointing())
         #: what the plans solved from now on do with random operators (Note [Two programs per plan])
         self.random = "keep"
@@ -249,7 +250,8 @@ class _CompiledSearch:
         random = self.random_note(plan)
         return dataclasses.replace(
             plan, budget_bytes=self.budget_bytes, predicted_peak_bytes=predicted, checked_peak_bytes=peak,
-            baseline_peak_bytes=self.check(self.none), min_peak_bytes=self.least, compiled=self.loop,
+            baseline_peak_bytes=self.check(self.none), min_peak_bytes=self.least, min_peak_checked=self.least_measured,
+            compiled=self.loop,
             notes=tuple(n for n in plan.notes if n != UNDER_COMPILE) + (note,) + ((random,) if random else ()))
 
     def random_note(self, plan: Plan) -> str:
@@ -317,7 +319,7 @@ class _CompiledSearch:
             # the least-memory plan is measured only where the budget is below every block's compiled peak (or it
             # was measured already): above it, the interpolation between every block and no checkpointing serves
             anchors.append(self.proven(least_plan))
-            self.least = min(self.check(p) for p in anchors)
+            self.least, self.least_measured = min(self.check(p) for p in anchors), True
             if budget_bytes < self.least:
                 raise planner.infeasible(budget_bytes, least_bytes=self.least, compiled=self.loop)
         else:  # a promise remat did not measure: the least peak is the eager prediction, and the plan says so

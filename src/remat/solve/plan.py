@@ -49,7 +49,7 @@ class Plan:
     predicted_peak_bytes: int
     #: predicted peak with nothing checkpointed (bytes)
     baseline_peak_bytes: int
-    #: the least peak any plan reaches (bytes)
+    #: the least peak any plan reaches (bytes): measured where ``min_peak_checked``, else predicted
     min_peak_bytes: int
     #: the predicted peak split by category
     breakdown: PeakBreakdown
@@ -143,6 +143,9 @@ class Plan:
     #: checked steps run for it, measured (Note [Plans timed beside the hand rules] in remat.api.hand_rules)
     rules_timing_passes: int = 0
     rules_timing_s: float = 0.0
+    #: ``min_peak_bytes`` was measured on a real step (Note [Least peak is a promise] in remat.api.checking: only
+    #: where the budget is near it or a plan failed), not predicted
+    min_peak_checked: bool = False
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -194,7 +197,8 @@ class Plan:
                f"{'; random operators recomputed in checkpointed units' if self.compiled_random == 'recompute' else ''}"]
               if self.compiled else []),
             f"  predicted peak:       {fmt_bytes(self.predicted_peak_bytes)}{' (compiled)' if self.compiled else ''}"
-            f"  (no checkpointing: {fmt_bytes(self.baseline_peak_bytes)}, least possible: {fmt_bytes(self.min_peak_bytes)})",
+            f"  (no checkpointing: {fmt_bytes(self.baseline_peak_bytes)}, least possible: {fmt_bytes(self.min_peak_bytes)} "
+            f"{'measured' if self.min_peak_checked else 'predicted'})",
             *([f"  target:               {self.target} (predicted, not measured)",
                f"  predicted reserved:   {fmt_bytes(self.predicted_reserved_bytes)}  (the CUDA caching allocator "
                "replayed over two recorded steps; the budget applies to it)",
@@ -249,7 +253,7 @@ class Plan:
             for part, ops in self.offloaded_ops.items():
                 lines.append(f"    {part}: the outputs of {len(ops)} of {offloaded_module(part)}'s operators "
                              f"({', '.join(ops[:4])}{', ...' if len(ops) > 4 else ''}); the rest stays on the device")
-        if self.rules_timing_s:
+        if self.rules_timing_passes or round(self.rules_timing_s, 1):
             lines.append(f"  timed beside hand rules: {self.rules_timing_passes} forward and backward passes, "
                          f"{self.rules_timing_s:.1f} s measured (the rules' checked steps included)")
         lines += [f"  note: {n}" for n in self.notes]

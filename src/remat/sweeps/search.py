@@ -45,8 +45,8 @@ class SizeRow:
     fits: bool
     #: the plan for this size (None when nothing fits)
     plan: Plan | None
-    #: the least peak any plan reaches at this size (bytes): measured on real steps when the size was
-    #: checked for real (Note [Least peak is a promise] in remat.api), else predicted
+    #: the least peak any plan reaches at this size (bytes): measured on real steps where ``least_peak_measured``,
+    #: else predicted (Note [Least peak is a promise] in remat.api.checking)
     least_peak_bytes: int
     #: the plan's peak, measured on one real step (optimizer predicted); None when not run
     measured_peak_bytes: int | None = None
@@ -212,6 +212,14 @@ class _Search:
                                    else None, peak)
         return self.checked[n][0] is not None
 
+    def least_measured(self, n: int) -> bool:
+        """Whether size ``n``'s least peak was measured: checked for real and, for a plan within the budget, its
+        least checked with it (not where the budget was roomy: Note [Least peak is a promise] in remat.api.checking)."""
+        if n not in self.checked:
+            return False
+        plan = self.checked[n][0]
+        return plan is None or self.strategy != "ilp" or plan.min_peak_checked
+
     def measure_peak(self, plan: Plan, n: int) -> int:
         """Peak of one real step at size ``n`` with ``plan`` (optimizer as profiled)."""
         args, kwargs, loss_fn = self.batch(n)
@@ -287,7 +295,7 @@ class _Search:
         rows.append(SizeRow(refused, False, None, self.checked.get(refused, (None, 0))[1],
                             source="profiled" if refused in self.profiles else "fitted",
                             why=self.broken.get(refused, "its least measured peak is over the budget"),
-                            least_peak_measured=refused in self.checked))
+                            least_peak_measured=self.least_measured(refused)))
         timed = [r for r in rows if r.fits and r.measured_samples_per_s is not None]
         best = max(timed, key=lambda r: r.measured_samples_per_s)
         top = next(r for r in rows if r.size == lo)
@@ -297,8 +305,8 @@ class _Search:
     def _row(self, n: int, repeats: int) -> SizeRow:
         """Size ``n``'s plan with its measured peak and samples per second; real checks where the fitted plan
         measures over the budget."""
-        measured = n in self.checked
-        if measured:
+        measured = self.least_measured(n)
+        if n in self.checked:
             plan, least = self.checked[n]
         else:
             plan, least = self.predicted(n), self.least(n)
@@ -307,7 +315,7 @@ class _Search:
                 if plan.checked_peak_bytes > self.budget_bytes:
                     self.real(n)  # a size that cannot run at all stays without a plan
                     plan, least = self.checked.get(n, (None, least))
-                    measured = n in self.checked
+                    measured = self.least_measured(n)
         source = "profiled" if n in self.profiles else "fitted"
         if plan is None:
             return SizeRow(n, False, None, least, source=source, least_peak_measured=measured)
