@@ -11,6 +11,8 @@ failure.
 - ``hand_rules`` fastest_checked: the checked plan raced beside the hand rules that meet its budget, where the model
                  cannot tell them apart (Note [Plans timed beside the hand rules]) -> the plan, or the rule measured
                  faster; checked_plan, the public call of it
+- ``margins``    which rules the plan is timed beside: the model's error measured on the checked steps (Note [The
+                 model's measured error]) and when a pair confirms the model; no torch
 - ``table_rows`` rows_decided: the same race decided by a tradeoff table's own rounds (remats_row: remat's row)
 - ``apply``      apply_plan: a saved Plan applied to a model, checked against its fingerprint
 - ``inputs``     what the user passed, validated, and whose failure a failure is (InvalidInputError or

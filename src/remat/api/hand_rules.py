@@ -11,7 +11,8 @@ measured at 1.3x every block's overhead on a CPU (issue #56), and on the H200 a 
 11% faster than every block ran 16% slower (its host time, since modelled).
 
 Where a hand rule meets the budget by its prediction and the chosen plan is predicted faster than it by less than
-TIMED_MARGIN of the rule's predicted step, the model is held to a measured pair of the two: the predicted difference
+the model's error measured on this call's checked steps (Note [The model's measured error] below; TIMED_MARGIN where
+none was timed) of the rule's predicted step, the model is held to a measured pair of the two: the predicted difference
 d (the rule's predicted step less the plan's) against the measured one m (the rule's forward and backward less the
 plan's). Where CONFIRMED x d <= m <= CONFIRMED_MOST x d and d >= FLOOR_MARGIN of the rule's predicted forward and
 backward, the model's error on this pair, on this device, is under half the difference it predicts: its ranking
@@ -71,6 +72,7 @@ nor compiled loops (each plan a compile of its own: Note [Compiled steps] in rem
 ``check=False`` (no real step at all), nor with the environment variable ``REMAT_TIME_HAND_RULES=0`` (the plan as
 the model ranks it, no steps timed: the test suite's setting, where a plan must not hang on this machine's noise;
 tests/integration/test_hand_rules.py turns it on).
+
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ from torch import nn
 
 from remat._compat import uncompiled
 from remat.api.checking import plan_checked
+from remat.api.margins import FLOOR_MARGIN, TIMED_MARGIN, confirmed, measured_error, name_of, rules_in_budget, \
+    rules_to_time, trusted_note
 from remat.api.hf import prepare_hf_for_training
 from remat.api.inputs import validate
 from remat.check.steps import time_plans_in_place
@@ -97,14 +101,6 @@ from remat.runtime.state import preserved
 from remat.solve import Planner
 from remat.solve.plan import GiB, Plan
 
-#: a hand rule is compared with the plan where the plan is predicted faster by less than this fraction of the rule's
-#: predicted step: the time model's accuracy where it was held to measured steps (+-10%); beyond it, trusted
-TIMED_MARGIN = 0.10
-#: below this fraction of the rule's predicted forward and backward, one pair of checked steps confirms nothing
-FLOOR_MARGIN = 0.03
-#: a pair confirms the model where it measures at least CONFIRMED of the predicted difference and at most
-#: CONFIRMED_MOST times it (more says the pair is off, or the model: not a confirmation of it)
-CONFIRMED, CONFIRMED_MOST = 0.5, 3.0
 #: paired rounds: at least ROUNDS_MIN, then each rule until its pairs decide, up to ROUNDS_MAX (LONG_ROUNDS_MAX for a
 #: step of LONG_STEP_S or more, the profile's step time)
 ROUNDS_MIN, ROUNDS_MAX, LONG_ROUNDS_MAX = 3, 11, 7
@@ -157,30 +153,6 @@ class Race:
 def timing_off() -> bool:
     """``REMAT_TIME_HAND_RULES=0``: plans as the model ranks them, nothing timed."""
     return os.environ.get("REMAT_TIME_HAND_RULES", "1").strip().lower() in ("0", "false", "off", "no")
-
-
-def rules_to_time(plan: Plan, budget_bytes: int, rules: list[Plan]) -> list[Plan]:
-    """The hand rules the plan is compared with: those predicted within the budget, other than the plan, that the
-    plan is predicted to beat by less than TIMED_MARGIN of their step (no torch: the predictions decide)."""
-    out = []
-    for rule in rules:
-        if not rule.checkpointed or rule.choices == plan.choices or rule.predicted_peak_bytes > budget_bytes:
-            continue
-        if rule.predicted_step_time_s - plan.predicted_step_time_s < TIMED_MARGIN * rule.predicted_step_time_s:
-            out.append(rule)
-    return out
-
-
-def confirmed(plan: Plan, rule: Plan, plan_s: float | None, rule_s: float | None, optimizer_s: float) -> bool:
-    """Whether the checked steps (``plan_s``, ``rule_s``: forward and backward seconds, None where unknown) confirm
-    that ``plan`` is faster than ``rule`` as predicted: the predicted difference at least FLOOR_MARGIN of the rule's
-    predicted forward and backward, and between CONFIRMED and CONFIRMED_MOST of it measured (Note [Plans timed beside
-    the hand rules])."""
-    if plan_s is None or rule_s is None:
-        return False
-    predicted = rule.predicted_step_time_s - plan.predicted_step_time_s
-    return predicted >= FLOOR_MARGIN * (rule.predicted_step_time_s - optimizer_s) and \
-        CONFIRMED * predicted <= rule_s - plan_s <= CONFIRMED_MOST * predicted
 
 
 def faster_of(plan_times: tuple[float, ...], timed: list[tuple[Plan, tuple[float, ...]]]) -> list[Timed]:
@@ -250,7 +222,19 @@ def race_hand_rules(
     ``check_s`` the forward and backward seconds of the steps it checked (filled in)."""
     started, before = time.perf_counter(), set(check_s)
     output_alive = planner.profile.output_alive
-    near = rules_to_time(plan, budget_bytes, rules)
+    within = rules_in_budget(plan, budget_bytes, rules)
+    ours = [plan, *within]
+    error = cache.model_error(  # (kept with the step's times: a call reading them reads this too)
+        cache.paired_key(device, _step_of(planner, ours, output_alive), [["error"], *(p.choices for p in ours)]),
+        lambda: measured_error(ours, check_s, planner.profile.optimizer_s)) if within else None
+    margin = TIMED_MARGIN if error is None else max(FLOOR_MARGIN, error[0])
+    margin_said = (f"{margin:.1%}, the model's error measured on this call's checked steps ({error[1]}; at least "
+                   f"{FLOOR_MARGIN:.0%}: Note [The model's measured error])" if error is not None else
+                   f"{TIMED_MARGIN:.0%}, no step of this call timed to measure the model's error")
+    near = rules_to_time(plan, budget_bytes, within, margin)
+    trusted = [r for r in within if r not in near]
+    if trusted and not near:
+        return Race(plan, seconds=time.perf_counter() - started, note=trusted_note(plan, trusted, margin_said))
     # on CUDA the rules' checked steps are the first pair: each is checked now; on a CPU a rule's peak is checked
     # only where it is measured faster (it would be returned), or where it was checked already
     cuda = device.type == "cuda"
@@ -286,7 +270,7 @@ def race_hand_rules(
             times = [list(raced[0])] + [[] if ok else list(next(it)) for ok in sure]
         cache.store_paired(key, times, steps_s)
     passes = sum(len(t) for t in times) if where == "measured now" else 0
-    race = _decided(plan, budget_bytes, candidates, times, steps_s, check, where,
+    race = _decided(plan, budget_bytes, candidates, times, steps_s, check, where, margin_said,
                     known=lambda rule: rule.choices in check_s,
                     confirms=lambda rule, diff_s: confirmed(plan, rule, 0.0, diff_s, planner.profile.optimizer_s))
     return dataclasses.replace(race, passes=passes, seconds=time.perf_counter() - started,
@@ -296,7 +280,7 @@ def race_hand_rules(
 
 
 def _decided(plan: Plan, budget_bytes: int, candidates: list[Plan], times: list, steps_s: list,
-             check: Callable[[Plan], int], where: str, *, known: Callable[[Plan], bool],
+             check: Callable[[Plan], int], where: str, margin_said: str, *, known: Callable[[Plan], bool],
              confirms: Callable[[Plan, float], bool]) -> Race:
     """The race's outcome from the checked steps' times and the pairs, and its note. ``known``: whether a plan's peak
     was checked already; a rule measured faster, or left undecided, is checked here before it is returned (on a CPU
@@ -331,7 +315,7 @@ def _decided(plan: Plan, budget_bytes: int, candidates: list[Plan], times: list,
              f"plan; {peak(t.rule)}; this plan less it, in the pairs: median "
              f"{t.paired_s * 1e3:+,.1f} ms, lower quartile {t.paired_low_s * 1e3:+,.1f} ms)" for t in results]
     said += [f"{name_of(r)} measured faster but over the budget when its peak was checked: not returned" for r in over]
-    head = (f"compared with the hand rules that the model predicts within {TIMED_MARGIN:.0%} of this plan and within "
+    head = (f"compared with the hand rules that the model predicts within {margin_said} of this plan and within "
             f"the budget (Note [Plans timed beside the hand rules] in remat.api.hand_rules; {where}): "
             + "; ".join(said))
     if winner is None:
@@ -354,11 +338,6 @@ def _step_of(planner: Planner, plans: list[Plan], output_alive: bool) -> dict:
     names = sorted({u for plan in plans for u in plan.checkpointed})
     return {"output_alive": output_alive,
             "units": [(n, p.unit(n).forward_s, p.unit(n).recompute_s, p.unit(n).overhead_s) for n in names]}
-
-
-def name_of(plan: Plan) -> str:
-    """A plan's strategy as the notes name it ("every block")."""
-    return plan.strategy.replace("_", " ")
 
 
 def checked_plan(model: nn.Module, example_inputs: Any, planner: Planner, budget_bytes: int, *,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from remat.api.hand_rules import Timed, faster_of, name_of, rules_to_time, timing_off
+from remat.api.hand_rules import Timed, faster_of, timing_off
+from remat.api.margins import name_of, rules_to_time
 from remat.solve.plan import Plan
 
 

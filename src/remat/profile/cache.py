@@ -225,6 +225,23 @@ def store_paired(key: str, times: Sequence[Sequence[float]], checked_s: Sequence
     _write("paired", key, {"times": [list(ts) for ts in times], "checked_s": list(checked_s)})
 
 
+def model_error(key: str, measure: Callable[[], tuple[float, str] | None]) -> tuple[float, str] | None:
+    """The time model's error measured on a step's checked plans and what it was read from (Note [The model's
+    measured error] in remat.api.hand_rules), stored under ``key`` (:func:`paired_key` of the step and the plans
+    compared): a later call whose profile read its times from this cache reads the same error, so it times the same
+    rules and returns the same plan; ``measure()`` gives it where not stored (None: nothing measured, nothing kept)."""
+    entry = _read("error", key)
+    if entry is not None:
+        try:
+            return float(entry["error"]), f"{entry['source']}; read from remat's timing cache ({entry['path']})"
+        except (KeyError, TypeError, ValueError):
+            pass
+    found = measure()
+    if found is not None:
+        _write("error", key, {"error": found[0], "source": found[1]})
+    return found
+
+
 def host_work(rec: Recording, where: str, measure: Callable[[], HostWork]) -> HostWork:
     """The model's own host work in a step recorded for a modelled target (remat.profile.host_work), cached under
     the recorded step and ``where`` (the target): a modelled plan depends on no measurement of this run, so the

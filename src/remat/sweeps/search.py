@@ -19,7 +19,8 @@ from typing import Any, Callable
 from torch import nn
 
 from remat.api import peak_with_plan, plan_checked, stage
-from remat.api.hand_rules import faster_of, rules_to_time, timing_off
+from remat.api.hand_rules import faster_of, timing_off
+from remat.api.margins import rules_to_time
 from remat.api.source import profile_step
 from remat.capture import ModelGraph, capture
 from remat.costs.unit_costs import Profile, is_selective
