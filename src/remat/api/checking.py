@@ -271,7 +271,7 @@ def plan_checked(
     steps = steps_checked(model, device)
 
     def done(plan: Plan, measured: int, why: str, ilp: Plan | None = None) -> Plan:
-        note = _checked_note(plan, measured, why, steps, checked, planner, fallbacks, ilp)
+        note = _checked_note(plan, measured, why, steps, checked, planner, fallbacks, ilp, promise is not None)
         if promise is None:
             note += (f"; least peak predicted, not checked: {fmt_bytes(planner.min_peak_bytes)}, the budget "
                      f"{budget_bytes / planner.min_peak_bytes - 1:.0%} above it (Note [Least peak is a promise])")
@@ -322,7 +322,7 @@ def plan_checked(
 
 
 def _checked_note(plan: Plan, measured: int, why: str, steps: int, checked: dict[tuple[str, ...], int],
-                  planner: Planner, fallbacks: list[Plan], ilp: Plan | None) -> str:
+                  planner: Planner, fallbacks: list[Plan], ilp: Plan | None, least_checked: bool) -> str:
     """The checked plan's note: its measured peak, why it is returned, the other plans measured."""
     each = "one real step" if not steps else f"{steps} real steps, the largest by the allocator's events"
     note = f"checked on {each}: peak {fmt_bytes(measured)} measured (optimizer predicted), {why}"
@@ -336,8 +336,8 @@ def _checked_note(plan: Plan, measured: int, why: str, steps: int, checked: dict
         names = [label.get(units, "the least-memory plan chosen on memory alone") for units in checked
                  if units != plan.choices]
         note += (f"; {len(checked)} plans measured, {'one real step' if not steps else f'{steps} real steps'} each "
-                 f"({', '.join(names)} and this one; the least of the least-memory plans' and every block's is "
-                 f"the least peak promised)")
+                 f"({', '.join(names)} and this one" + ("; the least of the least-memory plans' and every "
+                                                         "block's is the least peak promised)" if least_checked else ")"))
     return note
 
 
