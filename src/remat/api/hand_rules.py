@@ -24,7 +24,7 @@ predicted says the pair is off, or the model, and the rounds go on. The pair:
   remat.api.checking), timed while the allocator reads their peaks: they cost nothing more;
 - on a CPU, the first pair of the timed rounds below. The checked steps are metered there by a dispatch mode, which
   slows a step unevenly: on GPT-2 small (benchmarks/scale/gpt2_small.py's, 2-core CPU) 1.10-1.21x in the median of 3
-  pairs per plan, 1.05-1.26x over the pairs, the plain step included
+  pairs per plan, 1.05-1.26x over the pairs, the plain step included (1.03-1.06x on a quieter machine)
   (benchmarks/accuracy/checked_step_time.py; a first reading, on a machine others' tests shared, said twofold), where
   the differences to tell apart are 5-10%. A rule's peak is checked only once it is measured faster than the plan (it
   would be returned) or where it was checked already (every block's often is, Note [Least peak is a promise]): a
@@ -72,7 +72,6 @@ nor compiled loops (each plan a compile of its own: Note [Compiled steps] in rem
 ``check=False`` (no real step at all), nor with the environment variable ``REMAT_TIME_HAND_RULES=0`` (the plan as
 the model ranks it, no steps timed: the test suite's setting, where a plan must not hang on this machine's noise;
 tests/integration/test_hand_rules.py turns it on).
-
 """
 
 from __future__ import annotations
