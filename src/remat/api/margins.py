@@ -16,8 +16,11 @@ is TIMED_MARGIN, the model's accuracy where it was held to measured steps.
   predicted where their first block's activations leave the cache before its backward, are read slower on their own
   checked step (and are predicted within FLOOR_MARGIN of every block, timed whatever the error).
 - On a CPU the checked step runs under the dispatch-level meter, which slows it by 1.03-1.06x on a quiet machine and
-  1.10-1.21x on a busy one (benchmarks/accuracy/checked_step_time.py): the error it gives is on the side of timing
-  more, never less.
+  1.10-1.21x on a busy one (benchmarks/accuracy/checked_step_time.py): where the model predicts the step too fast,
+  that slowdown adds to the error read (more rules timed); where it predicts it too slow, it hides up to as much of
+  it (fewer). With one step's noise of the same few percent, a call on GPT-2 small, whose rules are predicted
+  6.2-6.6% slower than the plan, times one pair on one run and none on the next (docs/results.md): a steadier
+  measure of the error on a CPU is open work.
 - Issue #60: GPT-2 small (benchmarks/scale/gpt2_small.py's) at 85% of the plain peak, every 2nd block predicted 370
   ms (6.6%) a step slower than the plan and a pair measured 203 ms; at every block x 1.01, every block 399 ms (6.2%)
   slower and measured 408: the pair cost 11.5-12.6 s, two plain steps, of calls of 35-52 s. With the plan's checked
