@@ -11,10 +11,11 @@ remat.api.checking). The margin is the largest relative error among them, at lea
 a rule predicted slower than the plan by more than it is ranked by the model and not timed, and the plan's note says
 so with the figures. Where no checked step was timed (distributed plans: each rank's own; a compiled loop) the margin
 is TIMED_MARGIN, the model's accuracy where it was held to measured steps.
-- Where the model is off for a plan, its own step shows it: the ViT-style model's every plan was predicted 22-29% slow
-  on this CPU (docs/results.md), so every rule within that is timed; the 16 MLP blocks' segment plans, slower than
-  predicted where their first block's activations leave the cache before its backward, are read slower on their own
-  checked step (and are predicted within FLOOR_MARGIN of every block, timed whatever the error).
+- Where the model is off for a plan, its own step shows it: the ViT-style model's plans were predicted 22-29% slow on
+  this CPU before the host model read the model itself, 4-9% at 385103f (benchmarks/results/ranking-cpu.md), and
+  every rule within that is timed. The 16 MLP blocks' segment plans, whose first block's activations leave the cache
+  before its backward (a cost the model does not see), are predicted within FLOOR_MARGIN of every block: timed
+  whatever the error.
 - On a CPU the checked step runs under the dispatch-level meter, which slows it by 1.03-1.06x on a quiet machine and
   1.10-1.21x on a busy one (benchmarks/accuracy/checked_step_time.py): where the model predicts the step too fast,
   that slowdown adds to the error read (more rules timed); where it predicts it too slow, it hides up to as much of
@@ -23,8 +24,9 @@ is TIMED_MARGIN, the model's accuracy where it was held to measured steps.
   measure of the error on a CPU is open work.
 - Issue #60: GPT-2 small (benchmarks/scale/gpt2_small.py's) at 85% of the plain peak, every 2nd block predicted 370
   ms (6.6%) a step slower than the plan and a pair measured 203 ms; at every block x 1.01, every block 399 ms (6.2%)
-  slower and measured 408: the pair cost 11.5-12.6 s, two plain steps, of calls of 35-52 s. With the plan's checked
-  step within a few percent of its prediction, neither is timed now (benchmarks/scale/planning_cost.py).
+  slower and measured 408: the pair cost 11.5-12.6 s, two plain steps, of calls of 35-52 s. Neither is timed where the
+  plan's checked step reads within those 6% of its prediction: one run of two at 385103f
+  (benchmarks/scale/planning_cost.py).
 - A later call whose profile read its times from the timing cache reads the same error (kept with the step's times:
   remat.profile.cache.model_error), so it times the same rules and returns the same plan.
 """
