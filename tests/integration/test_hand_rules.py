@@ -463,3 +463,31 @@ def test_a_rule_is_timed_only_within_the_models_measured_error(planner, monkeypa
     else:
         assert calls and len(calls[0]) == 3 and race.plan is plan
         assert f"within {error:.1%}, the model's error measured on this call's checked steps" in race.note
+
+
+def test_a_second_race_on_the_same_step_reads_the_models_error_and_decides_alike(planner, monkeypatch):
+    """docs/plans.md#reproducible-plans: the model's error is kept with the step's times, so a second race on the same
+    step decides which rules to time as the first did, whatever its own checked step read (here the first read the
+    plan 1% off its prediction, the second 50% off: without the cached error the second would time both rules).
+    With the cache off, each race measures its own."""
+    every, second = planner.every_nth_block(1), planner.every_nth_block(2)
+    budget = (every.predicted_peak_bytes + planner.baseline_peak_bytes) // 2
+    model, inputs, _ = gpt()
+    args, kwargs = split_inputs(inputs)
+    plan = planner.plan_for_budget(budget)
+    rules = [dataclasses.replace(r, predicted_step_time_s=plan.predicted_step_time_s / 0.92) for r in (every, second)]
+    calls = []
+    monkeypatch.setattr(hand_rules, "time_plans_in_place", fake_timings(lambda r, i: 1.0 if i == 0 else 1.2, calls))
+    fb = plan.predicted_step_time_s - planner.profile.optimizer_s
+
+    def race(off):
+        return hand_rules.race_hand_rules(model, args, kwargs, remat.default_loss, torch.device("cpu"), planner, plan,
+                                          budget, rules, lambda p: 0, {plan.choices: fb * (1 + off)})
+
+    first, again = race(0.01), race(0.5)
+    assert calls == [] and first.plan is again.plan is plan
+    assert "not timed beside the hand rules" in again.note and "beyond the margin 3.0%" in again.note
+    assert "its checked step measured" in again.note and "read from remat's timing cache" in again.note
+    monkeypatch.setenv("REMAT_CACHE", "0")
+    race(0.5)
+    assert calls and len(calls[0]) == 3  # measured afresh: 50% off, both rules timed
