@@ -84,6 +84,7 @@ def test_a_budget_equal_to_the_least_peak_succeeds(name):
     least = checked_least(model, inputs, loss_fn, opt)
     plan = remat.optimize_checkpointing(model, least / 2**30, inputs, loss_fn=loss_fn, optimizer=opt)
     assert plan.checked_peak_bytes <= plan.budget_bytes <= least
+    assert plan.min_peak_checked and plan.min_peak_bytes == least  # the plan at the least carries it, measured
     measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=0)
     assert measured.peak_bytes <= plan.budget_bytes
     remat.remove_checkpointing(model)
@@ -302,8 +303,16 @@ def test_at_a_roomy_budget_the_fallbacks_are_checked_when_the_plans_measure_over
     model, inputs, loss_fn = c.fresh()
     fallbacks = {c.planner.least_memory().choices, c.planner.every_nth_block(1).choices}
     real = api.peak_with_plan
-    monkeypatch.setattr(api, "peak_with_plan", lambda m, plan, *a, **k: real(m, plan, *a, **k) + (
-        0 if plan.choices in fallbacks else 10 * 2**30))
+    seen = []
+
+    def forced(m, plan, *a, **k):
+        seen.append(plan.choices)
+        return real(m, plan, *a, **k) + (0 if plan.choices in fallbacks else 10 * 2**30)
+
+    monkeypatch.setattr(api, "peak_with_plan", forced)
     budget = int(0.5 * (c.planner.min_peak_bytes + c.planner.baseline_peak_bytes))
     plan = remat.checked_plan(model, inputs, c.planner, budget, loss_fn=loss_fn)
     assert plan.choices in fallbacks and plan.checked_peak_bytes <= budget and plan.min_peak_checked
+    every, least = c.planner.every_nth_block(1), c.planner.least_memory()
+    assert every.predicted_peak_bytes <= budget and every.choices in seen  # within the budget by prediction: checked
+    assert plan.choices == min((every, least), key=lambda p: p.predicted_recompute_s).choices  # the cheaper one

@@ -307,14 +307,15 @@ def plan_checked(
         log.info("plan measured %d bytes over the budget; solving again with a target %d bytes lower",
                  excess, excess)
         target -= excess
-    if promise is None:  # the plans solved for a roomy budget measured over it: the fallbacks are checked now
+    if promise is None:  # the plans solved for a roomy budget measured over it: the least is checked now
         promise = least_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks,
                                 checked=checked, fallbacks=fallbacks, check_s=check_s)
-        if fallbacks[1].checkpointed:
-            promise = min(promise, check(fallbacks[1]))
         if budget_bytes < promise:
             raise planner.infeasible(budget_bytes, least_bytes=promise, steps=max(steps, 1))
-    fits = [p for p in fallbacks if p.choices in checked and check(p) <= budget_bytes]
+    # the fallbacks measured, and every block where it is predicted within the budget (far from the least, where
+    # least_checked leaves it, it recomputes far less than the least-memory plan)
+    fits = [p for p in fallbacks if (p.choices in checked or p is fallbacks[1] and p.checkpointed and
+                                     p.predicted_peak_bytes <= budget_bytes) and check(p) <= budget_bytes]
     best = min(fits, key=lambda p: p.predicted_recompute_s)
     return done(dataclasses.replace(best, budget_bytes=budget_bytes), check(best),
                 f"the {'least-memory plan' if best is fallbacks[0] else 'hand rule every block'}: the plans predicted "

@@ -88,8 +88,8 @@ from torch import nn
 
 from remat._compat import uncompiled
 from remat.api.checking import plan_checked
-from remat.api.margins import FLOOR_MARGIN, TIMED_MARGIN, confirmed, measured_error, name_of, rules_in_budget, \
-    rules_to_time, trusted_note
+from remat.api.margins import confirmed, margin_of, measured_error, name_of, rules_in_budget, rules_to_time, \
+    trusted_note
 from remat.api.hf import prepare_hf_for_training
 from remat.api.inputs import validate
 from remat.check.steps import time_plans_in_place
@@ -161,7 +161,7 @@ def faster_of(plan_times: tuple[float, ...], timed: list[tuple[Plan, tuple[float
     out = []
     for rule, times in timed:
         pairs = [p - r for p, r in zip(plan_times, times)]
-        low, _, high = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (pairs[0],) * 3
+        low, _, high = _quartiles(pairs)
         out.append(Timed(rule, statistics.median(plan_times[:len(pairs)]), statistics.median(times),
                          statistics.median(pairs), low, high, len(pairs)))
     return sorted(out, key=lambda t: (-t.paired_s, -t.paired_low_s))
@@ -189,8 +189,14 @@ def still_undecided(times: list[list[float]], minimum: int = ROUNDS_MIN,
 
 
 def _undecided(pairs: list[float]) -> bool:
-    low, _, high = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (pairs[0],) * 3
+    low, _, high = _quartiles(pairs)
     return low < 0 < high
+
+
+def _quartiles(pairs: list[float]) -> tuple[float, float, float]:
+    """The pairs' quartiles (one pair: itself three times)."""
+    low, mid, high = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (pairs[0],) * 3
+    return low, mid, high
 
 
 def fastest_checked(
@@ -226,10 +232,7 @@ def race_hand_rules(
     error = cache.model_error(  # (kept with the step's times: a call reading them reads this too)
         cache.paired_key(device, _step_of(planner, ours, output_alive), [["error"], *(p.choices for p in ours)]),
         lambda: measured_error(ours, check_s, planner.profile.optimizer_s)) if within else None
-    margin = TIMED_MARGIN if error is None else max(FLOOR_MARGIN, error[0])
-    margin_said = (f"{margin:.1%}, the model's error measured on this call's checked steps ({error[1]}; at least "
-                   f"{FLOOR_MARGIN:.0%}: Note [The model's measured error])" if error is not None else
-                   f"{TIMED_MARGIN:.0%}, no step of this call timed to measure the model's error")
+    margin, margin_said = margin_of(error)
     near = rules_to_time(plan, budget_bytes, within, margin)
     trusted = [r for r in within if r not in near]
     if trusted and not near:

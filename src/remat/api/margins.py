@@ -78,6 +78,16 @@ def measured_error(plans: list[Plan], step_s: dict[tuple[str, ...], float], opti
                    f"its checked step measured {measured * 1e3:,.1f} ms")
 
 
+def margin_of(error: tuple[float, str] | None) -> tuple[float, str]:
+    """The margin rules are timed within (Note [The model's measured error]) from :func:`measured_error`'s error and
+    source (None: no step timed, TIMED_MARGIN), and the words the plan's note gives it."""
+    if error is None:
+        return TIMED_MARGIN, f"{TIMED_MARGIN:.0%}, no step of this call timed to measure the model's error"
+    margin = max(FLOOR_MARGIN, error[0])
+    return margin, (f"{margin:.1%}, the model's error measured on this call's checked steps ({error[1]}; at least "
+                    f"{FLOOR_MARGIN:.0%}: Note [The model's measured error])")
+
+
 def confirmed(plan: Plan, rule: Plan, plan_s: float | None, rule_s: float | None, optimizer_s: float) -> bool:
     """Whether the checked steps (``plan_s``, ``rule_s``: forward and backward seconds, None where unknown) confirm
     that ``plan`` is faster than ``rule`` as predicted: the predicted difference at least FLOOR_MARGIN of the rule's

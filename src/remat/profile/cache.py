@@ -227,7 +227,7 @@ def store_paired(key: str, times: Sequence[Sequence[float]], checked_s: Sequence
 
 def model_error(key: str, measure: Callable[[], tuple[float, str] | None]) -> tuple[float, str] | None:
     """The time model's error measured on a step's checked plans and what it was read from (Note [The model's
-    measured error] in remat.api.hand_rules), stored under ``key`` (:func:`paired_key` of the step and the plans
+    measured error] in remat.api.margins), stored under ``key`` (:func:`paired_key` of the step and the plans
     compared): a later call whose profile read its times from this cache reads the same error, so it times the same
     rules and returns the same plan; ``measure()`` gives it where not stored (None: nothing measured, nothing kept)."""
     entry = _read("error", key)

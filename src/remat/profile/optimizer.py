@@ -105,6 +105,28 @@ def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
 
 
+def _shadow_step(optimizer: torch.optim.Optimizer, hp: dict[str, Any], p: torch.Tensor,
+                 like: dict[int, torch.Tensor] | None, device: torch.device, clock: Clock) -> tuple[int, int, float]:
+    """One parameter's optimizer cost, on a shadow like ``p`` stepped by an independent copy of ``optimizer`` with the
+    group's settings ``hp``: its state's bytes, its step's temporaries (bytes) and the step's seconds."""
+    cls = type(optimizer)
+    shadow = torch.zeros_like(p).requires_grad_(True)
+    shadow.grad = torch.zeros_like(p)
+    opt = independent_copy(optimizer, hp, [shadow])
+    try:
+        _step(opt)
+    except Exception as e:  # noqa: BLE001
+        raise UnsupportedError(
+            f"cannot account for optimizer {cls.__name__}: a step of an independent copy on a "
+            f"zero-filled parameter of shape {tuple(p.shape)} failed ({type(e).__name__}: {e}); "
+            "pass optimizer=None to leave its state out of the budget"
+        ) from e
+    state = tensor_bytes(_state_tensors(opt), device)
+    with StorageTracker(device, ignore=[shadow, shadow.grad, *_state_tensors(opt)], count_fake=like is not None) as tr:
+        _step(opt)
+    return state, tr.peak_bytes, clock.time(functools.partial(_step, opt))
+
+
 def optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.device, *,
                     like: dict[int, torch.Tensor] | None = None, foreach: bool | None = None) -> OptimizerCost:
     """The steady-state cost of ``optimizer`` on ``device``, measured on shadow copies (Note [Never
@@ -151,33 +173,12 @@ def optimizer_costs(optimizer: torch.optim.Optimizer | None, device: torch.devic
                 local = local_tensor(p)  # a DTensor's shard: its placements decide the bytes of its state
                 alike = (type(p), p.dtype, p.device, tuple(p.shape), tuple(local.shape), tuple(local.stride()),
                          str(getattr(p, "placements", "")), id(getattr(p, "device_mesh", None)))
-                if alike in seen:
-                    state, temp, seconds = seen[alike]
-                    state_bytes += state
-                    temps.append(temp)
-                    total_s += seconds
-                    continue
-                shadow = torch.zeros_like(p).requires_grad_(True)
-                shadow.grad = torch.zeros_like(p)
-                opt = independent_copy(optimizer, hp, [shadow])
-                try:
-                    _step(opt)
-                except Exception as e:  # noqa: BLE001
-                    raise UnsupportedError(
-                        f"cannot account for optimizer {cls.__name__}: a step of an independent copy on a "
-                        f"zero-filled parameter of shape {tuple(p.shape)} failed ({type(e).__name__}: {e}); "
-                        "pass optimizer=None to leave its state out of the budget"
-                    ) from e
-                state = tensor_bytes(_state_tensors(opt), device)
-                with StorageTracker(device, ignore=[shadow, shadow.grad, *_state_tensors(opt)],
-                                    count_fake=like is not None) as tr:
-                    _step(opt)
-                seconds = clock.time(functools.partial(_step, opt))
-                seen[alike] = (state, tr.peak_bytes, seconds)
+                if alike not in seen:
+                    seen[alike] = _shadow_step(optimizer, hp, p, like, device, clock)
+                state, temp, seconds = seen[alike]
                 state_bytes += state
+                temps.append(temp)
                 total_s += seconds
-                temps.append(tr.peak_bytes)
-                del opt, shadow
         temp = sum(temps) if multi else max(temps, default=0)
         if len(temps) > 1 and first_hp is not None:
             total_s = max(total_s - (len(temps) - 1) * _call_overhead_s(optimizer, first_hp, first_param, device),

@@ -159,7 +159,8 @@ class Planner:
             saved_ops={u: p.unit(u).saved_ops for u in chosen if p.unit(u).saved_ops},
             nested_in=self.model.outer_of(chosen),
             tokens_per_step=p.tokens_per_step, model_flops=p.model_flops, peak_flops_per_s=p.peak_flops_per_s,
-            offloaded=offloaded, offloaded_ops=parts, offload_ahead=ahead, predicted_offload_bytes=self.model.offloaded_bytes(every),
+            offloaded=offloaded, offloaded_ops=parts, offload_ahead=ahead,
+            predicted_offload_bytes=self.model.offloaded_bytes(every),
             predicted_exposed_copy_s=copy_s,
         )
 
