@@ -2,11 +2,12 @@
 ``parallelize_llama`` on its Llama 3 debug model with each policy (none, ``FullAC``, remat's ``RematAC``), one
 training step of torchtitan's loss (``del pred``), AdamW and clipping; the loss, every gradient (gathered) and, for
 remat, the measured peak of the second step. Each layer's attention is swapped for torchtitan's SDPA, as torchtitan's
-own tests do (FlexAttention has no backward on a CPU). Run by tests/integration/test_torchtitan.py (1 rank) and
-tests/slow/test_torchtitan_ranks.py (2 ranks) through torch.multiprocessing.spawn."""
+own tests do (FlexAttention has no backward on a CPU). Run on 1 and 2 ranks by tests/slow/test_torchtitan_policy.py
+through torch.multiprocessing.spawn; tests/integration/test_torchtitan.py reads its config function."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -125,12 +126,39 @@ def run_variant(name: str, out: Path) -> dict:
 
 
 def run(rank: int, world: int, port: int, out_dir: str, variants: tuple[str, ...]) -> None:
+    """Each variant in turn on this rank; its results written before the process group is destroyed, and each stage
+    reached appended to ``rank{rank}.progress`` (a rank that dies says where: :func:`progress`)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     out = Path(out_dir)
+    reached = out / f"rank{rank}.progress"
+
+    def stage(what: str) -> None:
+        with reached.open("a") as f:
+            f.write(what + "\n")
+
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict = {}
     try:
-        results = {v: run_variant(v, out) for v in variants}
+        for v in variants:
+            stage(f"started {v}")
+            results[v] = run_variant(v, out)
+            # the variant's model, its meshes and FSDP2's state freed now, while every rank's groups are alive (left
+            # to the interpreter's exit, gloo's threads may drop a work's tensors after Python is gone: SIGABRT,
+            # pytorch/pytorch#179291)
+            gc.collect()
+            stage(f"finished {v}")
+        (out / f"rank{rank}.json").write_text(json.dumps(results))
+        torch.distributed.barrier()  # no rank tears its groups down while another still uses them
+        stage("results written, every rank done")
     finally:
         torch.distributed.destroy_process_group()
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    stage("process group destroyed")
+
+
+def progress(out: Path, world: int) -> str:
+    """The stages each rank of a job in ``out`` reached (:func:`run`), for a test whose job died."""
+    def of(rank: int) -> str:
+        f = out / f"rank{rank}.progress"
+        return ", ".join(f.read_text().split("\n")[:-1]) if f.exists() else "nothing"
+    return "; ".join(f"rank {r}: {of(r)}" for r in range(world))

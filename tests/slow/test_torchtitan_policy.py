@@ -29,8 +29,11 @@ def free_port() -> int:
 
 
 def spawn_job(out, world: int, variants: tuple[str, ...]) -> list[dict]:
-    torch.multiprocessing.spawn(torchtitan_job.run, args=(world, free_port(), str(out), variants), nprocs=world,
-                                join=True)
+    try:
+        torch.multiprocessing.spawn(torchtitan_job.run, args=(world, free_port(), str(out), variants), nprocs=world,
+                                    join=True)
+    except torch.multiprocessing.ProcessExitedException as e:
+        raise AssertionError(f"{e}; the stages each rank reached: {torchtitan_job.progress(out, world)}") from e
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
