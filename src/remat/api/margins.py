@@ -21,12 +21,16 @@ is TIMED_MARGIN, the model's accuracy where it was held to measured steps.
   that slowdown adds to the error read (more rules timed); where it predicts it too slow, it hides up to as much of
   it (fewer). With one step's noise of the same few percent, a call on GPT-2 small, whose rules are predicted
   6.2-6.6% slower than the plan, times one pair on one run and none on the next (docs/results.md): a steadier
-  measure of the error on a CPU is open work.
+  measure of the error on a CPU is open work. The meter's own bookkeeping is not what moves it: timed inside its
+  dispatch mode on GPT-2 small, beyond the operators it wraps, 0.06-0.12 s of a 5-7 s step (1.2-1.7%,
+  benchmarks/accuracy/checked_step_time.py at 9a9f1bc), where the plain step read 1.17x metered; and a third run of
+  planning_cost.py (9a9f1bc) read the error 8.0%, 14.1% and 2.5% at its three budgets: one step's noise on a 2-core
+  CPU, which only more steps measure.
 - Issue #60: GPT-2 small (benchmarks/scale/gpt2_small.py's) at 85% of the plain peak, every 2nd block predicted 370
   ms (6.6%) a step slower than the plan and a pair measured 203 ms; at every block x 1.01, every block 399 ms (6.2%)
   slower and measured 408: the pair cost 11.5-12.6 s, two plain steps, of calls of 35-52 s. Neither is timed where the
-  plan's checked step reads within those 6% of its prediction: one run of two at 385103f
-  (benchmarks/scale/planning_cost.py).
+  plan's checked step reads within those 6% of its prediction: one run of two at 385103f, none of the third at
+  9a9f1bc (benchmarks/scale/planning_cost.py).
 - A later call whose profile read its times from the timing cache reads the same error (kept with the step's times:
   remat.profile.cache.model_error), so it times the same rules and returns the same plan.
 """
