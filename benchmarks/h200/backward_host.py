@@ -97,7 +97,7 @@ def main() -> None:
               rec_us),
              ("backward: the other nodes (their operators, with everything inside them)", len(plain), plain_us),
              ("backward: between nodes (no event)", 0, bwall - sum(n["dur"] for n in nodes))]
-    print(f"{name} ({t.events and 'torch.profiler trace'}): host wall forward {fwall / 1e3:.2f} ms, backward "
+    print(f"{name} (torch.profiler's trace, traced on the H200): host wall forward {fwall / 1e3:.2f} ms, backward "
           f"{bwall / 1e3:.2f} ms; {calls} checkpointed calls, {len(fops)} top-level operators in the forward\n")
     print("| part of the host's wall (measured on the H200) | events | ms | us each |")
     print("|---|---:|---:|---:|")

@@ -26,11 +26,11 @@ predicted says the pair is off, or the model, and the rounds go on. The pair:
   slows a step unevenly: on GPT-2 small (benchmarks/scale/gpt2_small.py's, 2-core CPU) 1.10-1.21x in the median of 3
   pairs per plan, 1.05-1.26x over the pairs, the plain step included (1.03-1.06x on a quieter machine)
   (benchmarks/accuracy/checked_step_time.py; a first reading, on a machine others' tests shared, said twofold), where
-  the differences to tell apart are 5-10%. Nor evenly between the two plans of a pair: in a quiet run at 9a9f1bc the
-  metered pair favoured the ILP's plan in every round, by 212-496 ms a step against every 2nd block at 85% of the
-  plain peak and 66-135 ms against every block at its peak x 1.01, beside unmetered pairs of the same rounds that
-  measured -21 and +250 ms in the median: the checked steps would have confirmed a plan the unmetered pairs did not
-  show faster. A rule's peak is checked only once it is measured faster than the plan (it
+  the differences to tell apart are 5-10%. Nor evenly between the two plans of a pair: in two quiet runs at 9a9f1bc
+  the metered pair favoured the ILP's plan at 85% of the plain peak over every 2nd block in every round, by 71-496 ms
+  a step beyond the unmetered pair of the same round (medians 371 and 346 ms), where the unmetered pairs measured
+  every 2nd block faster in the median (-21 and -215 ms); against every block at its peak x 1.01, by +102 and +2 ms
+  in the median: the checked steps would have confirmed a plan the unmetered pairs did not show faster. A rule's peak is checked only once it is measured faster than the plan (it
   would be returned) or where it was checked already (every block's often is, Note [Least peak is a promise]): a
   rule measured slower needs no peak.
 issue #60: at a budget 1-5% above every block's peak the GPT-2-small plan was predicted 474-621 ms a step faster
