@@ -256,9 +256,10 @@ def test_a_world_of_two_modelled_on_the_fake_process_group_predicts_the_real_ran
     for row in ranks[0][case]["rows"]:
         predicted = planner.make_plan(tuple(row["units"]), "measured there").predicted_peak_bytes
         # within 1% of the real step as remat meters it (forward and backward at dispatch level, the optimizer's
-        # state and step as predicted) and within 2% of torch's FSDPMemTracker on a whole real step (which read the
-        # ResNet's steps 1.3% below remat's meter)
-        assert abs(predicted - row["checked"]) <= 0.01 * row["checked"], (row, predicted)
+        # state and step as predicted; the least of ROW_READINGS readings, as torch's meter is read: under gloo a
+        # reading may hold a collective's buffer) and within 2% of torch's FSDPMemTracker on a whole real step (which
+        # read the ResNet's steps 1.3% below remat's meter)
+        assert abs(predicted - row["checked_least"]) <= 0.01 * row["checked_least"], (row, predicted)
         assert abs(predicted - row["measured"]) <= 0.02 * row["measured"], (row, predicted)
 
 

@@ -84,7 +84,12 @@ def test_a_budget_equal_to_the_least_peak_succeeds(name):
     least = checked_least(model, inputs, loss_fn, opt)
     plan = remat.optimize_checkpointing(model, least / 2**30, inputs, loss_fn=loss_fn, optimizer=opt)
     assert plan.checked_peak_bytes <= plan.budget_bytes <= least
-    assert plan.min_peak_checked and plan.min_peak_bytes == least  # the plan at the least carries it, measured
+    # the least it carries: the measured one where the least-memory plan's step ran, else the prediction, labelled
+    # so (Note [Least peak is a promise]: no real step runs only to report it beside a plan within the budget)
+    if plan.min_peak_checked:
+        assert plan.min_peak_bytes == least
+    else:
+        assert f"{fmt_bytes(plan.min_peak_bytes)} predicted" in str(plan) and plan.min_peak_bytes <= least
     measured = remat.measure_step(model, inputs, loss_fn=loss_fn, optimizer_factory=adam, repeats=0)
     assert measured.peak_bytes <= plan.budget_bytes
     remat.remove_checkpointing(model)
@@ -230,9 +235,9 @@ def test_a_budget_below_the_least_peak_is_refused_before_any_timed_step(monkeypa
     opt = adam(model.parameters())
     predicted = remat.optimize_checkpointing(model, 1e3, inputs, loss_fn=loss_fn, optimizer=opt).min_peak_bytes
     remat.remove_checkpointing(model)
-    near = remat.optimize_checkpointing(model, predicted * 1.02 / 2**30, inputs, loss_fn=loss_fn, optimizer=opt)
-    assert near.min_peak_checked
-    least = near.min_peak_bytes
+    at_least = remat.optimize_checkpointing(model, predicted / 2**30, inputs, loss_fn=loss_fn, optimizer=opt)
+    assert at_least.min_peak_checked  # the least-memory plan's own step, or the fallbacks checked
+    least = at_least.min_peak_bytes
     remat.remove_checkpointing(model)
     calls = []
     model.register_forward_pre_hook(lambda m, a: calls.append(1))
@@ -281,16 +286,27 @@ def test_a_roomy_budget_runs_no_real_step_for_the_least_peak(monkeypatch):
     assert remat.Plan.from_dict(plan.to_dict()) == plan
 
 
-def test_a_budget_near_the_least_peak_checks_it(monkeypatch):
-    """Within the checks' tolerance of the least predicted peak the least-memory plan's real step runs, and the
-    least peak the plan reports is that measured figure (Note [Least peak is a promise])."""
+def test_a_budget_near_the_least_peak_runs_only_the_plan_that_fits(monkeypatch):
+    """Issue #60: within the checks' tolerance of the least predicted peak (budgets 1-5% above every block's, at
+    GPT-2 small), the least-memory plan and every block each ran a real step before the ILP's plan did, to report a
+    checked least that the plan returned did not need: two of the 8.5-9.8 plain steps planning took there (target 8).
+    Where the ILP's plan measures within the budget it is the one real step, and its least peak is the prediction,
+    labelled so; where it is the least-memory plan, its own step is the least checked."""
     c = case("gpt")
     model, inputs, loss_fn = c.fresh()
     least = c.planner.least_memory()
     seen = _counting_checks(monkeypatch)
     plan = remat.checked_plan(model, inputs, c.planner, int(1.02 * least.predicted_peak_bytes), loss_fn=loss_fn)
-    assert least.choices in seen and plan.min_peak_checked
-    assert "least possible: " in str(plan) and f"{fmt_bytes(plan.min_peak_bytes)} measured" in str(plan)
+    assert plan.choices != least.choices and plan.checked_peak_bytes <= plan.budget_bytes
+    assert seen == [plan.choices], seen
+    assert not plan.min_peak_checked and plan.min_peak_bytes == c.planner.min_peak_bytes
+    assert f"{fmt_bytes(plan.min_peak_bytes)} predicted" in str(plan)
+    seen.clear()
+    model, inputs, loss_fn = c.fresh()
+    plan = remat.checked_plan(model, inputs, c.planner, least.predicted_peak_bytes, loss_fn=loss_fn)
+    assert plan.choices == least.choices and seen == [least.choices], seen
+    assert plan.min_peak_checked and plan.min_peak_bytes == plan.checked_peak_bytes
+    assert f"{fmt_bytes(plan.min_peak_bytes)} measured" in str(plan)
 
 
 def test_at_a_roomy_budget_the_fallbacks_are_checked_when_the_plans_measure_over_it(monkeypatch):

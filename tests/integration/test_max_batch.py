@@ -46,8 +46,11 @@ def test_the_answer_fits_as_measured_and_the_next_size_is_refused(report):
     assert refused.size == report.max_size + 1 and not refused.fits and refused.plan is None
     assert refused.least_peak_bytes > report.budget_bytes  # the least peak it would need, measured
     assert refused.why == "its least measured peak is over the budget"
-    # the least peaks of sizes checked on real steps are measured ones, the others predicted, and labelled so
-    assert top.least_peak_measured and refused.least_peak_measured
+    # the least peaks of sizes refused on real steps are measured ones; of a size whose plan measured within the
+    # budget, the plan's own (measured where the least-memory plan's step ran: Note [Least peak is a promise]); the
+    # others predicted; each labelled so
+    assert refused.least_peak_measured
+    assert top.least_peak_measured == top.plan.min_peak_checked and top.least_peak_bytes == top.plan.min_peak_bytes
     assert [r.least_peak_measured for r in report.rows if r.source == "fitted"] == \
         [False for r in report.rows if r.source == "fitted"] != []
     assert "m: measured on real steps, else predicted" in str(report)

@@ -8,6 +8,7 @@ failure.
 - ``profiling``  make_profile: a training step profiled once, to plan many budgets from -> Profile
 - ``checking``   plans checked on real steps (plan_checked, least_checked): Planner + budget -> Plan
                  with its checked peak, nothing timed
+- ``compiled``   a compiled plan's reading over ranks, and its proof beside the plain compiled step -> its note
 - ``hand_rules`` fastest_checked: the checked plan raced beside the hand rules that meet its budget, where the model
                  cannot tell them apart (Note [Plans timed beside the hand rules]) -> the plan, or the rule measured
                  faster; checked_plan, the public call of it

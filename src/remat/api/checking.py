@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from remat._compat import inductor_programs, profiler_memory_trace, random_numbers
-from remat.check.compiled import CompiledComparison, check_compiled_plan
+from remat._compat import inductor_programs, profiler_memory_trace
+from remat.check.compiled import CompiledComparison
 from remat.costs.compiled_memory import composed_step_bytes, eager_blocks, step_program_bytes
 from remat.costs.unit_costs import Profile
-from remat.errors import EquivalenceError
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.runtime.compiled import CompiledLoop
 from remat.runtime.distributed import Ranks, steps_checked, wrapping_of
@@ -49,11 +48,15 @@ log = logging.getLogger(__name__)
 # prediction: the least-memory plan's, measured on one real step, or the hand rule "every block"'s where that is
 # lower (least_checked). A budget equal to it always gets a plan (one of those two, if nothing cheaper measures
 # within the budget), and no budget that "every block" meets is refused. That costs one or two real steps, spent
-# only where they can change the answer. At a budget more than CHECK_TOLERANCE above the least-memory plan's
-# prediction, a refusal is out of reach of the model's error, so that real step would only report a figure (at
-# GPT-2 small, one of the 5.8 plain steps planning took at 85% of the plain peak: issue #60); it runs there only
-# where every plan solved for the budget measured over it, as the fallback. A plan says which least it carries
-# (Plan.min_peak_checked): its printout labels the figure measured or predicted, and its note says why.
+# only where they can change the answer: a refusal, or a fallback. So they run where no plan is predicted within
+# the budget (before any timed step: Note [Memory before time] in remat.api.source), and where every plan solved
+# for the budget measured over it; never to report a figure beside a plan that measured within it. Issue #60: at
+# GPT-2 small they were one of the 5.8 plain steps planning took at 85% of the plain peak, and two of the 8.5-9.8
+# at budgets 1-5% above every block's peak, where they ran ahead of the ILP's plan because a refusal was within
+# the model's error. A budget between the least predicted peak and a checked least a little above it now spends
+# the ILP's plan's real step (or up to three) before the refusal. A plan says which least it carries
+# (Plan.min_peak_checked): measured where the least-memory plan's step ran anyway (it is the plan returned, or a
+# hand rule the race checked), else predicted; its printout labels the figure, and its note says why.
 
 #: how far a checked peak may lie from its prediction (Note [Checked plans]: the tests hold the memory model to it):
 #: a budget further than this above a plan's prediction is met by that plan without a real step to show it
@@ -62,51 +65,6 @@ CHECK_TOLERANCE = 0.05
 #: ``plan_checked``'s ``beside``: (the ILP's plan checked within the budget, the hand rules, the checker of peaks,
 #: each checked step's forward and backward seconds by plan units) -> the plan returned and its note
 Beside = Callable[[Plan, list[Plan], Callable[[Plan], int], dict[tuple[str, ...], float]], "Race"]
-
-
-def proved_compiled(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, loss_fn: LossFn, loop: CompiledLoop,
-                    compare: CompiledComparison | None) -> str:
-    """Note [Compiled plans are proved] in remat.check.compiled: the plan's compiled step against the plain compiled
-    step (as compared while the plan was measured, where it was and agreed; else compiled again here); the
-    plan's note on success, EquivalenceError where they differ. ``compare`` None: a distributed loop."""
-    if compare is None:
-        return ("the compiled planned step was not compared with the plain compiled step (a distributed loop: "
-                "Note [Compiled plans are proved] in remat.check.compiled runs in one process)")
-    if not plan.checkpointed:
-        return "nothing checkpointed: the compiled step is the plain compiled step"
-    report = compare.reports.get(plan.variant)
-    if report is None or not report.equal:  # (the slope check needs the planned step's gradients: run it again)
-        report = check_compiled_plan(model, plan, args, kwargs, loss_fn, loop)
-    if report.equal:
-        name, diff = report.worst(1)[0] if report.max_abs_diff else ("", 0.0)
-        return (f"proved on one compiled step: loss, outputs, gradients and buffers equal the plain compiled "
-                f"step's within rtol {report.rtol:g} ({len(report.max_abs_diff)} tensors; largest difference "
-                f"{diff:.2e}, {name}), with {random_numbers()}: another setting compiles other programs, not proved "
-                "(Note [Compiled plans are proved] in remat.check.compiled)")
-    own = report.slope is not None and report.slope.consistent
-    alike = check_compiled_plan(model, plan, args, kwargs, loss_fn, loop, deterministic=True) if own else None
-    if alike is not None and alike.equal:
-        return (f"proved on compiled steps: with every module in eval mode the planned step equals the plain "
-                f"compiled step (rtol {alike.rtol:g}, {len(alike.max_abs_diff)} tensors); in training it draws "
-                f"other random numbers than the plain compiled step (inductor orders the two programs' random "
-                f"kernels as it schedules each; loss {float(report.max_abs_diff.get('loss', 0.0)):.2e} apart), and "
-                f"{report.slope} (Note [Compiled plans are proved] in remat.check.compiled)")
-    raise EquivalenceError(
-        f"{report if alike is None else alike}\nUnder {loop}, the planned step does not compute what the plain "
-        f"compiled step computes (checkpointed: {list(plan.checkpointed)}"
-        f"{'' if alike is None else ', compared with every module in eval mode'}); the model is as it was. " + (
-            "Its gradient is not its own loss's: do not train with this plan. " if not own else "") +
-        "Plan the eager step with compile=False, and report this with the printout (Note [Compiled plans are "
-        "proved] in remat.check.compiled).")
-
-
-def _ranks_reading(ranks: Ranks | None, reading: CompiledReading) -> CompiledReading:
-    """The largest reading over ranks (a program read on some ranks only: none)."""
-    if ranks is None:
-        return reading
-    readings = ranks.gather((reading.peak_bytes, reading.program_bytes))
-    programs = [program for _, program in readings]
-    return CompiledReading(max(peak for peak, _ in readings), None if None in programs else max(programs))
 
 
 # Note [The optimizer beside the checked step]
@@ -271,26 +229,32 @@ def plan_checked(
     steps = steps_checked(model, device)
 
     def done(plan: Plan, measured: int, why: str, ilp: Plan | None = None) -> Plan:
-        note = _checked_note(plan, measured, why, steps, checked, planner, fallbacks, ilp, promise is not None)
-        if promise is None:
+        least = promise if promise is not None else _least_known(checked, fallbacks, budget_bytes)
+        note = _checked_note(plan, measured, why, steps, checked, planner, fallbacks, ilp, least is not None)
+        if least is None:
             note += (f"; least peak predicted, not checked: {fmt_bytes(planner.min_peak_bytes)}, the budget "
                      f"{budget_bytes / planner.min_peak_bytes - 1:.0%} above it (Note [Least peak is a promise])")
         return dataclasses.replace(plan, budget_bytes=budget_bytes, checked_peak_bytes=measured,
-                                   min_peak_bytes=planner.min_peak_bytes if promise is None else promise,
-                                   min_peak_checked=promise is not None, notes=plan.notes + (note,))
+                                   min_peak_bytes=planner.min_peak_bytes if least is None else least,
+                                   min_peak_checked=least is not None, notes=plan.notes + (note,))
+
+    def promised() -> int:
+        """The least peak checked (Note [Least peak is a promise]); InfeasibleBudgetError where the budget is
+        below it, the least-memory plans ``more_fallbacks`` gives checked first."""
+        least = least_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks,
+                              checked=checked, fallbacks=fallbacks, check_s=check_s)
+        if budget_bytes < least and more_fallbacks is not None:
+            extra = [agree(p) for p in more_fallbacks() if p.choices not in {f.choices for f in fallbacks}]
+            fallbacks.extend(extra)
+            least = min([least, *(check(p) for p in extra)])
+        if budget_bytes < least:
+            raise planner.infeasible(budget_bytes, least_bytes=least, steps=max(steps, 1))
+        return least
 
     fallbacks = [agree(planner.least_memory()), agree(planner.every_nth_block(1))]
     promise: int | None = None  # the least peak checked (Note [Least peak is a promise]); None: not needed yet
-    roomy = budget_bytes > (1 + CHECK_TOLERANCE) * fallbacks[0].predicted_peak_bytes
-    if not roomy or fallbacks[0].choices in checked:
-        promise = least_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks,
-                                checked=checked, fallbacks=fallbacks, check_s=check_s)
-    if promise is not None and budget_bytes < promise and more_fallbacks is not None:
-        extra = [agree(p) for p in more_fallbacks() if p.choices not in {f.choices for f in fallbacks}]
-        fallbacks += extra
-        promise = min([promise, *(check(p) for p in extra)])
-    if promise is not None and budget_bytes < promise:
-        raise planner.infeasible(budget_bytes, least_bytes=promise, steps=max(steps, 1))
+    if fallbacks[0].choices in checked:  # checked already (Note [Memory before time]): a refusal needs no plan's step
+        promise = promised()
     target = budget_bytes
     for _ in range(3):
         if target < planner.min_peak_bytes:
@@ -307,19 +271,22 @@ def plan_checked(
         log.info("plan measured %d bytes over the budget; solving again with a target %d bytes lower",
                  excess, excess)
         target -= excess
-    if promise is None:  # the plans solved for a roomy budget measured over it: the least is checked now
-        promise = least_checked(model, args, kwargs, loss_fn, device, planner, budget_bytes, ranks=ranks,
-                                checked=checked, fallbacks=fallbacks, check_s=check_s)
-        if budget_bytes < promise:
-            raise planner.infeasible(budget_bytes, least_bytes=promise, steps=max(steps, 1))
-    # the fallbacks measured, and every block where it is predicted within the budget (far from the least, where
-    # least_checked leaves it, it recomputes far less than the least-memory plan)
-    fits = [p for p in fallbacks if (p.choices in checked or p is fallbacks[1] and p.checkpointed and
-                                     p.predicted_peak_bytes <= budget_bytes) and check(p) <= budget_bytes]
-    best = min(fits, key=lambda p: p.predicted_recompute_s)
+    if promise is None:  # no plan solved for the budget measured within it: the least is checked now
+        promise = promised()
+    best = _cheapest_fallback(fallbacks, checked, check, budget_bytes)
     return done(dataclasses.replace(best, budget_bytes=budget_bytes), check(best),
                 f"the {'least-memory plan' if best is fallbacks[0] else 'hand rule every block'}: the plans predicted "
                 "cheaper measured over the budget (Note [Least peak is a promise])")
+
+
+def _cheapest_fallback(fallbacks: list[Plan], checked: dict[tuple[str, ...], int], check: Callable[[Plan], int],
+                       budget_bytes: int) -> Plan:
+    """Of the fallbacks measured, and every block (``fallbacks[1]``) where it is predicted within the budget (far
+    from the least, where least_checked leaves it, it recomputes far less than the least-memory plan), the one of
+    least predicted recomputation that measures within the budget (the least peak is checked: one does)."""
+    fits = [p for p in fallbacks if (p.choices in checked or p is fallbacks[1] and p.checkpointed and
+                                     p.predicted_peak_bytes <= budget_bytes) and check(p) <= budget_bytes]
+    return min(fits, key=lambda p: p.predicted_recompute_s)
 
 
 def _checked_note(plan: Plan, measured: int, why: str, steps: int, checked: dict[tuple[str, ...], int],
@@ -381,8 +348,26 @@ def least_checked(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, 
         (agree(planner.least_memory()), agree(planner.every_nth_block(1)))
     check = _checker(model, args, kwargs, loss_fn, device, planner, ranks, checked, check_s)
     promise = check(least)
-    near = (1 - CHECK_TOLERANCE) * every.predicted_peak_bytes <= budget_bytes <= \
-        (1 + CHECK_TOLERANCE) * max(every.predicted_peak_bytes, promise)
-    if every.checkpointed and every.predicted_peak_bytes <= (1 + CHECK_TOLERANCE) * promise and near:
+    if _every_counts(every, promise, budget_bytes):
         promise = min(promise, check(every))
     return promise
+
+
+def _least_known(checked: dict[tuple[str, ...], int], fallbacks: list[Plan], budget_bytes: int) -> int | None:
+    """:func:`least_checked`'s figure where the plans it needs were checked already (``checked``: by units;
+    ``fallbacks``: the least-memory plan and every block); None where one of them was not."""
+    least, every = fallbacks[:2]
+    if least.choices not in checked:
+        return None
+    promise = checked[least.choices]
+    if _every_counts(every, promise, budget_bytes):
+        return min(promise, checked[every.choices]) if every.choices in checked else None
+    return promise
+
+
+def _every_counts(every: Plan, least_peak: int, budget_bytes: int) -> bool:
+    """Whether every block's checked peak can change the least (:func:`least_checked`): near the budget and its
+    prediction within the checks' tolerance of the least-memory plan's checked peak."""
+    near = (1 - CHECK_TOLERANCE) * every.predicted_peak_bytes <= budget_bytes <= \
+        (1 + CHECK_TOLERANCE) * max(every.predicted_peak_bytes, least_peak)
+    return bool(every.checkpointed) and every.predicted_peak_bytes <= (1 + CHECK_TOLERANCE) * least_peak and near

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 from torch import nn
 
-from remat.api.checking import _ranks_reading, checked_reading, least_checked, proved_compiled
+from remat.api.checking import checked_reading, least_checked
+from remat.api.compiled import proved_compiled, ranks_reading
 from remat.api.hand_rules import fastest_checked
 from remat.api.inputs import loop_grads, stage
 from remat.check.compiled import CompiledComparison
@@ -142,7 +143,7 @@ def _choose(req: Request, planner: Planner, profile: Profile, first: _MemoryFirs
         compare = CompiledComparison(loop) if ranks is None else None
         with stage("check", model, args, kwargs, loss_fn):
             plan = plan_compiled(
-                planner, req.budget_bytes, lambda p: _ranks_reading(ranks, checked_reading(
+                planner, req.budget_bytes, lambda p: ranks_reading(ranks, checked_reading(
                     model, p, args, kwargs, loss_fn, device, profile, loop, compare=compare)),
                 agree=ranks.broadcast if ranks is not None else (lambda p: p), loop=str(loop),
                 proved=compare.proved if compare is not None else None)
