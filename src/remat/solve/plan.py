@@ -234,7 +234,7 @@ class Plan:
             ("saved_activations_bytes", "saved activations"),
             ("temporaries_bytes", "temporaries"),
         ]:
-            lines.append(f"    {label:<32}{fmt_bytes(getattr(b, key))}")
+            lines.append(f"    {label:<31} {fmt_bytes(getattr(b, key))}")
         if b.largest:
             lines.append(f"  what holds the predicted peak (largest first; no plan frees {fmt_bytes(b.unfreeable_bytes)} of these):")
             lines += [f"    {h}" for h in b.largest]
