@@ -231,6 +231,9 @@ def test_a_long_step_is_timed_twice(monkeypatch):
         blocks = [u for u in profile.units if u.name in ("h.0", "h.1")]
         assert profile.forward_s > 0 and profile.backward_s > 0 and all(u.recompute_s > 0 for u in blocks)
         assert any(u.saved_ops for u in profile.units)  # selective options, ranked by FLOPs, not times
+        # the profile's notes (and so the plan's) say a long step's count of hooked steps; a short step's, none
+        hooked = [n for n in profile.notes if "hooked steps of" in n]
+        assert (len(hooked) == 1 and hooked[0].startswith("timed on 3 hooked steps")) if long else hooked == []
     assert counts == {False: 8, True: 6}, counts
 
 
@@ -281,7 +284,9 @@ def test_a_long_step_whose_logging_step_had_settled_is_timed_by_two_steps(monkey
                 logged.append(log_ops)
                 return next(steps), (("op",) if log_ops else None)
 
-        best, _, long = timing._hooked_steps(Timer(), steps=3)
+        said = []
+        best, _, long = timing._hooked_steps(Timer(), steps=3, said=said)
+        hooked.said = said
         return best, len(logged)
 
     monkeypatch.setattr(timing, "LONG_STEP_S", 1.0)
@@ -290,9 +295,15 @@ def test_a_long_step_whose_logging_step_had_settled_is_timed_by_two_steps(monkey
     assert steps == 2
     assert best["step_forward"] == 1.0 and best["step_backward"] == 2.0 and best["recompute"] == {"u": 0.50}
     assert best["forward"] == {"u": 0.5}
+    # the profile's notes say how many steps ran, and why (a third costs the user a training step)
+    assert hooked.said == ["timed on 2 hooked steps of 3.00 s, each time the lesser of the two: the logging step's "
+                           "backward read 2.08 s, within 5% of the next one's 2.00 s (Note [Long steps are timed "
+                           "twice] in remat.profile.timing)"]
     # 6% above: not settled, the third step
     best, steps = hooked([reading(2.0, 2.12, 0.50), reading(1.0, 2.0, 0.55), reading(0.9, 1.9, 0.4)])
     assert steps == 3 and best["step_backward"] == 1.9 and best["recompute"] == {"u": 0.4}
+    assert len(hooked.said) == 1 and hooked.said[0].startswith("timed on 3 hooked steps of 3.00 s") and \
+        "backward read 2.12 s, 6.0% above the next one's 2.00 s (more than 5%" in hooked.said[0]
 
 
 def test_the_plan_says_how_often_planning_ran_the_model(monkeypatch):

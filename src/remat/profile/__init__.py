@@ -290,7 +290,7 @@ def _timed(step: ProfiledStep, recorded: Recorded, timed: list[str], top: list[s
             times, forward_ops = time_units(step.model, step.args, step.kwargs, step.loss_fn, step.device, timed, top,
                                             {u: memory[u].mutated_buffers for u in top}, timing_steps,
                                             {u: len(rec.spans[u]) for u in timed}, distributed=distributed,
-                                            warm_ops=plain or None)
+                                            warm_ops=plain or None, notes=notes)
         op_seconds = {i: forward_ops[j].seconds for i, j in align_forward(rec, forward_ops).items()}
         cache.store_times(key, times, op_seconds)
     else:

@@ -56,7 +56,11 @@ from remat.runtime.state import fresh_grads
 # disguise. Then each time is the lesser of those two steps' (the logging step's forward, slowed by its log, is not
 # the lesser) and no third step runs (issue #60: a GPT-2 small's three hooked steps were 6.7-7.6 s each, a third of
 # the 10-11 plain steps' time planning took). Where the logging step's backward read well above the next one's (the
-# ViT above: its recomputations 2-3x), the third step is timed as before.
+# ViT above: its recomputations 2-3x), the third step is timed as before. The profile's notes, and so the plan's, say
+# which ran, with the two backward times. On a 2-core CPU today the ratio does not tell a cold heap from one step's
+# noise: GPT-2 small's logging steps read 1.010, 1.105 and 1.006 of the next backward in three calls (8e28426), the
+# ViT's 1.026 and 1.040, where at 4206b42 its recomputations read 2-3x; each third step is one more training step of
+# the user's time, so the notes say when it ran.
 LONG_STEP_S = 1.0
 #: a long step's logging step counts as settled where its backward took at most this fraction more than the next's
 SETTLED = 0.05
@@ -74,7 +78,7 @@ def _least(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 def time_units(
     model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn, device: torch.device, units: list[str],
     checkpointed: list[str], mutated: dict[str, tuple[str, ...]], steps: int, forward_calls: dict[str, int],
-    distributed: bool = False, warm_ops: tuple[LoggedOp, ...] | None = None,
+    distributed: bool = False, warm_ops: tuple[LoggedOp, ...] | None = None, notes: list[str] | None = None,
 ) -> tuple[UnitTimes, tuple[LoggedOp, ...]]:
     """Real forward + backward with ``checkpointed`` units checkpointed (mutates ``model``'s forwards: run
     it under ``remat.runtime.state.preserved``); per-unit times from hooks on ``units`` (a unit's forward time is
@@ -82,7 +86,8 @@ def time_units(
     with their sizes and the least of two timings of each (selective checkpointing's recompute cost).
     ``distributed``: the model is wrapped by FSDP2 or DDP, whose hooks expect a backward after every
     forward: no forward-only pass. ``warm_ops``: the operators of a plain forward already logged, whose times
-    are each operator's second timing when the step is long (Note [Long steps are timed twice])."""
+    are each operator's second timing when the step is long (Note [Long steps are timed twice]). ``notes``: a
+    long step's count of hooked steps is said there."""
     clock = Clock(device)
     targets = grad_targets(trainable_parameters(model), (args, kwargs))
     checkpoint_modules(model, checkpointed, mutated_buffers=mutated)
@@ -93,7 +98,7 @@ def time_units(
     pre = [*model.parameters(), *model.buffers(), *input_tensors(args, kwargs)]
     timer = _Timer(model, args, kwargs, loss_fn, device, clock, targets, mods, units, checkpointed, forward_calls,
                    recompute, pre)
-    best, forward_ops, long = _hooked_steps(timer, steps)
+    best, forward_ops, long = _hooked_steps(timer, steps, notes)
     if best is None:
         raise InternalError(f"none of the {steps} hooked steps was timed", stage="profile")
     # the step's own forward and backward, timed without hooks (their cost is not the model's): once, the
@@ -121,9 +126,11 @@ def _recompute_timer(clock: Clock, recompute: dict[str, float], name: str):
     return timer
 
 
-def _hooked_steps(timer: _Timer, steps: int) -> tuple[dict[str, Any] | None, tuple[LoggedOp, ...], bool]:
+def _hooked_steps(timer: _Timer, steps: int, said: list[str] | None = None) -> \
+        tuple[dict[str, Any] | None, tuple[LoggedOp, ...], bool]:
     """The hooked steps: the least of each time over them, the operators step 0 logged, and whether the step
-    was long (Note [Long steps are timed twice])."""
+    was long (Note [Long steps are timed twice]). ``said``: a long step's count of hooked steps, and why, is
+    appended to it (the profile's notes: a third step costs a training step of the user's time)."""
     best: dict[str, Any] | None = None
     first: dict[str, Any] | None = None
     forward_ops: tuple[LoggedOp, ...] = ()
@@ -137,6 +144,8 @@ def _hooked_steps(timer: _Timer, steps: int) -> tuple[dict[str, Any] | None, tup
             long = timing["step_forward"] + timing["step_backward"] >= LONG_STEP_S
         elif step == 1:
             best = timing
+            if long and said is not None:
+                said.append(_long_note(first, timing, third=max(2, steps) > 2))
             if long and settled(first, timing):
                 return _lesser(best, first), forward_ops, long
         elif step > 1:
@@ -144,6 +153,22 @@ def _hooked_steps(timer: _Timer, steps: int) -> tuple[dict[str, Any] | None, tup
             if long:
                 break
     return best, forward_ops, long
+
+
+def _long_note(first: dict[str, Any], second: dict[str, Any], third: bool) -> str:
+    """The profile's note on a long step's hooked steps (Note [Long steps are timed twice]); ``third``: whether a
+    third is timed where the logging step had not settled."""
+    step_s = second["step_forward"] + second["step_backward"]
+    ratio = first["step_backward"] / second["step_backward"] - 1 if second["step_backward"] > 0 else 0.0
+    if settled(first, second):
+        return (f"timed on 2 hooked steps of {step_s:.2f} s, each time the lesser of the two: the logging step's "
+                f"backward read {first['step_backward']:.2f} s, within {SETTLED:.0%} of the next one's "
+                f"{second['step_backward']:.2f} s (Note [Long steps are timed twice] in remat.profile.timing)")
+    return (f"timed on {3 if third else 2} hooked steps of {step_s:.2f} s, each time the lesser of the last two: "
+            f"the logging step's "
+            f"backward read {first['step_backward']:.2f} s, {ratio:.1%} above the next one's "
+            f"{second['step_backward']:.2f} s (more than {SETTLED:.0%}: perhaps not yet settled, or one step's noise; "
+            "Note [Long steps are timed twice] in remat.profile.timing)")
 
 
 def _lesser(best: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
