@@ -137,7 +137,9 @@ def main() -> None:
         returned.append((label, budget, plan))
         took = next((n for n in plan.notes if n.startswith("planning took")), "")
         own = re.search(r"one plain step measured ([\d.]+) s", took)
-        stages.append(f"- {label}: {took}")
+        hooked = next((n for n in plan.notes if "hooked steps of" in n),
+                      "no note on its hooked steps (a step under a second, or its times read from the timing cache)")
+        stages.append(f"- {label}: {took}; the profile: {hooked}")
         lines.append(f"| {label} | {budget / GiB:.3f} | {plan.strategy}, {len(plan.checkpointed)} units | {wall:.1f} | "
                      f"{wall / plain_s:.1f} | {wall / float(own.group(1)) if own else float('nan'):.1f} | "
                      f"{plan.rules_timing_passes}, {plan.rules_timing_s:.1f} | "
