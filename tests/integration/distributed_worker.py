@@ -19,10 +19,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from remat.api import peak_with_plan, plan_checked
-from remat.runtime.distributed import ranks_for, settled_collective, wrapping_of
+from remat.api import plan_checked
+from remat.api.checking import _checker
+from remat.runtime.distributed import ranks_for, settled_collective
 from remat.examples import make_gpt
-from remat.runtime.measure import found_storages_are_fresh, split_inputs
+from remat.runtime.measure import split_inputs
 from zoo import ResNet
 
 WRAPPINGS = ("fsdp2", "fsdp2-keep", "ddp")  # fsdp2-keep: reshard_after_forward=False
@@ -180,9 +181,9 @@ ROW_READINGS = 3
 
 
 def checked_again(model, plan, args, kwargs, loss_fn, planner, ranks) -> int:
-    """The plan's peak read again as ``plan_checked`` reads it: one real step, the largest over ranks."""
-    with found_storages_are_fresh(wrapping_of(model).kind == "fsdp2"):
-        return ranks.max(peak_with_plan(model, plan, args, kwargs, loss_fn, torch.device("cpu"), planner.profile))
+    """The plan's peak read again by ``plan_checked``'s own checker (one real step, the largest over ranks), with
+    nothing read before."""
+    return _checker(model, args, kwargs, loss_fn, torch.device("cpu"), planner, ranks, {})(plan)
 
 
 def case(kind: str, how: str, rank: int, out: Path) -> dict:

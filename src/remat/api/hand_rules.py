@@ -30,9 +30,10 @@ predicted says the pair is off, or the model, and the rounds go on. The pair:
   the metered pair favoured the ILP's plan at 85% of the plain peak over every 2nd block in every round, by 71-496 ms
   a step beyond the unmetered pair of the same round (medians 371 and 346 ms), where the unmetered pairs measured
   every 2nd block faster in the median (-21 and -215 ms); against every block at its peak x 1.01, by +102 and +2 ms
-  in the median: the checked steps would have confirmed a plan the unmetered pairs did not show faster. A rule's peak is checked only once it is measured faster than the plan (it
-  would be returned) or where it was checked already (every block's often is, Note [Least peak is a promise]): a
-  rule measured slower needs no peak.
+  in the median: the checked steps would have confirmed a plan the unmetered pairs did not show faster. A rule's
+  peak is checked only once it is measured faster than the plan (it would be returned) or where it was checked
+  already (every block's, where the least peak was checked before the ILP's plan: Note [Least peak is a promise]):
+  a rule measured slower needs no peak.
 issue #60: at a budget 1-5% above every block's peak the GPT-2-small plan was predicted 474-621 ms a step faster
 than every block and measured 650 ms faster, yet 11 more plain steps' time went into timing it (a warm-up round and 3
 rounds of three passes); benchmarks/scale/planning_cost.py measures the cost now.

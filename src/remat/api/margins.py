@@ -5,8 +5,8 @@ in remat.api.hand_rules). No torch: predictions and measured seconds in, decisio
 Note [The model's measured error]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Which rules are timed at all rests on how far the time model can be off on this model and device, and the call has
-measured that already: every plan checked on a real step (the ILP's, and a hand rule where its peak was checked, as
-every block's is near its peak) has its forward and backward timed there beside its prediction (Note [Checked plans] in
+measured that already: every plan checked on a real step (the ILP's, and a hand rule where its peak was checked: every
+block's where a refusal or a fallback checked the least, Note [Least peak is a promise] in remat.api.checking) has its forward and backward timed there beside its prediction (Note [Checked plans] in
 remat.api.checking). The margin is the largest relative error among them, at least FLOOR_MARGIN (one step's noise);
 a rule predicted slower than the plan by more than it is ranked by the model and not timed, and the plan's note says
 so with the figures. Where no checked step was timed (distributed plans: each rank's own; a compiled loop) the margin

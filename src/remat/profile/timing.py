@@ -144,9 +144,10 @@ def _hooked_steps(timer: _Timer, steps: int, said: list[str] | None = None) -> \
             long = timing["step_forward"] + timing["step_backward"] >= LONG_STEP_S
         elif step == 1:
             best = timing
+            calm = long and settled(first, timing)
             if long and said is not None:
-                said.append(_long_note(first, timing, third=max(2, steps) > 2))
-            if long and settled(first, timing):
+                said.append(_long_note(first, timing, calm, third=max(2, steps) > 2))
+            if calm:
                 return _lesser(best, first), forward_ops, long
         elif step > 1:
             best = _lesser(best, timing)
@@ -155,18 +156,18 @@ def _hooked_steps(timer: _Timer, steps: int, said: list[str] | None = None) -> \
     return best, forward_ops, long
 
 
-def _long_note(first: dict[str, Any], second: dict[str, Any], third: bool) -> str:
-    """The profile's note on a long step's hooked steps (Note [Long steps are timed twice]); ``third``: whether a
-    third is timed where the logging step had not settled."""
+def _long_note(first: dict[str, Any], second: dict[str, Any], calm: bool, third: bool) -> str:
+    """The profile's note on a long step's hooked steps (Note [Long steps are timed twice]); ``calm``: the logging
+    step had settled (:func:`settled`); ``third``: whether a third is timed where it had not."""
     step_s = second["step_forward"] + second["step_backward"]
-    ratio = first["step_backward"] / second["step_backward"] - 1 if second["step_backward"] > 0 else 0.0
-    if settled(first, second):
+    if calm:
         return (f"timed on 2 hooked steps of {step_s:.2f} s, each time the lesser of the two: the logging step's "
                 f"backward read {first['step_backward']:.2f} s, within {SETTLED:.0%} of the next one's "
                 f"{second['step_backward']:.2f} s (Note [Long steps are timed twice] in remat.profile.timing)")
-    return (f"timed on {3 if third else 2} hooked steps of {step_s:.2f} s, each time the lesser of the last two: "
-            f"the logging step's "
-            f"backward read {first['step_backward']:.2f} s, {ratio:.1%} above the next one's "
+    ratio = first["step_backward"] / second["step_backward"] - 1 if second["step_backward"] > 0 else 0.0
+    which = "the lesser of the last two" if third else "the second step's"
+    return (f"timed on {3 if third else 2} hooked steps of {step_s:.2f} s, each time {which}: "
+            f"the logging step's backward read {first['step_backward']:.2f} s, {ratio:.1%} above the next one's "
             f"{second['step_backward']:.2f} s (more than {SETTLED:.0%}: perhaps not yet settled, or one step's noise; "
             "Note [Long steps are timed twice] in remat.profile.timing)")
 
