@@ -211,10 +211,10 @@ def test_tradeoff_measures_every_plan_on_at_most_one_copy_of_the_model():
 
 def test_a_long_step_is_timed_twice(monkeypatch):
     """Note [Long steps are timed twice] (issue #23: profiling a GPT-2 small took 8.9 training steps' time). A
-    step of LONG_STEP_S or more (forced here: every step counts as long) is timed by two hooked steps after the
-    one that logs the operators: the profile runs the model 6 times (the capture, the fake recording, the plain
-    forward that checks it, three hooked steps) where a short step runs it 8 times (three hooked steps, one
-    unhooked, one forward-only operator log), and still has every time it needs."""
+    step of LONG_STEP_S or more (forced here: every step counts as long) is timed by the hooked step that logs the
+    operators and one more: the profile runs the model 5 times (the capture, the fake recording, the plain forward
+    that checks it, two hooked steps) where a short step runs it 8 times (three hooked steps, one unhooked, one
+    forward-only operator log), and still has every time it needs."""
     import remat.profile.timing as timing
 
     monkeypatch.setenv("REMAT_CACHE", "0")  # the same step twice: both timed
@@ -222,7 +222,6 @@ def test_a_long_step_is_timed_twice(monkeypatch):
     for long in (False, True):
         if long:
             monkeypatch.setattr(timing, "LONG_STEP_S", 0.0)
-            monkeypatch.setattr(timing, "SETTLED", -1.0)  # never settled: the third step runs (the next test)
         model, inputs, _ = make_gpt(layers=2, batch_size=2, seq_len=16, d_model=32, vocab=64)
         calls = []
         model.register_forward_pre_hook(lambda m, a: calls.append(1))
@@ -233,16 +232,16 @@ def test_a_long_step_is_timed_twice(monkeypatch):
         assert any(u.saved_ops for u in profile.units)  # selective options, ranked by FLOPs, not times
         # the profile's notes (and so the plan's) say a long step's count of hooked steps; a short step's, none
         hooked = [n for n in profile.notes if "hooked steps of" in n]
-        assert (len(hooked) == 1 and hooked[0].startswith("timed on 3 hooked steps")) if long else hooked == []
-    assert counts == {False: 8, True: 6}, counts
+        assert (len(hooked) == 1 and hooked[0].startswith("timed on 2 hooked steps")) if long else hooked == []
+    assert counts == {False: 8, True: 5}, counts
 
 
 def test_a_long_step_is_not_timed_by_its_logging_step(monkeypatch):
     """Note [Long steps are timed twice]: the first hooked step logs every operator and, on a CPU, faults in the
     heap as the step first reaches its peak; on an 8-block ViT-style model (1.45 s a step) it read each block's
     recomputation 2.1-2.8 times what later steps read, and every block's step was predicted 59% slow. A long
-    step's times are the lesser of the two hooked steps after it, whatever the first read (fails where they were
-    the first's, or one step's)."""
+    step's times are each the lesser of the logging step's and the next one's: a cold logging step's are not
+    kept (fails where they were the first's alone)."""
     import remat.profile.timing as timing
 
     def reading(scale, recompute):
@@ -259,16 +258,18 @@ def test_a_long_step_is_not_timed_by_its_logging_step(monkeypatch):
 
     monkeypatch.setattr(timing, "LONG_STEP_S", 1.0)
     best, ops, long = timing._hooked_steps(Timer(), steps=5)
-    assert long and logged == [True, False, False] and ops == ("op",)  # three hooked steps, the first logged
-    assert best["recompute"] == {"u": 0.6} and best["forward"] == {"u": 0.5}
-    assert best["step_forward"] == 1.0 and best["step_backward"] == 2.0
+    assert long and logged == [True, False] and ops == ("op",)  # two hooked steps, the first logged
+    assert best["recompute"] == {"u": 0.6} and best["forward"] == {"u": 0.6}
+    assert best["step_forward"] == 1.2 and best["step_backward"] == 2.4
 
 
-def test_a_long_step_whose_logging_step_had_settled_is_timed_by_two_steps(monkeypatch):
-    """Note [Long steps are timed twice], issue #60: where the logging step's backward read within SETTLED of the
-    next step's, no third hooked step runs, and each time is the lesser of the two (the logging step's forward,
-    slowed by its log, is not); a logging step whose backward read above that takes the third (fails where either
-    case runs the other count of steps, or where the settled case keeps one step's times)."""
+def test_a_long_step_is_timed_by_two_steps_whatever_its_logging_step_read(monkeypatch):
+    """Note [Long steps are timed twice], issue #60: a long step runs two hooked steps, each time the lesser of the
+    two (the logging step's forward, slowed by its log, is not), whether the logging step's backward read as the
+    next one's or well above it: a third step (which ran until issue #60 where it read over 5% above) moved the
+    units' recomputation times by less than one more step's noise (benchmarks/accuracy/hooked_steps.py) and cost
+    the user a training step. The profile's notes give both backward times (fails where a third step runs, or where
+    one step's times are kept)."""
     import remat.profile.timing as timing
 
     def reading(forward, backward, recompute):
@@ -295,15 +296,13 @@ def test_a_long_step_whose_logging_step_had_settled_is_timed_by_two_steps(monkey
     assert steps == 2
     assert best["step_forward"] == 1.0 and best["step_backward"] == 2.0 and best["recompute"] == {"u": 0.50}
     assert best["forward"] == {"u": 0.5}
-    # the profile's notes say how many steps ran, and why (a third costs the user a training step)
-    assert hooked.said == ["timed on 2 hooked steps of 3.00 s, each time the lesser of the two: the logging step's "
-                           "backward read 2.08 s, within 5% of the next one's 2.00 s (Note [Long steps are timed "
-                           "twice] in remat.profile.timing)"]
-    # 6% above: not settled, the third step
-    best, steps = hooked([reading(2.0, 2.12, 0.50), reading(1.0, 2.0, 0.55), reading(0.9, 1.9, 0.4)])
-    assert steps == 3 and best["step_backward"] == 1.9 and best["recompute"] == {"u": 0.4}
-    assert len(hooked.said) == 1 and hooked.said[0].startswith("timed on 3 hooked steps of 3.00 s") and \
-        "backward read 2.12 s, 6.0% above the next one's 2.00 s (more than 5%" in hooked.said[0]
+    assert hooked.said == ["timed on 2 hooked steps of 3.00 s, each time the lesser of the two (the logging step's "
+                           "backward read 2.08 s, the next one's 2.00 s: Note [Long steps are timed twice] in "
+                           "remat.profile.timing)"]
+    # 60% above (a cold heap): still two steps, each time the second's where it is the lesser
+    best, steps = hooked([reading(2.0, 3.2, 0.90), reading(1.0, 2.0, 0.55), reading(0.9, 1.9, 0.4)])
+    assert steps == 2 and best["step_backward"] == 2.0 and best["recompute"] == {"u": 0.55}
+    assert len(hooked.said) == 1 and "backward read 3.20 s, the next one's 2.00 s" in hooked.said[0]
 
 
 def test_the_plan_says_how_often_planning_ran_the_model(monkeypatch):

@@ -36,39 +36,31 @@ from remat.runtime.state import fresh_grads
 # the first steps of a process run slow (allocator, thread pools). For a step of a second or more each repeat
 # costs a whole training step of the user's time (issue #23: 12-22 steps' time to plan a GPT-2 small, 8.9 of
 # them profiling). So when the first hooked step (forward and backward, hooked, with the top-level units
-# checkpointed) takes at least LONG_STEP_S, two more hooked steps are timed and each time is the lesser of
-# their two: no further hooked steps, no unhooked step (hooks cost microseconds per unit call), and each
-# operator's second timing is that of the plain forward profiling runs anyway to check the fake recording's
-# sizes (Note [Fake sizes] in remat.profile.calibrate).
+# checkpointed) takes at least LONG_STEP_S, one more hooked step is timed and each time is the lesser of the
+# two: no further hooked steps, no unhooked step (hooks cost microseconds per unit call), and each operator's
+# second timing is that of the plain forward profiling runs anyway to check the fake recording's sizes (Note
+# [Fake sizes] in remat.profile.calibrate).
 #
-# The first hooked step is not timed alone, however long: it logs every operator (a dispatch mode around each),
-# and on a CPU it may be the first to reach the step's peak, every new page of the heap faulted in as it grows;
-# the recomputations in its backward grow it most. Nor is one more step enough then. On an 8-block
-# ViT-style model (benchmarks/plans/ranking.py's "vit": width 256, 16 x 256 tokens; 2-core CPU; a plain step measured
-# 1.45 s, every block 1.76 s, the median of 10 interleaved steps each), a block's recomputation read 149 ms in
-# the first step (at 4206b42), 54-72 ms in the second (three runs) and 56-58 ms as the lesser of
-# the second and third (two runs); every block's step was predicted 2.81 s from the first, 2.06-2.28 s from the
-# second, 1.87-1.93 s from the lesser of two.
-#
-# Unless the logging step had settled already: where its backward (not logged; where the heap's faults and the cold
-# recomputations land) took at most SETTLED more than the next step's, the heap had grown before it (the plain
-# forward that profiling runs first, Note [Fake sizes], and the recording) and the second step is no first one in
-# disguise. Then each time is the lesser of those two steps' (the logging step's forward, slowed by its log, is not
-# the lesser) and no third step runs (issue #60: a GPT-2 small's three hooked steps were 6.7-7.6 s each, a third of
-# the 10-11 plain steps' time planning took). Where the logging step's backward read well above the next one's (the
-# ViT above: its recomputations 2-3x), the third step is timed as before. The profile's notes, and so the plan's, say
-# which ran, with the two backward times. On a 2-core CPU today the ratio does not tell a cold heap from one step's
-# noise: GPT-2 small's logging steps read 1.010, 1.105 and 1.006 of the next backward in three calls (8e28426), the
-# ViT's 1.026 and 1.040, where at 4206b42 its recomputations read 2-3x; each third step is one more training step of
-# the user's time, so the notes say when it ran.
+# The first hooked step logs every operator (a dispatch mode around each), so its forward is not the lesser; and on
+# a CPU it may be the first to reach the step's peak, every new page of the heap faulted in as it grows (the
+# recomputations in its backward grow it most). A cold step only reads slower, so where the first one was cold the
+# lesser of the two is the second's. Is the second step then settled? At 4206b42 it was not always: on an 8-block
+# ViT-style model (benchmarks/plans/ranking.py's "vit": width 256, 16 x 256 tokens; 2-core CPU) a block's
+# recomputation read 149 ms in the first step, 54-72 ms in the second (three runs) and 56-58 ms as the lesser of the
+# second and third. So, until issue #60, a third hooked step ran where the logging step's backward read over 5%
+# above the next one's, and the times were the lesser of the last two. Measured since, with a third step recorded
+# beside every long profile and not used (benchmarks/accuracy/hooked_steps.py at 5daf1a8: the ViT, the 16 MLP
+# blocks and GPT-2 small, 8 calls each, 12 of them a process's first): the logging step's backward read
+# 0.916-1.107 of the next one's, above 1.05 in the ViT's four first calls and one GPT-2 call, where the third step
+# ran; there it moved the sums of the units' lesser recomputation times by -5.8 to -0.2%, and in the 19 calls where
+# it did not run it would have moved them by -9.9 to +6.2%: one more step's noise, not a cold second step. Each
+# third step cost one more training step of the user's time (on GPT-2 small 1.2 plain steps, a quarter of what
+# planning at 85% of the plain peak takes, benchmarks/scale/planning_cost.py), and a ViT user's first call paid it
+# every time. Now two hooked steps are timed, whatever the first read; where a second step does read cold, the
+# plan's checked step shows it beside its prediction and the hand rules within that error are timed (Note [The
+# model's measured error] in remat.api.margins). The profile's notes, and so the plan's, give both steps' backward
+# times.
 LONG_STEP_S = 1.0
-#: a long step's logging step counts as settled where its backward took at most this fraction more than the next's
-SETTLED = 0.05
-
-
-def settled(first: dict[str, Any], second: dict[str, Any]) -> bool:
-    """Note [Long steps are timed twice]: whether the logging step's backward read as the next step's."""
-    return first["step_backward"] <= (1 + SETTLED) * second["step_backward"]
 
 
 def _least(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -129,8 +121,8 @@ def _recompute_timer(clock: Clock, recompute: dict[str, float], name: str):
 def _hooked_steps(timer: _Timer, steps: int, said: list[str] | None = None) -> \
         tuple[dict[str, Any] | None, tuple[LoggedOp, ...], bool]:
     """The hooked steps: the least of each time over them, the operators step 0 logged, and whether the step
-    was long (Note [Long steps are timed twice]). ``said``: a long step's count of hooked steps, and why, is
-    appended to it (the profile's notes: a third step costs a training step of the user's time)."""
+    was long (Note [Long steps are timed twice]: then two steps, each time the lesser of the two). ``said``: a long
+    step's two backward times are appended to it (the profile's notes)."""
     best: dict[str, Any] | None = None
     first: dict[str, Any] | None = None
     forward_ops: tuple[LoggedOp, ...] = ()
@@ -142,34 +134,21 @@ def _hooked_steps(timer: _Timer, steps: int, said: list[str] | None = None) -> \
         if step == 0:
             first = timing
             long = timing["step_forward"] + timing["step_backward"] >= LONG_STEP_S
-        elif step == 1:
-            best = timing
-            calm = long and settled(first, timing)
-            if long and said is not None:
-                said.append(_long_note(first, timing, calm, third=max(2, steps) > 2))
-            if calm:
-                return _lesser(best, first), forward_ops, long
-        elif step > 1:
-            best = _lesser(best, timing)
-            if long:
-                break
+        elif step == 1 and long:
+            if said is not None:
+                said.append(_long_note(first, timing))
+            return _lesser(timing, first), forward_ops, long
+        else:
+            best = timing if best is None else _lesser(best, timing)
     return best, forward_ops, long
 
 
-def _long_note(first: dict[str, Any], second: dict[str, Any], calm: bool, third: bool) -> str:
-    """The profile's note on a long step's hooked steps (Note [Long steps are timed twice]); ``calm``: the logging
-    step had settled (:func:`settled`); ``third``: whether a third is timed where it had not."""
+def _long_note(first: dict[str, Any], second: dict[str, Any]) -> str:
+    """The profile's note on a long step's hooked steps (Note [Long steps are timed twice])."""
     step_s = second["step_forward"] + second["step_backward"]
-    if calm:
-        return (f"timed on 2 hooked steps of {step_s:.2f} s, each time the lesser of the two: the logging step's "
-                f"backward read {first['step_backward']:.2f} s, within {SETTLED:.0%} of the next one's "
-                f"{second['step_backward']:.2f} s (Note [Long steps are timed twice] in remat.profile.timing)")
-    ratio = first["step_backward"] / second["step_backward"] - 1 if second["step_backward"] > 0 else 0.0
-    which = "the lesser of the last two" if third else "the second step's"
-    return (f"timed on {3 if third else 2} hooked steps of {step_s:.2f} s, each time {which}: "
-            f"the logging step's backward read {first['step_backward']:.2f} s, {ratio:.1%} above the next one's "
-            f"{second['step_backward']:.2f} s (more than {SETTLED:.0%}: perhaps not yet settled, or one step's noise; "
-            "Note [Long steps are timed twice] in remat.profile.timing)")
+    return (f"timed on 2 hooked steps of {step_s:.2f} s, each time the lesser of the two (the logging step's "
+            f"backward read {first['step_backward']:.2f} s, the next one's {second['step_backward']:.2f} s: Note "
+            "[Long steps are timed twice] in remat.profile.timing)")
 
 
 def _lesser(best: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
