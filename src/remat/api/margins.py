@@ -30,8 +30,9 @@ is TIMED_MARGIN, the model's accuracy where it was held to measured steps.
   ms (6.6%) a step slower than the plan and a pair measured 203 ms; at every block x 1.01, every block 399 ms (6.2%)
   slower and measured 408: the pair cost 11.5-12.6 s, two plain steps, of calls of 35-52 s. Neither is timed where the
   plan's checked step reads within those 6% of its prediction: one run of two at 385103f, none of the third at
-  9a9f1bc, and seven calls of nine at dc67aa9-1eda969, whose checked steps read 0.2-10.0% from their predictions
-  (benchmarks/scale/planning_cost.py).
+  9a9f1bc, seven calls of nine at dc67aa9-1eda969, whose checked steps read 0.2-10.0% from their predictions, and
+  eleven of twelve at 75aee80 (2.4-5.9%; the twelfth read 30.5% on a machine that slowed: benchmarks/scale/
+  planning_cost.py).
 - A later call whose profile read its times from the timing cache reads the same error (kept with the step's times:
   remat.profile.cache.model_error), so it times the same rules and returns the same plan.
 """
