@@ -79,7 +79,7 @@ def time_units(
     ``distributed``: the model is wrapped by FSDP2 or DDP, whose hooks expect a backward after every
     forward: no forward-only pass. ``warm_ops``: the operators of a plain forward already logged, whose times
     are each operator's second timing when the step is long (Note [Long steps are timed twice]). ``notes``: a
-    long step's count of hooked steps is said there."""
+    long step's two hooked steps, with their backward times, are said there."""
     clock = Clock(device)
     targets = grad_targets(trainable_parameters(model), (args, kwargs))
     checkpoint_modules(model, checkpointed, mutated_buffers=mutated)
