@@ -61,7 +61,10 @@ def rules_to_time(plan: Plan, budget_bytes: int, rules: list[Plan], margin: floa
 
 
 def rules_in_budget(plan: Plan, budget_bytes: int, rules: list[Plan]) -> list[Plan]:
-    """The hand rules that checkpoint, other than the plan, predicted within the budget."""
+    """The hand rules that checkpoint, other than the plan, predicted within the budget; none beside a plan that
+    neither recomputes nor offloads anything (the plain step: every rule only adds recomputation to it)."""
+    if not plan.choices:
+        return []
     return [rule for rule in rules if rule.checkpointed and rule.choices != plan.choices
             and rule.predicted_peak_bytes <= budget_bytes]
 
