@@ -22,6 +22,7 @@ from remat.costs.unit_costs import Profile
 from remat.rewrite import checkpoint_plan, remove_checkpointing
 from remat.runtime.compiled import CompiledLoop
 from remat.runtime.distributed import Ranks, steps_checked, wrapping_of
+from remat.runtime.meters import StepMeter
 from remat.runtime.measure import (
     Clock,
     LossFn,
@@ -104,11 +105,13 @@ def measure_checked_peak(
     3 for a tensor-parallel or compiled model on CPU, under gloo, Note [Steps under gloo]; else one).
 
     ``step_s``: the measured step's forward and backward seconds are appended to it, timed under the meter (one
-    process, not metered by profiler events; Note [Plans timed beside the hand rules] in remat.api.hand_rules).
+    process, not metered by profiler events; Note [Plans timed beside the hand rules] in remat.api.hand_rules), less
+    the meter's own time (Note [The meter's own time] in remat.runtime.meters).
 
     The model's gradients (``.grad`` objects and values), buffers and the RNG state are as they were."""
     inputs = input_tensors(args, kwargs)
     clock, started = Clock(device), []
+    meter = StepMeter(device, time_own=step_s is not None)
     state = [*model.parameters(), *model.buffers(), *inputs]
     trainable = trainable_parameters(model)
     leaves = trainable + [t for t in inputs if t.requires_grad and t.is_leaf]
@@ -121,14 +124,16 @@ def measure_checked_peak(
                 p.grad = None
         if event == "backward":
             if step_s is not None and started:
-                step_s.append(clock.seconds(started[-1], clock.mark()))
+                t0, own, ran = started[-1]  # less the meter's own time: Note [The meter's own time]
+                step_s.append(max(clock.seconds(t0, clock.mark()) - (meter.own_seconds() - own),
+                                  meter.ran_seconds() - ran))
             after_backward.append(live_now())
 
     def work(live_now: Callable[[], int]) -> None:
         if grads_held or grads_held_in_forward:  # allocated in the work: the meter sees them come and go
             for p in trainable:
                 p.grad = torch.zeros_like(p)
-        started.append(clock.mark())
+        started.append((clock.mark(), meter.own_seconds(), meter.ran_seconds()))
         run_step(call, args, kwargs, loss_fn, output_alive=output_alive, on=lambda event: on(event, live_now))
 
     steps = steps_checked(model, device, compiled=allocator_level) if steps is None else steps
@@ -141,7 +146,7 @@ def measure_checked_peak(
                 peak, at = profiler_memory_trace(lambda mark: work(lambda: mark("backward")), device, marks=True)
                 peaks.append(max(base + peak, base + at["backward"] + optimizer_step_bytes))
             return max(peaks) + optimizer_state_bytes
-        peak = measure_peak(work, device, state)  # the allocator on CUDA sees compiled code too
+        peak = measure_peak(work, device, state, meter=meter)  # the allocator on CUDA sees compiled code too
     return max(peak, after_backward[0] + optimizer_step_bytes) + optimizer_state_bytes
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
@@ -307,6 +308,10 @@ class StorageTracker(StorageBook, TorchDispatchMode):
         self.probe: OperatorProbe | None = None
         #: per operator index, what ``probe`` read where it was above 0 (bytes)
         self.transients: dict[int, int] = {}
+        #: seconds of this mode's own bookkeeping (its handler less the operators it ran), the calls it handled and the
+        #: operators' seconds, when counted (Note [The meter's own time] in remat.runtime.meters); None: not counted
+        self.own_s: float | None = None
+        self.own_calls, self.ran_s = 0, 0.0
 
     def __enter__(self):
         self._fake_on_entry = active_fake_mode()
@@ -329,6 +334,25 @@ class StorageTracker(StorageBook, TorchDispatchMode):
         pass
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.own_s is None:
+            return self._handle(func, types, args, kwargs)
+        entered, ran = time.perf_counter(), self.ran_s
+        try:
+            return self._handle(func, types, args, kwargs)
+        finally:
+            self.own_s += time.perf_counter() - entered - (self.ran_s - ran)
+            self.own_calls += 1
+
+    def _run(self, func, args, kwargs):
+        """The operator itself (its time kept apart from the bookkeeping's where that is counted)."""
+        if self.own_s is None:
+            return settled_collective(func, args, kwargs)
+        started = time.perf_counter()
+        out = settled_collective(func, args, kwargs)  # (an operator that raises ends the step)
+        self.ran_s += time.perf_counter() - started
+        return out
+
+    def _handle(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(is_dtensor_class(t) for t in types):
             return NotImplemented  # Note [Sharded tensors]: DTensor runs it on its local shards
@@ -344,7 +368,7 @@ class StorageTracker(StorageBook, TorchDispatchMode):
             out = func(*args, **kwargs)
             self.op_marks.append((t0, self.clock.mark()))  # the operator itself, not the bookkeeping
         else:  # memory, not time: Note [Collectives settled] in remat.runtime.distributed
-            out = settled_collective(func, args, kwargs)
+            out = self._run(func, args, kwargs)
         if probe is not None and (held := probe.after()) > 0:
             self.transients[self.index] = held
         if func.namespace == "prim":  # metadata queries (prim.device) under FakeTensorMode
