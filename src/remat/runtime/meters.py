@@ -247,36 +247,46 @@ def measure_peak(work: Callable[[Callable[[], int]], Any], device: torch.device,
     return peak
 
 
-@functools.cache
-def dispatch_mode_entry_s(reps: int = 10) -> float:
-    """Seconds an empty dispatch mode adds to one operator of a training step on this machine (Note [The meter's own
-    time]): forward and backward of 16 x (Linear, LayerNorm, GELU) on 4 x 8 tensors with and without it, interleaved
-    ``reps`` times, the least of each, over the operators the mode saw."""
-    class Empty(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = 0
+class CountingMode(TorchDispatchMode):
+    """A dispatch mode that only counts the operators it sees (``calls``)."""
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls += 1
-            return func(*args, **(kwargs or {}))
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
 
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def small_training_step() -> Callable[[], None]:
+    """Forward and backward of 16 x (Linear, LayerNorm, GELU) on 4 x 8 tensors: a training step with nothing to
+    compute, whose time is the host's per operator (modules, autograd's records and its engine included)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         layers = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8),
                                                            torch.nn.GELU()) for _ in range(16)))
         x = torch.randn(4, 8)
+    return lambda: layers(x).sum().backward()
 
-    def run(mode: Empty | None) -> float:
+
+@functools.cache
+def dispatch_mode_entry_s(reps: int = 10) -> float:
+    """Seconds an empty dispatch mode adds to one operator of a training step on this machine (Note [The meter's own
+    time]): :func:`small_training_step` with and without one, interleaved ``reps`` times, the least of each, over the
+    operators the mode saw."""
+    step = small_training_step()
+
+    def run(mode: CountingMode | None) -> float:
         started = time.perf_counter()
         with mode if mode is not None else contextlib.nullcontext():
-            layers(x).sum().backward()
+            step()
         return time.perf_counter() - started
 
-    plain, moded, counted = [], [], Empty()
+    plain, moded, counted = [], [], CountingMode()
     with outside_dispatch_modes(), torch.enable_grad():
         run(counted)
         for _ in range(reps):
             plain.append(run(None))
-            moded.append(run(Empty()))
+            moded.append(run(CountingMode()))
     return max(0.0, (min(moded) - min(plain)) / counted.calls) if counted.calls else 0.0

@@ -35,6 +35,7 @@ import torch
 from remat.costs.device_time import GPU_HOST, GPU_LAUNCH_S, DeviceRates, Efficiency, collective_seconds, op_class, \
     op_seconds
 from remat.costs.recording import ForwardOp, Recording
+from remat.runtime.meters import CountingMode, small_training_step
 from remat.target.spec_file import efficiency_table, host_costs_of
 from remat.target.devices import DeviceSpec, generation_of
 
@@ -150,33 +151,14 @@ def _class_efficiency(samples: tuple[tuple[str, Any], ...], peak: DeviceRates) -
 
 def _per_operator_s() -> float:
     """Seconds an eager training step spends per operator beyond the operator's arithmetic and memory traffic:
-    forward and backward of 16 x (Linear, LayerNorm, GELU) on 4 x 8 tensors (nothing to compute), the median of
-    10 steps over the operators one of them dispatches (modules, autograd's records and its engine included)."""
-    from torch import nn
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        layers = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU()) for _ in range(16)))
-        x = torch.randn(4, 8)
-
-    def step() -> None:
-        layers(x).sum().backward()
-
-    with Count() as counted:
+    :func:`~remat.runtime.meters.small_training_step` (nothing to compute), the median of 10 steps over the operators
+    one of them dispatches (modules, autograd's records and its engine included)."""
+    step = small_training_step()
+    with CountingMode() as counted:
         step()
     for _ in range(3):
         step()
-    return statistics.median(_timed(step) for _ in range(10)) / counted.n
+    return statistics.median(_timed(step) for _ in range(10)) / counted.calls
 
 
 def _timed(fn) -> float:
