@@ -71,7 +71,8 @@ where the checked steps confirm the model; on a CPU 1 + rules forward and backwa
 confirms it, and one real step for a rule measured faster whose peak was not checked; 3 x (1 + rules) where the median
 of three pairs does; else at least ROUNDS_MIN x (1 + rules), at most ROUNDS_MAX x (1 + rules) (LONG_ROUNDS_MAX for a long step); nothing where the model's margin is
 wide, no rule meets the budget, or the plan checkpoints and offloads nothing (the plain step fits the budget: a rule
-only adds recomputation to it; a 6-layer Llama at 0.3 GB was timed 3 passes beside the rules before). ``tradeoff`` and ``max_batch`` do not race here: they time their plans anyway, and
+only adds recomputation to it; a 6-layer Llama at 0.3 GB was timed 3 passes beside the rules before).
+``tradeoff`` and ``max_batch`` do not race here: they time their plans anyway, and
 decide their rows from those same rounds (:func:`faster_of`; remat.sweeps). Not done for distributed plans (each rank would time its
 own steps and all must agree on one plan: the ranks' steps are timed by the model alone, said in the plan's notes)
 nor compiled loops (each plan a compile of its own: Note [Compiled steps] in remat.solve.calibrated), nor with

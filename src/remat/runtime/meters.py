@@ -11,15 +11,16 @@ Note [The meter's own time]
 A checked step on a CPU runs under the StorageTracker, a dispatch mode: every operator leaves C++ for a Python
 handler that follows its storages. Its time is the meter's, not the model's, yet the checked step's forward and
 backward are what the model's error is read from (Note [The model's measured error] in remat.api.margins), and a
-wider error times more hand rules beside the plan. Measured on a 6-layer Hugging Face Llama (width 256, 4 x 256
-tokens; 2-core CPU, six rounds): the metered step read 1.10-1.33x the unmetered one; the handler's own bookkeeping
-(its time less the operators it ran) was 37-58 ms of it, and an empty dispatch mode costs 5.8 us an operator here.
-So with ``time_own`` the meter counts both: the handler's bookkeeping, timed around each operator, and each call's
+wider error times more hand rules beside the plan. Measured with the meter's own time kept in (2-core CPU,
+benchmarks/accuracy/meter_own_time.py, two runs), a 6-layer Hugging Face Llama's checked step (width 256, 4 x 256
+tokens) read 1.19x and 1.21x the unmetered one in the median of the rounds, the built-in GPT's 1.53x and 1.89x; an
+empty dispatch mode cost 8.1 us an operator of a small training step there. So with ``time_own`` the meter counts both: the handler's bookkeeping, timed around each operator, and each call's
 entry into a dispatch mode, measured once per process (:func:`dispatch_mode_entry_s`: an empty mode's cost per
 operator of a small training step, the least of interleaved readings). :meth:`StepMeter.own_seconds` is their
 sum, which the checked step's time leaves out (remat.api.checking), never below the seconds its operators ran
-(:meth:`StepMeter.ran_seconds`: an entry cost read high on a busy moment takes out no more than the meter added). What remains is the meter's effect on the rest of the step
-(caches, the allocator), not counted. On CUDA the allocator meters the step and nothing is left out.
+(:meth:`StepMeter.ran_seconds`: an entry cost read high on a busy moment takes out no more than the meter
+added). Left out, the same script read 1.11x and 1.07x, 1.15x and 1.33x: what remains is the meter's effect on the
+rest of the step (caches, the allocator), not counted. On CUDA the allocator meters the step and nothing is left out.
 """
 
 from __future__ import annotations

@@ -308,8 +308,8 @@ class StorageTracker(StorageBook, TorchDispatchMode):
         self.probe: OperatorProbe | None = None
         #: per operator index, what ``probe`` read where it was above 0 (bytes)
         self.transients: dict[int, int] = {}
-        #: seconds of this mode's own bookkeeping (its handler less the operators it ran), the calls it handled and the
-        #: operators' seconds, when counted (Note [The meter's own time] in remat.runtime.meters); None: not counted
+        #: seconds of this mode's own bookkeeping (its handler less the operators it ran), its calls and the operators'
+        #: seconds, when counted (Note [The meter's own time] in remat.runtime.meters; not with ``clock``); None: not
         self.own_s: float | None = None
         self.own_calls, self.ran_s = 0, 0.0
 
